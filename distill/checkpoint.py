@@ -1,0 +1,99 @@
+"""Training checkpoints that a kill can never leave half-written.
+
+A checkpoint is written into ``checkpoints/.tmp-step-N`` and renamed to ``checkpoints/step-N``
+only once every file is on disk (and ``COMPLETE`` marks it), so ``resume=latest`` can only pick a
+whole one. Layout of ``step-N/``: the accelerate state (``model.safetensors`` with ``student.*`` and
+``projectors.*`` keys, optimizer, scheduler, RNG states), ``student/`` (the student's config,
+generation config and tokenizer: enough to rebuild it for export), ``config.yaml`` (the resolved
+recipe config) and ``trainer_state.json`` (step, loss history, initial metrics).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+COMPLETE = "COMPLETE"
+_STEP = re.compile(r"^step-(\d+)$")
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def checkpoint_root(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def complete_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Whole checkpoints, oldest first (temporary or unmarked folders are ignored)."""
+    root = checkpoint_root(output_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = _STEP.match(p.name)
+        if m and (p / COMPLETE).is_file():
+            found.append((int(m.group(1)), p))
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    ckpts = complete_checkpoints(output_dir)
+    return ckpts[-1] if ckpts else None
+
+
+def resolve_resume(resume: str, output_dir: str | Path) -> Path:
+    """``latest`` or a path → a complete checkpoint directory."""
+    if resume == "latest":
+        path = latest_checkpoint(output_dir)
+        if path is None:
+            raise CheckpointError(
+                f"resume=latest but {checkpoint_root(output_dir)} holds no complete checkpoint; "
+                "start without resume= (or with overwrite=true)"
+            )
+        return path
+    path = Path(resume)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} does not exist; pass resume=latest or an existing step-N folder")
+    if not (path / COMPLETE).is_file() or not (path / "trainer_state.json").is_file():
+        raise CheckpointError(f"checkpoint {path} is incomplete or corrupt; resume from an older step-N folder")
+    return path
+
+
+def tmp_dir(output_dir: str | Path, step: int) -> Path:
+    return checkpoint_root(output_dir) / f".tmp-step-{step}"
+
+
+def finalize(output_dir: str | Path, step: int, state: dict[str, Any], keep_last: int) -> Path:
+    """Mark the temporary folder complete, rename it to ``step-N`` and prune old ones (main process)."""
+    tmp = tmp_dir(output_dir, step)
+    (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
+    (tmp / COMPLETE).write_text("")
+    final = checkpoint_root(output_dir) / f"step-{step}"
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    ckpts = complete_checkpoints(output_dir)
+    for old in ckpts[: max(0, len(ckpts) - keep_last)]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def clean_partial(output_dir: str | Path) -> None:
+    """Remove temporary folders left by a killed run (never a complete checkpoint)."""
+    root = checkpoint_root(output_dir)
+    if root.is_dir():
+        for p in root.glob(".tmp-step-*"):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def read_state(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads((path / "trainer_state.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        raise CheckpointError(f"checkpoint {path} has an unreadable trainer_state.json; resume from another step") from None

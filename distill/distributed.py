@@ -1,0 +1,225 @@
+"""Placing the frozen teacher under each distributed backend.
+
+The student goes through ``accelerator.prepare(student, optimizer, ...)`` like any trained model. The
+teacher must not: it has no optimizer, it must not be DDP-wrapped (DDP would all-reduce gradients it
+never has and register it for ``save_state``, copying a 17B model into every checkpoint), and under
+ZeRO-3 it is the biggest thing in memory, so it has to be sharded too. :func:`prepare_teacher` picks
+the right treatment from the accelerator's state:
+
+=====================  ==========================================================================
+backend                teacher placement
+=====================  ==========================================================================
+DeepSpeed ZeRO-3       its own inference engine (``deepspeed.initialize`` without optimizer); every
+                       parameter is partitioned across ranks and gathered layer by layer in forward
+DeepSpeed ZeRO-0/1/2   moved to the device, cast to the mixed-precision dtype; ZeRO <= 2 shards only
+                       optimizer state and gradients, which a frozen teacher does not have, so an
+                       engine would add nothing but its bookkeeping
+FSDP2                  ``fully_shard`` per decoder layer + root, with the plugin's wrap policy and
+                       mixed-precision policy (accelerate's FSDP2 preparation, without registering
+                       the teacher for checkpointing)
+FSDP1                  wrapped in ``FullyShardedDataParallel`` with the plugin's settings
+DDP / single device    moved to the device, cast to the mixed-precision dtype (replicated per rank)
+=====================  ==========================================================================
+
+``accelerator.prepare_model(teacher, evaluation_mode=True)`` is deliberately not used: in accelerate it
+only moves the model and wraps ``forward`` in autocast, it never shards (under FSDP it does not even
+move the model), and it appends the teacher to ``accelerator._models`` so ``save_state`` would save it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "gather_params",
+    "is_deepspeed",
+    "is_fsdp",
+    "is_zero3",
+    "mixed_precision_dtype",
+    "prepare_teacher",
+    "teacher_deepspeed_config",
+    "unwrap_teacher",
+    "zero_stage",
+]
+
+
+def _deepspeed_plugin(accelerator: Any) -> Any | None:
+    state = getattr(accelerator, "state", None)
+    return getattr(state, "deepspeed_plugin", None)
+
+
+def is_deepspeed(accelerator: Any) -> bool:
+    """True when the accelerator runs with a DeepSpeed plugin."""
+    return _deepspeed_plugin(accelerator) is not None
+
+
+def zero_stage(accelerator: Any) -> int | None:
+    """The DeepSpeed ZeRO stage (0-3), or ``None`` without DeepSpeed."""
+    plugin = _deepspeed_plugin(accelerator)
+    if plugin is None:
+        return None
+    stage = plugin.deepspeed_config.get("zero_optimization", {}).get("stage", plugin.zero_stage)
+    return int(stage)
+
+
+def is_zero3(accelerator: Any) -> bool:
+    """True under DeepSpeed ZeRO stage 3 (parameters are partitioned across ranks)."""
+    return zero_stage(accelerator) == 3
+
+
+def is_fsdp(accelerator: Any) -> bool:
+    """True when the accelerator runs with an FSDP plugin (FSDP1 or FSDP2)."""
+    state = getattr(accelerator, "state", None)
+    return getattr(state, "fsdp_plugin", None) is not None
+
+
+def mixed_precision_dtype(accelerator: Any) -> torch.dtype | None:
+    """``torch.bfloat16`` / ``torch.float16`` for bf16 / fp16 mixed precision, else ``None``."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(getattr(accelerator, "mixed_precision", "no")))
+
+
+def teacher_deepspeed_config(accelerator: Any) -> dict[str, Any]:
+    """A DeepSpeed config for a frozen, ZeRO-3-partitioned inference copy of the teacher.
+
+    Built from scratch rather than copied from the training config so that nothing of the training
+    side leaks in: no optimizer or scheduler block, no ``"auto"`` placeholders (which only
+    ``accelerator.prepare`` resolves, and the teacher may be placed before it runs), no gradient
+    clipping. What is kept: the stage, the micro batch (DeepSpeed insists on one even without
+    training), the precision, and parameter offload, so a ``deepspeed_zero3_offload`` run also keeps
+    the teacher's weights in CPU memory.
+    """
+    plugin = _deepspeed_plugin(accelerator)
+    if plugin is None:
+        raise ValueError("teacher_deepspeed_config needs an accelerator launched with a DeepSpeed config")
+    source = plugin.deepspeed_config
+    micro = source.get("train_micro_batch_size_per_gpu", "auto")
+    micro = micro if isinstance(micro, int) and micro > 0 else 1
+    zero_src = source.get("zero_optimization", {})
+    zero: dict[str, Any] = {"stage": 3}
+    # Small parameters (norms, biases) are kept whole on every rank instead of gathered each forward;
+    # carry the user's choice over when there is one.
+    for key in ("stage3_param_persistence_threshold", "stage3_prefetch_bucket_size", "stage3_max_live_parameters",
+                "stage3_max_reuse_distance"):
+        value = zero_src.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            zero[key] = value
+    offload = zero_src.get("offload_param") or {}
+    if offload.get("device") in ("cpu", "nvme"):
+        zero["offload_param"] = {k: v for k, v in offload.items() if v is not None}
+    mp = str(getattr(accelerator, "mixed_precision", "no"))
+    return {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": zero,
+        "bf16": {"enabled": mp == "bf16"},
+        "fp16": {"enabled": mp == "fp16"},
+        "steps_per_print": 2**31 - 1,  # DeepSpeed logs a line every N steps otherwise
+        "wall_clock_breakdown": False,
+    }
+
+
+def _freeze(model: nn.Module) -> nn.Module:
+    model.requires_grad_(False)
+    model.eval()
+    return model
+
+
+def _prepare_zero3(accelerator: Any, teacher: nn.Module) -> nn.Module:
+    import deepspeed
+
+    engine, *_ = deepspeed.initialize(model=teacher, config=teacher_deepspeed_config(accelerator))
+    # The engine's forward runs the ZeRO-3 gather/release hooks; `.module` is the bare model, still
+    # partitioned (its parameters are empty placeholders outside a gather). The engine's `eval()`
+    # returns None, unlike nn.Module's, hence no chaining.
+    engine.eval()
+    return engine
+
+
+def _prepare_fsdp(accelerator: Any, teacher: nn.Module) -> nn.Module:
+    plugin = accelerator.state.fsdp_plugin
+    if getattr(plugin, "fsdp_version", 1) == 2:
+        from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+        return fsdp2_prepare_model(accelerator, teacher)
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    plugin.set_auto_wrap_policy(teacher)
+    return FSDP(
+        teacher,
+        sharding_strategy=plugin.sharding_strategy,
+        cpu_offload=plugin.cpu_offload,
+        auto_wrap_policy=plugin.auto_wrap_policy,
+        mixed_precision=plugin.mixed_precision_policy,
+        sync_module_states=plugin.sync_module_states,
+        use_orig_params=plugin.use_orig_params,
+        limit_all_gathers=plugin.limit_all_gathers,
+        device_id=accelerator.device,
+    )
+
+
+def prepare_teacher(accelerator: Any, teacher: nn.Module) -> nn.Module:
+    """Freeze ``teacher`` and place it for the accelerator's backend (see the module docstring).
+
+    Call it with the bare model, never through ``accelerator.prepare``. Returns the module to call
+    for teacher forwards: a ``DeepSpeedEngine`` under ZeRO-3, an FSDP-sharded module under FSDP, the
+    model itself otherwise. Outside ZeRO-3/FSDP the weights are cast to the mixed-precision dtype
+    (bf16/fp16): a frozen model needs no fp32 master copy, and it halves the replicated footprint,
+    matching what the ZeRO-3 engine does with ``bf16.enabled``.
+    """
+    _freeze(teacher)
+    if is_zero3(accelerator):
+        return _freeze(_prepare_zero3(accelerator, teacher))
+    if is_fsdp(accelerator):
+        return _freeze(_prepare_fsdp(accelerator, teacher))
+    dtype = mixed_precision_dtype(accelerator)
+    teacher = teacher.to(device=accelerator.device, dtype=dtype) if dtype else teacher.to(accelerator.device)
+    return _freeze(teacher)
+
+
+def _is_zero_param(p: torch.Tensor) -> bool:
+    return hasattr(p, "ds_id")
+
+
+@contextlib.contextmanager
+def gather_params(params: nn.Parameter | Iterable[nn.Parameter] | nn.Module) -> Iterator[None]:
+    """Make ZeRO-3-partitioned parameters whole for the duration of the block (read-only).
+
+    Outside the block a ZeRO-3 parameter is an empty placeholder (``numel() == 0``); inside it holds
+    the full tensor on every rank. Use it to read a teacher weight outside that module's own forward,
+    e.g. ``teacher.lm_head.weight`` ``[vocab, hidden]`` for a chunked KD loss::
+
+        with gather_params(teacher_model.lm_head.weight):
+            loss = chunked_kd(student_hidden, teacher_hidden, teacher_model.lm_head.weight, ...)
+
+    Edits made inside are discarded (``modifier_rank=None``): the teacher is frozen. For anything else
+    (plain tensors, ZeRO <= 2, DDP) this is a no-op, so recipes can use it unconditionally. Every rank
+    must enter the block (it is a collective).
+    """
+    if isinstance(params, nn.Module):
+        params = list(params.parameters())
+    elif isinstance(params, torch.Tensor):
+        params = [params]
+    else:
+        params = list(params)
+    zero = [p for p in params if _is_zero_param(p)]
+    if not zero:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(zero, modifier_rank=None):
+        yield
+
+
+def unwrap_teacher(teacher: nn.Module) -> nn.Module:
+    """The bare ``PreTrainedModel`` behind a DeepSpeed engine / FSDP1 wrapper (FSDP2 wraps in place)."""
+    while True:
+        inner = getattr(teacher, "module", None)
+        if not isinstance(inner, nn.Module):
+            return teacher
+        teacher = inner

@@ -1,0 +1,683 @@
+"""Turn whatever a run left behind into one deployable Hugging Face directory.
+
+A *source* is one of
+
+* a run directory (``RUN/config.yaml`` plus ``RUN/final/`` and/or ``RUN/checkpoints/step-N/``),
+* a training checkpoint (``model.safetensors`` of the teacher–student module, keys ``student.*`` and
+  ``projectors.*``, with the student's HF config and tokenizer under ``student/``; or a DeepSpeed
+  ZeRO folder in place of ``model.safetensors``),
+* a plain HF model directory (``config.json`` + weights), e.g. ``RUN/final/``,
+* a peft LoRA adapter (``adapter_config.json``) whose base is any of the above.
+
+:func:`resolve_source` tells them apart, :func:`load_student` returns the bare student (projectors and
+teacher stripped, LoRA merged), :func:`save_export` writes it with its tokenizer, generation config and
+hybrid-attention spec, and :func:`atomic_output_dir` makes sure a reader never sees half of it.
+:func:`model_card` renders ``README.md`` from the run's config, metrics and release-gate report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from attention.spec import CONFIG_KEY, HybridAttentionConfig
+from distill.config import ConfigError
+
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+
+# Attention backends every transformers install knows. Anything else in a config.json (a custom
+# kernel registered at training time) would make a plain `from_pretrained` fail in a fresh process.
+BUILTIN_ATTENTION = {"eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"}
+_ATTN_CONFIG_KEYS = ("attn_implementation", "_attn_implementation", "_attn_implementation_internal")
+
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                 "pytorch_model.bin.index.json")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)\s*$", re.IGNORECASE)
+# Prefixes wrappers put in front of parameter names: DDP/DeepSpeed engines and torch.compile.
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+
+class SourceError(ConfigError):
+    """The export source (or target) is not usable; the message is one line naming the fix."""
+
+
+@dataclass
+class Source:
+    """A resolved export source.
+
+    ``kind`` is ``"hf"`` (model directory), ``"checkpoint"`` (module state dict), ``"deepspeed"`` (ZeRO
+    folder) or ``"lora"`` (adapter). ``config_dir`` holds the student's ``config.json``, tokenizer and
+    generation config; ``run_dir`` is the run the source belongs to, when there is one.
+    """
+
+    kind: str
+    path: Path
+    config_dir: Path
+    run_dir: Path | None = None
+    step: int | None = None
+
+    def describe(self) -> str:
+        what = {"hf": "model directory", "checkpoint": "training checkpoint",
+                "deepspeed": "DeepSpeed ZeRO checkpoint", "lora": "LoRA adapter"}[self.kind]
+        step = f" (step {self.step})" if self.step is not None else ""
+        return f"{what} {self.path}{step}"
+
+
+@dataclass
+class LoadedStudent:
+    """The bare student ready to save: ``model`` is a plain ``*ForCausalLM`` in eval mode."""
+
+    model: Any
+    tokenizer: Any
+    source: Source
+    source_dtype: torch.dtype
+    hybrid: dict[str, Any] | None
+    lora_merged: bool = False
+
+    @property
+    def params(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+
+# ----------------------------------------------------------------------------------------------
+# Recognising sources
+# ----------------------------------------------------------------------------------------------
+
+
+def parse_size(text: str) -> int:
+    """``"2GB"`` → bytes (decimal units like transformers; ``GiB`` for binary)."""
+    m = _SIZE.match(str(text))
+    if not m:
+        raise ConfigError(f"size '{text}' is not understood; write it like 500MB, 2GB or 1.5GiB")
+    value, unit = float(m.group(1)), m.group(2).upper()
+    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+    return int(value * scale)
+
+
+def is_hf_dir(path: Path) -> bool:
+    return (path / "config.json").is_file() and any((path / f).is_file() for f in _WEIGHT_FILES)
+
+
+def _deepspeed_tag(path: Path) -> str | None:
+    """The ZeRO tag sub-folder inside a checkpoint dir, or None when it is not a DeepSpeed checkpoint."""
+    if (path / "latest").is_file():
+        return (path / "latest").read_text().strip()
+    for sub in sorted(p for p in path.iterdir() if p.is_dir()):
+        if any(sub.glob("zero_pp_rank_*")) or any(sub.glob("*_model_states.pt")):
+            return sub.name
+    return None
+
+
+def _checkpoint_weights(path: Path) -> list[Path]:
+    """Module state files written by ``accelerator.save_state`` (``model.safetensors``, ``model_1...``)."""
+    files = sorted(path.glob("model*.safetensors")) or sorted(path.glob("pytorch_model*.bin"))
+    return [f for f in files if f.is_file()]
+
+
+def is_checkpoint_dir(path: Path) -> bool:
+    return bool(_checkpoint_weights(path)) or _deepspeed_tag(path) is not None
+
+
+def list_checkpoints(run_dir: Path) -> dict[int, Path]:
+    """``{step: path}`` for the complete ``checkpoints/step-N`` folders (temp folders don't match)."""
+    root = run_dir / "checkpoints"
+    if not root.is_dir():
+        return {}
+    found = {}
+    for sub in root.iterdir():
+        m = _STEP_DIR.match(sub.name)
+        if m and sub.is_dir():
+            found[int(m.group(1))] = sub
+    return dict(sorted(found.items()))
+
+
+def is_run_dir(path: Path) -> bool:
+    return (path / "final").is_dir() or (path / "checkpoints").is_dir()
+
+
+def _owning_run(path: Path) -> Path | None:
+    """The run directory ``path`` belongs to: itself, or its parent (``RUN/final``, ``RUN/adapter``)."""
+    for cand in (path, path.parent):
+        if (cand / "config.yaml").is_file() or (cand / "summary.json").is_file():
+            return cand
+    return None
+
+
+def _step_of(path: Path) -> int | None:
+    state = path / "trainer_state.json"
+    if state.is_file():
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            return int(json.loads(state.read_text())["step"])
+    m = _STEP_DIR.match(path.name)
+    return int(m.group(1)) if m else None
+
+
+_KINDS_HINT = ("point source= at a run directory, a checkpoints/step-N folder, an HF model directory "
+               "(config.json + safetensors) or a LoRA adapter (adapter_config.json)")
+
+
+def resolve_source(source: str | os.PathLike, checkpoint: str = "auto") -> Source:
+    """Work out what ``source`` is; ``checkpoint`` (auto|final|latest|N) picks within a run directory."""
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise SourceError(f"source {path} does not exist; {_KINDS_HINT}")
+    if not path.is_dir():
+        raise SourceError(f"source {path} is a file, not a directory; {_KINDS_HINT}")
+    path = path.resolve()
+    checkpoint = str(checkpoint).strip().lower()
+    if is_run_dir(path) and not is_hf_dir(path) and not is_checkpoint_dir(path):
+        return _resolve_in_run(path, checkpoint)
+    if checkpoint != "auto":
+        raise SourceError(f"checkpoint={checkpoint} only applies when source is a run directory; "
+                          f"drop it or point source= at the run that holds {path}")
+    return _resolve_leaf(path)
+
+
+def _resolve_in_run(run: Path, checkpoint: str) -> Source:
+    steps = list_checkpoints(run)
+    final = run / "final"
+    available = (["final"] if final.is_dir() else []) + [str(s) for s in steps]
+    if checkpoint in ("auto", "final") and final.is_dir():
+        chosen = final
+    elif checkpoint == "final":
+        raise SourceError(f"run {run} has no final/ (the run did not finish); use checkpoint=latest "
+                          f"or one of: {', '.join(available) or 'none'}")
+    elif checkpoint in ("auto", "latest"):
+        if not steps:
+            raise SourceError(f"run {run} has neither final/ nor checkpoints/step-N/; train it first or "
+                              "point source= at a model directory")
+        chosen = steps[max(steps)]
+    elif checkpoint.isdigit():
+        if int(checkpoint) not in steps:
+            raise SourceError(f"run {run} has no checkpoints/step-{int(checkpoint)}; pick checkpoint= from: "
+                              f"{', '.join(available) or 'none'}")
+        chosen = steps[int(checkpoint)]
+    else:
+        raise SourceError(f"checkpoint={checkpoint} is not understood; use final, latest or a step number")
+    src = _resolve_leaf(chosen)
+    src.run_dir = run
+    return src
+
+
+def _resolve_leaf(path: Path) -> Source:
+    run = _owning_run(path)
+    if (path / "adapter_config.json").is_file():
+        return Source("lora", path, path, run_dir=run)
+    if is_hf_dir(path):
+        return Source("hf", path, path, run_dir=run, step=_step_of(path))
+    if is_checkpoint_dir(path):
+        student = path / "student"
+        if not (student / "config.json").is_file():
+            raise SourceError(f"checkpoint {path} has no student/config.json; copy the student's config.json "
+                              f"and tokenizer into {student}/ or export the run's final/ instead")
+        kind = "checkpoint" if _checkpoint_weights(path) else "deepspeed"
+        if path.parent.name == "checkpoints":
+            run = path.parent.parent
+        return Source(kind, path, student, run_dir=run, step=_step_of(path))
+    if (path / "config.json").is_file():
+        raise SourceError(f"{path} has config.json but no weights (model.safetensors); {_KINDS_HINT}")
+    raise SourceError(f"{path} is not a known kind of source; {_KINDS_HINT}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading the student
+# ----------------------------------------------------------------------------------------------
+
+
+def load_checkpoint_state(src: Source) -> dict[str, torch.Tensor]:
+    """The raw module state dict of a training checkpoint (teacher–student keys, not yet stripped)."""
+    if src.kind == "deepspeed":
+        try:
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        except ImportError:
+            raise SourceError(f"{src.path} is a DeepSpeed ZeRO checkpoint; pip install deepspeed to export it "
+                              "(or export the run's final/)") from None
+        tag = None if (src.path / "latest").is_file() else _deepspeed_tag(src.path)
+        return dict(get_fp32_state_dict_from_zero_checkpoint(str(src.path), tag=tag))
+    state: dict[str, torch.Tensor] = {}
+    for file in _checkpoint_weights(src.path):
+        if file.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            state.update(load_file(str(file)))
+        else:
+            state.update(torch.load(file, map_location="cpu", weights_only=True))
+    return state
+
+
+def student_state_dict(state: Mapping[str, torch.Tensor], prefix: str = "student.") -> dict[str, torch.Tensor]:
+    """Keep the student's weights under their HF names; drop projectors, teacher and anything else.
+
+    A bare student state dict (no ``student.`` key at all) is returned as is, minus wrapper prefixes.
+    """
+    def unwrap(key: str) -> str:
+        changed = True
+        while changed:
+            changed = False
+            for p in _WRAPPER_PREFIXES:
+                if key.startswith(p):
+                    key, changed = key[len(p):], True
+        return key
+
+    clean = {unwrap(k): v for k, v in state.items()}
+    if not any(k.startswith(prefix) for k in clean):
+        return clean
+    return {k[len(prefix):]: v for k, v in clean.items() if k.startswith(prefix)}
+
+
+def _causal_lm_class(config: Any) -> Any:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        raise SourceError(f"model_type '{config.model_type}' has no causal-LM class in this transformers; "
+                          "upgrade transformers or fix config.json") from None
+
+
+def _first_float_dtype(state: Mapping[str, torch.Tensor]) -> torch.dtype:
+    return next((t.dtype for t in state.values() if t.is_floating_point()), torch.float32)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _hybrid_spec(*dirs: Path) -> dict[str, Any] | None:
+    """The hybrid spec from the first ``config.json`` that has one, validated."""
+    for d in dirs:
+        spec = _read_json(d / "config.json").get(CONFIG_KEY)
+        if spec is not None:
+            try:
+                HybridAttentionConfig.from_dict(dict(spec))
+            except (TypeError, ValueError) as err:
+                raise SourceError(f"{d / 'config.json'} has an invalid '{CONFIG_KEY}' ({err}); fix it") from None
+            return dict(spec)
+    return None
+
+
+def _load_tokenizer(*dirs: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    for d in dirs:
+        if any((d / f).is_file() for f in _TOKENIZER_FILES):
+            return AutoTokenizer.from_pretrained(str(d))
+    where = " or ".join(str(d) for d in dirs)
+    raise SourceError(f"no tokenizer files in {where}; save the student's tokenizer there "
+                      "(tokenizer.save_pretrained(DIR))")
+
+
+def _load_config(config_dir: Path) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(config_dir), attn_implementation="eager")
+
+
+def _load_weights(src: Source, dtype: torch.dtype | None) -> tuple[Any, torch.dtype]:
+    """The bare ``*ForCausalLM`` of a non-LoRA source, cast to ``dtype`` (None: keep the stored one)."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    if src.kind == "hf":
+        # Eager attention on load: the source config may name a kernel that is only registered at
+        # training time; the name is not written back, so the export loads anywhere.
+        model = AutoModelForCausalLM.from_pretrained(str(src.path), dtype="auto" if dtype is None else dtype,
+                                                     attn_implementation="eager")
+        stored = _read_json(src.path / "config.json").get("dtype") or _read_json(
+            src.path / "config.json").get("torch_dtype")
+        source_dtype = getattr(torch, stored, model.dtype) if isinstance(stored, str) else model.dtype
+        return model.eval(), source_dtype
+
+    state = student_state_dict(load_checkpoint_state(src))
+    if not state:
+        raise SourceError(f"{src.describe()} holds no student weights; export the run's final/ instead")
+    source_dtype = _first_float_dtype(state)
+    config = _load_config(src.config_dir)
+    cls = _causal_lm_class(config)
+    tied = getattr(cls, "_tied_weights_keys", None)
+    if getattr(config, "tie_word_embeddings", False) and isinstance(tied, dict):
+        # safetensors cannot hold aliased tensors, so the saver kept only one name of each tied pair.
+        for target, origin in tied.items():
+            if origin not in state and target in state:
+                state[origin] = state[target]
+    model, info = cls.from_pretrained(None, config=config, state_dict=state, output_loading_info=True,
+                                      dtype=source_dtype if dtype is None else dtype,
+                                      attn_implementation="eager")
+    missing = sorted(info.get("missing_keys") or [])
+    mismatched = sorted(info.get("mismatched_keys") or [])
+    if missing or mismatched:
+        bad = missing or [m[0] if isinstance(m, tuple) else m for m in mismatched]
+        what = "lacks" if missing else "has wrongly shaped"
+        raise SourceError(f"{src.describe()} {what} {len(bad)} student weights (e.g. {bad[0]}); it does not "
+                          f"match {src.config_dir / 'config.json'} — export the run's final/ instead")
+    if (src.config_dir / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(str(src.config_dir))
+    return model.eval(), source_dtype
+
+
+def load_student(src: Source, dtype: torch.dtype | None = torch.float32, base: str | None = None) -> LoadedStudent:
+    """The bare student of ``src`` in ``dtype`` (None keeps the source's), LoRA merged, tokenizer attached.
+
+    ``base`` overrides the adapter's ``base_model_name_or_path`` (and may itself be a run, checkpoint or
+    model directory).
+    """
+    if src.kind != "lora":
+        model, source_dtype = _load_weights(src, dtype)
+        tok_dirs = [src.config_dir] + ([src.run_dir / "final"] if src.run_dir else [])
+        return LoadedStudent(model, _load_tokenizer(*tok_dirs), src, source_dtype, _hybrid_spec(src.config_dir))
+
+    adapter = _read_json(src.path / "adapter_config.json")
+    base_path = base or adapter.get("base_model_name_or_path")
+    if not base_path:
+        raise SourceError(f"adapter {src.path} does not name its base model; pass base=PATH")
+    if not Path(base_path).expanduser().is_dir():
+        raise SourceError(f"LoRA base '{base_path}' is not a local directory; pass base=PATH to the base model")
+    base_src = resolve_source(base_path)
+    if base_src.kind == "lora":
+        raise SourceError(f"LoRA base {base_path} is itself an adapter; pass base= the model it was trained on")
+    try:
+        from peft import PeftModel
+    except ImportError:
+        raise SourceError("exporting a LoRA adapter needs peft; pip install peft") from None
+    # Merge in fp32 so that W + BA is not rounded twice; cast to the requested dtype afterwards.
+    base_model, base_dtype = _load_weights(base_src, torch.float32)
+    merged = PeftModel.from_pretrained(base_model, str(src.path)).merge_and_unload()
+    target = base_dtype if dtype is None else dtype
+    merged = merged.to(target).eval()
+    tokenizer = _load_tokenizer(src.path, base_src.config_dir)
+    hybrid = _hybrid_spec(src.path, base_src.config_dir)
+    return LoadedStudent(merged, tokenizer, src, base_dtype, hybrid, lora_merged=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing
+# ----------------------------------------------------------------------------------------------
+
+
+def check_target(target: Path, overwrite: bool, source: Path | None = None) -> None:
+    """Refuse a target that exists (unless ``overwrite``), is a file, or would swallow the source."""
+    target = Path(target).expanduser().absolute()
+    if source is not None:
+        src = Path(source).resolve()
+        tgt = target.resolve()
+        if tgt == src or tgt in src.parents:
+            raise SourceError(f"output_dir {target} contains the source {src}; choose another output_dir")
+    if target.is_file():
+        raise SourceError(f"output_dir {target} is a file; choose a directory path")
+    if target.is_dir() and any(target.iterdir()) and not overwrite:
+        raise SourceError(f"output_dir {target} already exists; pass overwrite=true to replace it "
+                          "or choose another output_dir")
+
+
+def _make_readable(root: Path) -> None:
+    """Give files the usual umask permissions: some writers (temp-then-rename) leave them private."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(root, 0o777 & ~mask)
+    for p in root.rglob("*"):
+        os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~mask)
+
+
+@contextlib.contextmanager
+def atomic_output_dir(target: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temp dir beside ``target``; on success it becomes ``target``, on failure it is removed.
+
+    The rename is atomic on one filesystem, which is why the temp dir lives in the target's parent.
+    With ``overwrite`` the old directory is moved aside first and put back if the swap fails.
+    """
+    target = Path(target).expanduser().absolute()
+    check_target(target, overwrite)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+    try:
+        yield tmp
+        _make_readable(tmp)
+        check_target(target, overwrite)
+        if target.exists():
+            old = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
+            target.rename(old)
+            try:
+                tmp.rename(target)
+            except BaseException:
+                old.rename(target)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def sanitize_config_json(path: Path, hybrid: dict[str, Any] | None) -> dict[str, Any]:
+    """Drop non-builtin attention names and (re)state the hybrid spec in a written ``config.json``."""
+    cfg = json.loads(path.read_text())
+
+    def scrub(d: dict[str, Any]) -> None:
+        for key in _ATTN_CONFIG_KEYS:
+            value = d.get(key)
+            if key in d and (not isinstance(value, str) or value not in BUILTIN_ATTENTION):
+                del d[key]
+        for v in d.values():
+            if isinstance(v, dict):
+                scrub(v)
+
+    scrub(cfg)
+    if hybrid is not None:
+        cfg[CONFIG_KEY] = hybrid
+    else:
+        cfg.pop(CONFIG_KEY, None)
+    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    return cfg
+
+
+def save_export(student: LoadedStudent, out_dir: Path, max_shard_size: str = "5GB") -> None:
+    """Write weights (safetensors, sharded above ``max_shard_size``), config, generation config, tokenizer."""
+    out_dir = Path(out_dir)
+    model = student.model
+    if student.hybrid is not None:
+        setattr(model.config, CONFIG_KEY, student.hybrid)
+    model.save_pretrained(str(out_dir), max_shard_size=max_shard_size)
+    sanitize_config_json(out_dir / "config.json", student.hybrid)
+    student.tokenizer.save_pretrained(str(out_dir))
+
+
+def dir_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def human_count(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)
+
+
+# ----------------------------------------------------------------------------------------------
+# Model card
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunRecords:
+    """What a run directory recorded: its config, metrics and last gate report (each may be missing)."""
+
+    config: dict[str, Any] | None = None
+    summary: dict[str, Any] | None = None
+    gate: dict[str, Any] | None = None
+    gate_md: str | None = None
+    loss_png: Path | None = None
+
+
+def read_run_records(src: Source) -> RunRecords:
+    rec = RunRecords()
+    cfg_paths = ([src.run_dir / "config.yaml"] if src.run_dir else []) + [src.path / "config.yaml"]
+    for p in cfg_paths:
+        if p.is_file():
+            with contextlib.suppress(yaml.YAMLError, OSError):
+                loaded = yaml.safe_load(p.read_text())
+                if isinstance(loaded, dict):
+                    rec.config = loaded
+                    break
+    if src.run_dir:
+        rec.summary = _read_json(src.run_dir / "summary.json") or None
+        rec.gate = _read_json(src.run_dir / "gate" / "report.json") or None
+        md = src.run_dir / "gate" / "report.md"
+        rec.gate_md = md.read_text() if md.is_file() else None
+        png = src.run_dir / "loss.png"
+        rec.loss_png = png if png.is_file() else None
+    return rec
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, bool) or v is None:
+        return str(v).lower()
+    if isinstance(v, float):
+        if math.isnan(v) or math.isinf(v):
+            return str(v)
+        return f"{v:.4g}" if abs(v) < 1e5 else f"{v:,.0f}"
+    if isinstance(v, int):
+        return f"{v:,}" if abs(v) >= 10_000 else str(v)
+    return str(v).replace("|", "\\|").replace("\n", " ")
+
+
+def _scalars(d: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    """Flatten nested dicts one level deep into ``(dotted key, scalar)`` rows; lists are skipped."""
+    rows: list[tuple[str, Any]] = []
+    for k, v in d.items():
+        if isinstance(v, Mapping) and not prefix:
+            rows += _scalars(v, f"{k}.")
+        elif isinstance(v, (int, float, str, bool)) or v is None:
+            rows.append((f"{prefix}{k}", v))
+    return rows
+
+
+def _table(rows: list[tuple[str, Any]], head: tuple[str, str] = ("", "")) -> list[str]:
+    out = [f"| {head[0]} | {head[1]} |", "|---|---|"]
+    out += [f"| {k} | {_fmt(v)} |" for k, v in rows]
+    return out
+
+
+_DATA_KEY = re.compile(r"data|split|text_field|seq_len|max_len|max_steps|batch|tokens|epoch|packing")
+# Metrics worth a line of their own in the summary, in this order, when the run recorded them.
+_HEADLINE = ("student_ppl_final", "student_ppl_init", "teacher_ppl", "top1_agreement", "final_loss", "steps",
+             "tokens_per_s")
+
+
+def model_card(name: str, student: LoadedStudent, records: RunRecords, dtype: torch.dtype,
+               size_bytes: int | None = None) -> str:
+    """``README.md`` for an export: what it is, how it was made, what was measured, how to load it."""
+    cfg = student.model.config
+    src = student.source
+    hybrid = student.hybrid
+    teacher = (records.config or {}).get("teacher")
+    lines: list[str] = ["---", "library_name: transformers", "pipeline_tag: text-generation", "tags:",
+                        "- distillation"]
+    if hybrid:
+        lines.append("- hybrid-attention")
+    if isinstance(teacher, str) and teacher:
+        lines.append(f"base_model: {json.dumps(teacher)}")
+    lines += ["---", "", f"# {name}", ""]
+
+    made = "distilled" + (f" from `{teacher}`" if teacher else "")
+    lines.append(f"A {cfg.model_type} causal LM ({human_count(student.params)} parameters, "
+                 f"{DTYPE_NAMES.get(dtype, str(dtype))}) {made}"
+                 f"{', with a merged LoRA adapter' if student.lora_merged else ''}. "
+                 f"Exported from the {src.describe()}.")
+    lines += ["", "## Model", ""]
+    arch = [("architecture", (getattr(cfg, "architectures", None) or [type(student.model).__name__])[0]),
+            ("parameters", f"{student.params:,}"), ("layers", getattr(cfg, "num_hidden_layers", None)),
+            ("hidden size", getattr(cfg, "hidden_size", None)),
+            ("attention heads / KV heads", f"{getattr(cfg, 'num_attention_heads', '?')} / "
+                                           f"{getattr(cfg, 'num_key_value_heads', '?')}"),
+            ("vocabulary", getattr(cfg, "vocab_size", None)), ("dtype", DTYPE_NAMES.get(dtype, str(dtype))),
+            ("chat template", "yes" if getattr(student.tokenizer, "chat_template", None) else "no")]
+    if size_bytes is not None:
+        arch.append(("size on disk", human_bytes(size_bytes)))
+    lines += _table(arch, ("", ""))
+    lines += ["", "## Attention", ""]
+    if hybrid:
+        spec = HybridAttentionConfig.from_dict(hybrid)
+        lines.append(f"Hybrid sparse attention, stored in `config.json` under `{CONFIG_KEY}`: "
+                     f"{spec.sink_tokens} sink tokens, a {spec.window}-token sliding window"
+                     + (f", a global token every {spec.global_every} positions" if spec.global_every else "")
+                     + (f" (at most {spec.max_globals})" if spec.max_globals is not None else "")
+                     + f". Bounded KV cache: {'yes' if spec.bounded else 'no'}.")
+        lines += ["", "```json", json.dumps(hybrid, indent=2, sort_keys=True), "```", "",
+                  "Plain `AutoModelForCausalLM.from_pretrained` loads it with dense attention (the weights "
+                  "are the same); the project's serving engine reads the spec and runs the sparse pattern."]
+    else:
+        lines.append("Dense attention (no hybrid spec).")
+
+    lines += ["", "## Training data", ""]
+    data_rows = [(k, v) for k, v in _scalars(records.config or {}) if _DATA_KEY.search(k)]
+    lines += _table(data_rows, ("key", "value")) if data_rows else ["Not recorded (no run config found)."]
+
+    lines += ["", "## Measured", ""]
+    if records.summary:
+        s = records.summary
+        run_step = s.get("steps")
+        if src.step is not None and run_step is not None and src.step != run_step:
+            lines += [f"These numbers were measured on the run's final model (step {run_step}), not on this "
+                      f"export (step {src.step}).", ""]
+        head = [(k, s[k]) for k in _HEADLINE if k in s]
+        rest = [(k, v) for k, v in _scalars(s) if k not in _HEADLINE]
+        lines += _table(head + rest, ("metric", "value"))
+    else:
+        lines.append("No metrics recorded (no summary.json beside the run).")
+    if records.loss_png is not None:
+        lines += ["", "![training loss](loss.png)"]
+
+    lines += ["", "## Release gate", ""]
+    if records.gate:
+        verdict = records.gate.get("verdict", "unknown")
+        lines += [f"**Verdict: {_fmt(verdict).upper()}**", ""]
+        numbers = [(k, v) for k, v in _scalars(records.gate) if k != "verdict" and not isinstance(v, str)][:12]
+        if numbers:
+            lines += _table(numbers, ("gate", "value")) + [""]
+        if records.gate_md:
+            lines += ["<details><summary>Full gate report</summary>", "", records.gate_md.strip(), "",
+                      "</details>"]
+    else:
+        lines.append("The release gate has not been run on this model.")
+
+    lines += ["", "## Usage", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
+              f'model = AutoModelForCausalLM.from_pretrained("{name}")',
+              f'tokenizer = AutoTokenizer.from_pretrained("{name}")', "```"]
+    if records.config:
+        lines += ["", "## Training config", "", "<details><summary>config.yaml</summary>", "", "```yaml",
+                  yaml.safe_dump(records.config, sort_keys=False).rstrip(), "```", "", "</details>"]
+    return "\n".join(lines) + "\n"
+
+
+def write_card(out_dir: Path, card: str, records: RunRecords) -> None:
+    (Path(out_dir) / "README.md").write_text(card)
+    if records.loss_png is not None:
+        shutil.copyfile(records.loss_png, Path(out_dir) / "loss.png")

@@ -1,0 +1,93 @@
+"""Students derived from their teacher by keeping a subset of its layers.
+
+Keeping layers (DistilBERT / Minitron-style depth pruning) gives a student that starts from the
+teacher's own embeddings, head and blocks, so one real model makes a real teacher–student pair.
+The kept indices are recorded in the student's config (``distill_kept_layers``) so the
+``"derived"`` layer map can pair each student block with the teacher span it replaced.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+KEPT_KEY = "distill_kept_layers"
+
+
+def spread_layers(n_teacher: int, n_keep: int) -> list[int]:
+    """``n_keep`` indices spread over ``n_teacher`` layers, always keeping the first and last."""
+    if not 1 <= n_keep <= n_teacher:
+        raise ValueError(f"cannot keep {n_keep} of {n_teacher} layers; choose 1..{n_teacher}")
+    if n_keep == 1:
+        return [n_teacher - 1]
+    return sorted({round(i * (n_teacher - 1) / (n_keep - 1)) for i in range(n_keep)})
+
+
+def parse_keep(keep: int | str | Sequence[int], n_teacher: int) -> list[int]:
+    """An int (spread), ``"0-4,25-29"`` ranges, or an explicit list → sorted unique indices."""
+    if isinstance(keep, int):
+        return spread_layers(n_teacher, keep)
+    if isinstance(keep, str):
+        out: list[int] = []
+        for part in keep.replace(" ", "").split(","):
+            if not part:
+                continue
+            if "-" in part[1:]:
+                a, b = part.split("-", 1)
+                out.extend(range(int(a), int(b) + 1))
+            else:
+                out.append(int(part))
+        keep = out
+    idx = sorted({int(i) % n_teacher if int(i) < 0 else int(i) for i in keep})
+    bad = [i for i in idx if i >= n_teacher]
+    if not idx or bad:
+        raise ValueError(f"keep_layers {list(keep)} out of range for a {n_teacher}-layer teacher; use 0..{n_teacher - 1}")
+    return idx
+
+
+def derive_student(teacher: PreTrainedModel, keep_layers: int | str | Sequence[int]) -> PreTrainedModel:
+    """A new model holding copies of ``teacher``'s embeddings, head, final norm and kept layers.
+
+    Args:
+        teacher: a decoder-only HF model with ``model.layers`` (Llama, Mistral, Qwen2 ...).
+        keep_layers: how many layers to keep (spread evenly) or which ones.
+    Returns:
+        A trainable student in the teacher's dtype, sharing no storage with it.
+    """
+    base = getattr(teacher, "model", None)
+    if base is None or not isinstance(getattr(base, "layers", None), nn.ModuleList):
+        raise ValueError(
+            f"{type(teacher).__name__} has no model.layers; derive_student supports decoder-only HF models "
+            "such as Llama, Mistral and Qwen2"
+        )
+    n = teacher.config.num_hidden_layers
+    keep = parse_keep(keep_layers, n)
+    config = copy.deepcopy(teacher.config)
+    config.num_hidden_layers = len(keep)
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = [config.layer_types[i] for i in keep]
+    setattr(config, KEPT_KEY, keep)
+    dtype = next(teacher.parameters()).dtype
+    student = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    src = teacher.state_dict()
+    dst = {}
+    for key in student.state_dict():
+        if key.startswith("model.layers."):
+            _, _, i, rest = key.split(".", 3)
+            dst[key] = src[f"model.layers.{keep[int(i)]}.{rest}"]
+        else:
+            dst[key] = src[key]
+    with torch.no_grad():
+        student.load_state_dict({k: v.detach().clone() for k, v in dst.items()}, strict=True)
+    if getattr(config, "tie_word_embeddings", False):
+        student.tie_weights()
+    return student
+
+
+def kept_layers(model: PreTrainedModel) -> list[int] | None:
+    kept = getattr(model.config, KEPT_KEY, None)
+    return list(kept) if kept is not None else None

@@ -1,0 +1,217 @@
+"""Batched, cached generation for the release gate.
+
+Prompts are rendered (chat template or raw text), sorted by length so batches carry little
+padding, left-padded by hand, and decoded with ``model.generate`` under an explicit
+:class:`transformers.GenerationConfig` built from :class:`GenerationSettings` — never from the
+checkpoint's own ``generation_config.json``, whose sampling defaults would make two checkpoints
+decode differently.
+
+Every output is cached under a key that hashes the model's fingerprint (content of its files,
+see :mod:`eval.fingerprint`), the rendered prompt, the settings and the library versions. A rerun
+reads the cache; a changed checkpoint, prompt or setting misses it. The cache is one JSONL file
+per model fingerprint in ``<cache_dir>/generations/``.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from eval.fingerprint import DigestMemo, directory_fingerprint, json_hash
+from eval.prompt_set import GateInputError, Prompt
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    max_new_tokens: int = 64
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+    batch_size: int = 16
+    dtype: str = "auto"  # auto = bfloat16 on CUDA, float32 on CPU (bf16 matmul is slow on CPUs)
+    device: str = "auto"
+
+    def resolved(self) -> GenerationSettings:
+        device = self.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        dtype = self.dtype
+        if dtype == "auto":
+            dtype = "bfloat16" if device.startswith("cuda") else "float32"
+        return GenerationSettings(**{**asdict(self), "device": device, "dtype": dtype})
+
+    def cache_view(self) -> dict:
+        """What can change an output. Batch size is in: left padding perturbs the low bits of logits."""
+        d = asdict(self.resolved())
+        d["device"] = d["device"].split(":")[0]
+        if not self.do_sample:
+            d.pop("temperature")
+            d.pop("top_p")
+        return d
+
+
+@dataclass
+class GenerationRun:
+    """Outputs of one model on a prompt set, in prompt order."""
+
+    model_dir: str
+    fingerprint: str
+    outputs: list[str]
+    new_tokens: list[int]
+    hit_limit: list[bool]  # stopped by max_new_tokens rather than EOS
+    cache_hits: int = 0
+    cache_misses: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def check_model_dir(model: str | Path) -> Path:
+    """Resolve a model name/dir to a local HF directory or raise a one-line :class:`GateInputError`."""
+    from distill.pretrained import ModelSourceError, resolve_model_path
+
+    try:
+        path = Path(resolve_model_path(str(model)))
+    except ModelSourceError as err:
+        raise GateInputError(str(err)) from None
+    if not (path / "config.json").is_file():
+        raise GateInputError(f"model {model}: no HF model directory (config.json) there; pass a saved model dir")
+    return path
+
+
+def load_model(model_dir: Path, device: str, dtype: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[dtype]).to(device).eval()
+    return model, tok
+
+
+def render(tok, prompt: Prompt, default_chat: bool) -> tuple[str, list[int]]:
+    """The exact model input as text (for the cache key) and token ids."""
+    chat = prompt.chat if prompt.chat is not None else default_chat
+    if chat:
+        if not getattr(tok, "chat_template", None):
+            raise GateInputError(f"prompt '{prompt.id}' asks for a chat template but the tokenizer has none; "
+                                 "drop --chat / the 'chat' field or use a chat model")
+        text = tok.apply_chat_template([{"role": "user", "content": prompt.prompt}],
+                                       add_generation_prompt=True, tokenize=False)
+        return text, tok(text, add_special_tokens=False)["input_ids"]
+    return prompt.prompt, tok(prompt.prompt, add_special_tokens=True)["input_ids"]
+
+
+def _versions() -> dict[str, str]:
+    import transformers
+
+    return {"torch": torch.__version__.split("+")[0], "transformers": transformers.__version__}
+
+
+class GenerationCache:
+    """One JSONL per model fingerprint: ``{"key", "output", "new_tokens", "hit_limit"}`` per line."""
+
+    def __init__(self, cache_dir: Path | None, fingerprint: str):
+        self.path = None if cache_dir is None else Path(cache_dir) / "generations" / f"{fingerprint[:32]}.jsonl"
+        self.rows: dict[str, dict] = {}
+        if self.path is not None and self.path.is_file():
+            for line in self.path.read_text().splitlines():
+                try:
+                    row = json.loads(line)
+                    self.rows[row["key"]] = row
+                except (json.JSONDecodeError, KeyError):
+                    continue  # a torn last line from an interrupted run: regenerate that prompt
+
+    def add(self, rows: list[dict]) -> None:
+        for row in rows:
+            self.rows[row["key"]] = row
+        if self.path is not None and rows:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a") as f:
+                f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+
+
+@torch.inference_mode()
+def _generate_batch(model, tok, ids: list[list[int]], settings: GenerationSettings) -> list[tuple[str, int, bool]]:
+    """Left-pad ``ids`` and decode; returns ``(text, new_tokens, hit_limit)`` per row."""
+    from transformers import GenerationConfig
+
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        eos = tok.eos_token_id
+    eos_set = set(eos if isinstance(eos, list) else ([] if eos is None else [eos]))
+    width = max(len(x) for x in ids)
+    input_ids = torch.full((len(ids), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(ids), width), dtype=torch.long)
+    for i, row in enumerate(ids):
+        input_ids[i, width - len(row):] = torch.tensor(row)
+        mask[i, width - len(row):] = 1
+    kw = dict(max_new_tokens=settings.max_new_tokens, do_sample=settings.do_sample, pad_token_id=pad,
+              eos_token_id=eos, bos_token_id=model.generation_config.bos_token_id)
+    if settings.do_sample:
+        kw.update(temperature=settings.temperature, top_p=settings.top_p, top_k=0)
+    config = GenerationConfig(**kw)
+    torch.manual_seed(settings.seed)
+    out = model.generate(input_ids=input_ids.to(model.device), attention_mask=mask.to(model.device),
+                         generation_config=config)
+    results = []
+    for row in out[:, width:].tolist():
+        n = next((i for i, t in enumerate(row) if t in eos_set), len(row))
+        text = tok.decode(row[:n], skip_special_tokens=True).strip()
+        results.append((text, n, n >= settings.max_new_tokens))
+    return results
+
+
+def generate_outputs(model_dir: str | Path, prompts: list[Prompt], settings: GenerationSettings,
+                     cache_dir: Path | None, default_chat: bool = False, memo: DigestMemo | None = None,
+                     desc: str = "generate") -> GenerationRun:
+    """Outputs of the model in ``model_dir`` for ``prompts``, generating only what the cache lacks."""
+    settings = settings.resolved()
+    t0 = time.perf_counter()
+    path = check_model_dir(model_dir)
+    fp = directory_fingerprint(path, memo)
+    timings = {"fingerprint_s": time.perf_counter() - t0}
+    cache = GenerationCache(cache_dir, fp)
+    t1 = time.perf_counter()
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    base = {"model": fp, "settings": settings.cache_view(), "versions": _versions()}
+    rendered = [render(tok, p, default_chat) for p in prompts]
+    keys = [json_hash({**base, "input": text}) for text, _ in rendered]
+    todo = [i for i, k in enumerate(keys) if k not in cache.rows]
+    timings["render_s"] = time.perf_counter() - t1
+    if todo:
+        t2 = time.perf_counter()
+        model, tok = load_model(path, settings.device, settings.dtype)
+        timings["load_s"] = time.perf_counter() - t2
+        t3 = time.perf_counter()
+        order = sorted(todo, key=lambda i: -len(rendered[i][1]))  # long first: the slowest batch shows early
+        bar = tqdm(total=len(order), desc=f"{desc} ({path.name})", unit="prompt")
+        produced = 0
+        for start in range(0, len(order), settings.batch_size):
+            chunk = order[start:start + settings.batch_size]
+            res = _generate_batch(model, tok, [rendered[i][1] for i in chunk], settings)
+            cache.add([{"key": keys[i], "id": prompts[i].id, "output": text, "new_tokens": n, "hit_limit": lim}
+                       for i, (text, n, lim) in zip(chunk, res)])
+            produced += sum(n for _, n, _ in res)
+            bar.update(len(chunk))
+            bar.set_postfix(tok_s=f"{produced / max(time.perf_counter() - t3, 1e-9):.0f}")
+        bar.close()
+        timings["generate_s"] = time.perf_counter() - t3
+        timings["generated_tokens"] = produced
+        del model
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    rows = [cache.rows[k] for k in keys]
+    timings["total_s"] = time.perf_counter() - t0
+    return GenerationRun(str(path), fp, [r["output"] for r in rows], [r["new_tokens"] for r in rows],
+                         [r["hit_limit"] for r in rows], cache_hits=len(prompts) - len(todo),
+                         cache_misses=len(todo), timings=timings)

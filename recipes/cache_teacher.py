@@ -1,0 +1,106 @@
+"""Run the teacher once over the training data and cache its top-k log-probabilities.
+
+    python recipes/cache_teacher.py --config recipes/configs/cache_teacher_demo.yaml
+    python recipes/cache_teacher.py teacher=DIR dataset=data.jsonl seq_len=2048 topk=64 output_dir=cache/
+
+Then train without the teacher: ``accelerate launch recipes/distill.py teacher_cache=cache/ student=DIR
+hidden_weight=0 attn_weight=0`` (the data keys must match: the cache checks a fingerprint of the
+packed blocks). See ``distill/teacher_cache.py`` for the format and the tail-bucket approximation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
+
+from distill.config import ConfigError, field, parse_config, run_cli, save_config  # noqa: E402
+from distill.data import BUILTIN, build_data, eval_batches  # noqa: E402
+from distill.teacher_cache import META, bytes_per_token, fingerprint, topk_logprobs, write_shard  # noqa: E402
+from eval.metrics import evaluate_lm  # noqa: E402
+
+
+@dataclass
+class CacheTeacherConfig:
+    teacher: str = field("smollm2-135m-instruct", help="teacher model (as in recipes/distill.py)")
+    tokenizer: str | None = field(None, help="tokenizer source; default: the teacher's")
+    dataset: str = field(BUILTIN, help="training text, exactly as the distill run will use it")
+    eval_dataset: str | None = field(None, help="held-out text, as in the distill run")
+    text_field: str = field("text", help="text column")
+    seq_len: int = field(256, help="packed block length (must match the distill run)")
+    eval_blocks: int = field(16, help="held-out blocks for the teacher perplexity recorded in the cache")
+    max_blocks: int | None = field(None, help="cache only the first N training blocks (and train on them)")
+    topk: int = field(32, help="teacher tokens kept per position")
+    batch_size: int = field(8, help="blocks per teacher forward")
+    shard_blocks: int = field(256, help="blocks per shard file")
+    seed: int = field(0, help="seed (tiny-random teacher)")
+    output_dir: str = field("runs/teacher-cache", help="cache folder to write")
+    overwrite: bool = field(False, help="replace an existing cache")
+    # accepted so one YAML can drive both recipes; unused here
+    student: str | None = field(None, help="unused (the distill run's student)")
+    keep_layers: str = field("10", help="unused")
+
+    def __post_init__(self) -> None:
+        if self.topk < 1:
+            raise ConfigError(f"topk must be >= 1, got {self.topk}")
+        if self.batch_size < 1 or self.shard_blocks < 1 or self.seq_len < 2:
+            raise ConfigError("batch_size and shard_blocks must be >= 1 and seq_len >= 2")
+
+
+def main() -> None:
+    cfg = parse_config(CacheTeacherConfig)
+    out = Path(cfg.output_dir)
+    if out.exists() and not cfg.overwrite:
+        raise ConfigError(f"{out} already exists; pass overwrite=true or another output_dir=")
+    from distill.sources import load_pair
+
+    cfg_for_load = type("C", (), {**cfg.__dict__, "student": None, "teacher_cache": None, "keep_layers": "1"})
+    teacher, _, tokenizer = load_pair(cfg_for_load)
+    data = build_data(tokenizer, dataset=cfg.dataset, eval_dataset=cfg.eval_dataset, seq_len=cfg.seq_len,
+                      eval_blocks=cfg.eval_blocks, text_field=cfg.text_field, max_train_blocks=cfg.max_blocks)
+    if cfg.topk > teacher.config.vocab_size:
+        raise ConfigError(f"topk {cfg.topk} exceeds the vocabulary ({teacher.config.vocab_size})")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        t0 = time.time()
+        n = data.train.shape[0]
+        with torch.inference_mode(), tqdm(total=n * cfg.seq_len, unit="tok", desc="teacher top-k") as bar:
+            for shard, start in enumerate(range(0, n, cfg.shard_blocks)):
+                idx, val = [], []
+                for b in range(start, min(n, start + cfg.shard_blocks), cfg.batch_size):
+                    blocks = data.train[b: min(b + cfg.batch_size, start + cfg.shard_blocks, n)]
+                    i, v = topk_logprobs(teacher(input_ids=blocks).logits, cfg.topk)
+                    idx.append(i)
+                    val.append(v)
+                    bar.update(blocks.numel())
+                write_shard(tmp / f"shard-{shard:05d}.safetensors", torch.cat(idx), torch.cat(val))
+            teacher_ppl = evaluate_lm(teacher, eval_batches(data.eval, cfg.batch_size)).perplexity
+        meta = {"k": cfg.topk, "seq_len": cfg.seq_len, "blocks": n, "fingerprint": fingerprint(data.train),
+                "teacher": cfg.teacher, "dataset": cfg.dataset, "bytes_per_token": bytes_per_token(cfg.topk),
+                "teacher_ppl": teacher_ppl, "seconds": time.time() - t0}
+        (tmp / META).write_text(json.dumps(meta, indent=1))
+        save_config(cfg, tmp / "config.yaml")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    size = sum(p.stat().st_size for p in out.iterdir())
+    print(f"teacher cache: {out}  ({n} blocks × {cfg.seq_len} tokens, top-{cfg.topk}, "
+          f"{size / (n * cfg.seq_len):.0f} bytes/token on disk, teacher held-out ppl {teacher_ppl:.2f})")
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,118 @@
+"""Export a student as a deployable Hugging Face directory.
+
+    python recipes/export.py source=runs/smollm2-kd output_dir=exports/smollm2-kd
+    python recipes/export.py source=runs/smollm2-kd checkpoint=latest output_dir=exports/step dtype=bf16
+    python recipes/export.py source=runs/retrofit/adapter base=runs/retrofit/final output_dir=exports/hybrid
+
+``source`` is a run directory, a ``checkpoints/step-N`` folder, an HF model directory or a LoRA adapter.
+The export is the bare student (projectors and teacher stripped, LoRA merged) as safetensors, with its
+tokenizer and chat template, generation config, the hybrid-attention spec in ``config.json`` when the
+model has one, and a ``README.md`` model card built from the run's config, metrics and gate report.
+It loads with plain ``AutoModelForCausalLM.from_pretrained``. The directory appears whole or not at all.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from distill import export as ex  # noqa: E402
+from distill.config import ConfigError, field, parse_config, run_cli  # noqa: E402
+
+
+@dataclass
+class ExportConfig:
+    source: str = field(help="run dir, checkpoints/step-N dir, HF model dir, or LoRA adapter dir to export")
+    output_dir: str = field(help="where the exported HF directory is written (must not exist unless overwrite)")
+    dtype: str = field("fp32", help="weights dtype: fp32 | bf16 | fp16 | auto (keep the source's)")
+    checkpoint: str = field("auto", help="within a run dir: auto (final/ if present, else latest) | final | "
+                                         "latest | a step number")
+    base: str | None = field(None, help="base model dir for a LoRA adapter (default: the adapter's "
+                                        "base_model_name_or_path); may be a run or checkpoint dir")
+    max_shard_size: str = field("5GB", help="split safetensors above this size (e.g. 500MB, 2GB)")
+    overwrite: bool = field(False, help="replace an existing output_dir")
+    threads: int = field(0, help="torch CPU threads (0: leave torch's default)")
+
+    def __post_init__(self) -> None:
+        if not str(self.source).strip():
+            raise ConfigError("source is empty; pass source=RUN_DIR (or a checkpoint, model or adapter dir)")
+        if not str(self.output_dir).strip():
+            raise ConfigError("output_dir is empty; pass output_dir=DIR")
+        self.dtype = str(self.dtype).lower()
+        if self.dtype not in (*ex.DTYPES, "auto"):
+            raise ConfigError(f"dtype={self.dtype} is not supported; use fp32, bf16, fp16 or auto")
+        self.checkpoint = str(self.checkpoint).lower()
+        if self.checkpoint not in ("auto", "final", "latest") and not self.checkpoint.isdigit():
+            raise ConfigError(f"checkpoint={self.checkpoint} is not understood; use auto, final, latest or a step")
+        ex.parse_size(self.max_shard_size)
+        if self.threads < 0:
+            raise ConfigError(f"threads must be >= 0, got {self.threads}")
+
+
+@dataclass
+class ExportResult:
+    output_dir: Path
+    size_bytes: int
+    dtype: torch.dtype
+    params: int
+    hybrid: dict[str, Any] | None
+    shards: int
+    source: ex.Source
+
+    def summary(self) -> str:
+        attn = "dense attention"
+        if self.hybrid:
+            h = self.hybrid
+            attn = (f"hybrid attention (sinks {h.get('sink_tokens')}, window {h.get('window')}, "
+                    f"global every {h.get('global_every')})")
+        return "\n".join([
+            f"exported {self.source.describe()}",
+            f"  -> {self.output_dir}",
+            f"  {ex.human_bytes(self.size_bytes)} in {self.shards} safetensors file(s), "
+            f"{ex.DTYPE_NAMES.get(self.dtype, self.dtype)}, {ex.human_count(self.params)} parameters, {attn}",
+        ])
+
+
+def export(cfg: ExportConfig) -> ExportResult:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    out = Path(cfg.output_dir).expanduser().absolute()
+
+    # 1. What are we exporting? Refuse a bad target before the (slow) load.
+    src = ex.resolve_source(cfg.source, cfg.checkpoint)
+    ex.check_target(out, cfg.overwrite, source=src.path)
+    print(f"loading {src.describe()}", flush=True)
+
+    # 2. The bare student: projectors and teacher stripped, LoRA merged, in the chosen dtype.
+    dtype = None if cfg.dtype == "auto" else ex.DTYPES[cfg.dtype]
+    student = ex.load_student(src, dtype=dtype, base=cfg.base)
+    dtype = student.model.dtype
+    if not getattr(student.tokenizer, "chat_template", None):
+        print("warning: the tokenizer has no chat template; chat clients will need one", flush=True)
+
+    # 3. Write everything into a temp dir beside the target; it is renamed into place only when complete.
+    records = ex.read_run_records(src)
+    with ex.atomic_output_dir(out, overwrite=cfg.overwrite) as tmp:
+        ex.save_export(student, tmp, max_shard_size=cfg.max_shard_size)
+        card = ex.model_card(out.name, student, records, dtype, size_bytes=ex.dir_size(tmp))
+        ex.write_card(tmp, card, records)
+
+    result = ExportResult(out, ex.dir_size(out), dtype, student.params, student.hybrid,
+                          len(list(out.glob("*.safetensors"))), src)
+    print(result.summary(), flush=True)
+    return result
+
+
+def main(argv: list[str] | None = None) -> ExportResult:
+    return export(parse_config(ExportConfig, argv))
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,368 @@
+"""The decode engine: continuous batching over preallocated (dense or bounded) KV caches.
+
+Each request owns one row of the cache. :meth:`Engine.step` first admits waiting requests into free
+rows (chunked prefill, one row at a time, so a long prompt never needs more than ``prefill_chunk``
+tokens of activations), then runs one batched decode step over every active row; finished rows are
+freed at once and reused by the next admission. The same loop serves the synchronous API
+(:meth:`Engine.generate`, :meth:`Engine.stream`) and the HTTP server (:meth:`Engine.start` runs it in a
+background thread; requests join between decode steps).
+
+Usage::
+
+    engine = Engine("path/to/model")            # hybrid if config.json has "hybrid_attention"
+    engine.generate(["Hello"], SamplingParams(max_new_tokens=32))[0].text
+    for delta in engine.stream("Hello", SamplingParams(temperature=0.7, seed=1)):
+        print(delta, end="", flush=True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+from serve.kv_cache import KVCache
+from serve.model import DecoderModel
+from serve.sampling import SamplingParams, sample
+from serve.text import TextStream
+
+logger = logging.getLogger(__name__)
+
+# on_event(text_delta, token_id, finish_reason): one call per generated token (token_id set,
+# finish_reason None), then exactly one final call (token_id None, finish_reason set).
+EventCallback = Callable[[str, "int | None", "str | None"], None]
+
+
+@dataclasses.dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" | "length" | "cancelled" | "error"
+    prompt_tokens: int
+
+
+class Request:
+    """One generation in flight. Created by :meth:`Engine.submit`; read-only for callers."""
+
+    _ids = itertools.count()
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, on_event: EventCallback | None,
+                 tokenizer, stop_ids: set[int]) -> None:
+        self.id = next(self._ids)
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.on_event = on_event
+        self.stop_ids = set() if params.ignore_eos else set(stop_ids)
+        if params.stop_token_ids is not None:
+            self.stop_ids = set(params.stop_token_ids)
+        self.text = TextStream(tokenizer, params.stop, context_ids=prompt_ids)
+        self.out_ids: list[int] = []
+        self.row = -1
+        self.pos = -1  # absolute position of the last token fed to the model
+        self.finish_reason: str | None = None
+        self.cancelled = False
+        self.generator: torch.Generator | None = None
+        self.arrival = time.perf_counter()
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def result(self) -> Completion:
+        return Completion(self.text.text, list(self.out_ids), self.finish_reason or "", len(self.prompt_ids))
+
+
+class Engine:
+    """Batched, streaming generation for Llama / Mistral / Qwen2 checkpoints (dense or hybrid).
+
+    Args:
+        model_dir: an HF model directory; a ``"hybrid_attention"`` entry in its ``config.json`` selects
+            the bounded cache. Alternatively pass ``model=`` (an HF ``*ForCausalLM``) and ``tokenizer=``.
+        device, dtype: default CUDA + bf16 when available, else CPU + fp32.
+        max_batch: most requests decoded together (cache rows).
+        max_seq_len: longest prompt + generation a request may reach (default: the model's
+            ``max_position_embeddings``); requests beyond it are refused, never truncated.
+        prefill_chunk: prompt tokens per prefill forward (bounds activation memory for long prompts).
+        compile: CUDA only: ``torch.compile`` the decode step (ignored on CPU).
+        dense: force the dense cache even for a hybrid model (the full-attention baseline).
+    """
+
+    def __init__(self, model_dir: str | Path | None = None, *, model=None, tokenizer=None,
+                 device: str | torch.device | None = None, dtype: torch.dtype | None = None,
+                 max_batch: int = 8, max_seq_len: int | None = None, prefill_chunk: int = 512,
+                 compile: bool = False, dense: bool = False) -> None:
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        if model is None:
+            if model_dir is None:
+                raise ValueError("Engine needs model_dir or model=")
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
+            tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_dir)
+        if tokenizer is None:
+            raise ValueError("Engine(model=...) also needs tokenizer=")
+        self.model = DecoderModel(model.to(device=device, dtype=dtype))
+        self.tokenizer = tokenizer
+        self.device = device
+        self.dense = dense or self.model.spec is None
+        self.max_batch = max_batch
+        self.max_seq_len = max_seq_len or model.config.max_position_embeddings
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk
+        self.stop_ids = self._eos_ids(model)
+        self.cache: KVCache | None = None
+        self._waiting: deque[Request] = deque()
+        self._rows: list[Request | None] = []
+        self._lock = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._shutdown = False
+        # Decode inputs live in preallocated buffers, updated in place every step.
+        self._tokens = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self._pos = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self._decode = self.model.decode_one_token
+        if compile and device.type == "cuda":
+            self._decode = torch.compile(self.model.decode_one_token, dynamic=True)
+
+    # ---- setup helpers -----------------------------------------------------------------------------------
+
+    def _eos_ids(self, model) -> set[int]:
+        ids: set[int] = set()
+        for src in (getattr(model, "generation_config", None), model.config):
+            eos = getattr(src, "eos_token_id", None) if src is not None else None
+            if eos is not None:
+                ids.update([eos] if isinstance(eos, int) else eos)
+                break
+        if not ids and getattr(self.tokenizer, "eos_token_id", None) is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    @property
+    def spec(self):
+        """The hybrid spec served (None for a dense model or ``dense=True``)."""
+        return None if self.dense else self.model.spec
+
+    def encode(self, prompt: str | Sequence[int] | list[dict], chat: bool = False) -> list[int]:
+        """Token ids of a prompt: a string, ids, or (``chat=True``) a string / list of chat messages."""
+        if chat:
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt)["input_ids"])
+        return [int(t) for t in prompt]
+
+    def check_request(self, n_prompt: int, params: SamplingParams) -> None:
+        """Raise ``ValueError`` (one line, with the limits) if a request cannot be served whole."""
+        if n_prompt < 1:
+            raise ValueError("the prompt is empty; send at least one token")
+        if n_prompt + params.max_new_tokens > self.max_seq_len:
+            raise ValueError(f"prompt ({n_prompt} tokens) + max new tokens ({params.max_new_tokens}) exceeds the "
+                             f"context of {self.max_seq_len} tokens; shorten the prompt or lower max tokens")
+
+    def _ensure_cache(self, rows: int) -> KVCache:
+        """Grow the cache to ``rows`` rows (only between steps, when a request is admitted)."""
+        old = self.cache
+        if old is not None and old.rows >= rows:
+            return old
+        rows = min(self.max_batch, max(rows, 2 * (old.rows if old else 0), 1))
+        new = self.model.new_cache(rows, self.max_seq_len, dense=self.dense)
+        if old is not None:
+            n = old.rows
+            new.k[:, :n].copy_(old.k)
+            new.v[:, :n].copy_(old.v)
+            new.slot_pos[:n].copy_(old.slot_pos)
+            new.window[:n].copy_(old.window)
+        self.cache = new
+        self._rows.extend([None] * (rows - len(self._rows)))
+        return new
+
+    # ---- request lifecycle -------------------------------------------------------------------------------
+
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
+               on_event: EventCallback | None = None) -> Request:
+        """Queue a request (thread-safe); it joins the batch at the next step."""
+        params = params or SamplingParams()
+        prompt_ids = [int(t) for t in prompt_ids]
+        self.check_request(len(prompt_ids), params)
+        req = Request(prompt_ids, params, on_event, self.tokenizer, self.stop_ids)
+        with self._lock:
+            self._waiting.append(req)
+            self._lock.notify_all()
+        return req
+
+    def cancel(self, req: Request) -> None:
+        """Stop a request (thread-safe); its row is freed before the next decode step."""
+        req.cancelled = True
+        with self._lock:
+            self._lock.notify_all()
+
+    @property
+    def num_active(self) -> int:
+        return sum(r is not None for r in self._rows)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.finish_reason = reason
+        tail = "" if reason == "cancelled" else req.text.finish()
+        if req.row >= 0:
+            self._rows[req.row] = None
+        if req.on_event is not None:
+            req.on_event(tail, None, reason)
+
+    def _accept(self, req: Request, token: int) -> None:
+        """Record a sampled token: stop token, stop string, or length may end the request."""
+        if token in req.stop_ids:
+            self._finish(req, "stop")
+            return
+        req.out_ids.append(token)
+        delta = req.text.push(token)
+        if req.on_event is not None:
+            req.on_event(delta, token, None)
+        if req.text.stopped:
+            self._finish(req, "stop")
+        elif len(req.out_ids) >= req.params.max_new_tokens:
+            self._finish(req, "length")
+
+    def _admit(self, req: Request) -> None:
+        cache = self._ensure_cache(self.num_active + 1)
+        row = self._rows.index(None)
+        self._rows[row] = req
+        req.row = row
+        total = len(req.prompt_ids) + req.params.max_new_tokens
+        cache.reset_row(row, cache.window_for(total))
+        if not req.params.greedy:
+            req.generator = torch.Generator(device=self.device)
+            req.generator.manual_seed(req.params.seed if req.params.seed is not None
+                                      else int(torch.randint(0, 2**62, ()).item()))
+        ids = torch.tensor(req.prompt_ids, dtype=torch.long, device=self.device)
+        for start in range(0, ids.shape[0], self.prefill_chunk):
+            logits = self.model.prefill(cache, row, ids[start:start + self.prefill_chunk], start)
+        req.pos = len(req.prompt_ids) - 1
+        token = sample(logits, req.params, req.generator)
+        self._accept(req, token)
+        if not req.done:
+            self._tokens[row] = token
+            self._pos[row] = req.pos + 1
+
+    def step(self) -> bool:
+        """Admit waiting requests, then decode one token for every active row. Returns whether work remains."""
+        with self._lock:
+            for req in list(self._waiting):
+                if req.cancelled:
+                    self._waiting.remove(req)
+                    self._finish(req, "cancelled")
+        for req in self._rows:
+            if req is not None and req.cancelled:
+                self._finish(req, "cancelled")
+        while self.num_active < self.max_batch:
+            with self._lock:
+                if not self._waiting:
+                    break
+                req = self._waiting.popleft()
+            self._admit(req)
+        active = [r for r in self._rows if r is not None]
+        if active:
+            self._decode_step(active)
+        return bool(self._waiting) or self.num_active > 0
+
+    def _decode_step(self, active: list[Request]) -> None:
+        hi = max(r.row for r in active) + 1
+        cache = self.cache
+        n_slots = cache.used_slots(max(r.pos for r in active) + 1)
+        logits = self._decode(cache, self._tokens[:hi], self._pos[:hi], n_slots)
+        nxt = logits.argmax(-1)
+        for r in active:
+            if not r.params.greedy:
+                nxt[r.row] = sample(logits[r.row], r.params, r.generator)
+        self._tokens[:hi].copy_(nxt)
+        tokens = nxt.tolist()
+        for r in active:
+            r.pos += 1
+            self._pos[r.row] = r.pos + 1
+            self._accept(r, tokens[r.row])
+
+    # ---- synchronous API ---------------------------------------------------------------------------------
+
+    def _run_until(self, reqs: list[Request]) -> None:
+        if self._thread is not None:
+            raise RuntimeError("the engine runs in a background thread; use submit() with on_event instead")
+        while not all(r.done for r in reqs):
+            self.step()
+
+    def generate(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+                 | None = None, *, chat: bool = False) -> list[Completion]:
+        """Generate for several prompts at once (continuous batching, ``max_batch`` at a time)."""
+        plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(plist)} sampling params")
+        reqs = [self.submit(self.encode(p, chat), sp) for p, sp in zip(prompts, plist)]
+        self._run_until(reqs)
+        return [r.result() for r in reqs]
+
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+               chat: bool = False) -> Iterator[str]:
+        """Yield text deltas of one prompt as they are produced (concatenated they equal the full text)."""
+        if self._thread is not None:
+            raise RuntimeError("the engine runs in a background thread; use submit() with on_event instead")
+        out: deque[str] = deque()
+        req = self.submit(self.encode(prompt, chat), params, lambda d, _t, _f: out.append(d) if d else None)
+        try:
+            while not req.done:
+                self.step()
+                while out:
+                    yield out.popleft()
+            while out:
+                yield out.popleft()
+        finally:
+            if not req.done:
+                self.cancel(req)
+                self.step()
+
+    # ---- background loop (server) ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Run the step loop in a daemon thread; feed it with :meth:`submit` (events via ``on_event``)."""
+        if self._thread is not None:
+            return
+        self._shutdown = False
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._shutdown = True
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            with self._lock:
+                while not self._shutdown and not self._waiting and self.num_active == 0:
+                    self._lock.wait()
+                if self._shutdown:
+                    return
+            try:
+                self.step()
+            except Exception:  # a bug or OOM must not leave clients waiting forever
+                logger.exception("engine step failed; failing the requests in flight")
+                with self._lock:
+                    reqs = [r for r in self._rows if r is not None] + list(self._waiting)
+                    self._waiting.clear()
+                for r in reqs:
+                    if not r.done:
+                        self._finish(r, "error")

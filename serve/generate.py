@@ -1,0 +1,61 @@
+"""Stream a completion to the terminal.
+
+    python -m serve.generate --model DIR --prompt "Once upon a time" [--chat] [--max-new-tokens 128] \
+        [--temperature 0] [--top-k 0] [--top-p 1] [--seed 0] [--stop STR ...]
+
+``--temperature 0`` is greedy. A model whose ``config.json`` carries ``"hybrid_attention"`` decodes
+with the bounded KV cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from serve.sampling import SamplingParams
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m serve.generate", description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True, help="HF model directory (or smollm2-135m-instruct)")
+    p.add_argument("--prompt", required=True, help="prompt text (the user message with --chat)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--max-seq-len", type=int, default=None, help="context limit (default: the model's)")
+    p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))
+        from distill.pretrained import resolve_model_path
+        from serve.engine import Engine
+
+        engine = Engine(resolve_model_path(args.model), device=args.device, max_batch=1,
+                        max_seq_len=args.max_seq_len)
+        t0 = time.perf_counter()
+        n = 0
+        for delta in engine.stream(args.prompt, params, chat=args.chat):
+            n += 1
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        kind = "hybrid bounded cache" if engine.spec is not None else "dense cache"
+        print(f"[{kind}, {time.perf_counter() - t0:.2f}s]", file=sys.stderr)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

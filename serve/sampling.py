@@ -1,0 +1,62 @@
+"""Sampling parameters and the per-row token choice (greedy / temperature / top-k / top-p, seeded)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """How one request generates.
+
+    ``temperature=0`` is greedy. ``top_k=0`` and ``top_p=1`` disable those filters. ``seed`` makes a
+    sampled request reproducible whatever else shares its batch (each request owns its generator).
+    ``stop`` strings end generation and are not returned; ``stop_token_ids=None`` means the model's EOS.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] | list[str] = ()
+    stop_token_ids: tuple[int, ...] | list[int] | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if isinstance(self.stop, str):
+            self.stop = (self.stop,)
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """Choose a token from ``[vocab]`` fp32 logits."""
+    if params.greedy:
+        return int(logits.argmax())
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1:
+        sorted_p, order = probs.sort(descending=True)
+        # Drop a token when the mass before it already reaches top_p (the top token always stays).
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,388 @@
+"""Export: every kind of source becomes a plain HF directory that reproduces the source model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from distill import export as ex
+from distill.config import ConfigError, parse_config
+from recipes.export import ExportConfig, export
+from tests.tiny import save_tiny, tiny_model, tiny_tokenizer
+
+REPO = Path(__file__).resolve().parent.parent
+HYBRID = {"sink_tokens": 4, "window": 8, "global_every": 16, "max_globals": 2}
+SUMMARY = {"steps": 7, "final_loss": 1.2345, "tokens_per_s": 812.5, "teacher_ppl": 11.5,
+           "student_ppl_init": 40.25, "student_ppl_final": 17.75, "top1_agreement": 0.6125}
+GATE = {"verdict": "pass", "bertscore_f1": 0.9137, "threshold": 0.9, "prompts": 24}
+GATE_MD = "# Release gate\n\nverdict: PASS — BERTScore F1 0.9137 >= 0.9 on 24 prompts\n"
+RUN_CONFIG = {"teacher": "models/teacher", "student": "models/student", "dataset": "data/tiny.txt",
+              "seq_len": 64, "max_steps": 7, "lr": 3e-4}
+
+
+def ids(n: int = 12, batch: int = 2, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 320, (batch, n), generator=g)
+
+
+@torch.no_grad()
+def logits(model, x: torch.Tensor | None = None) -> torch.Tensor:
+    return model(ids() if x is None else x).logits.float()
+
+
+def load(path: Path, **kw):
+    return AutoModelForCausalLM.from_pretrained(str(path), **kw).eval()
+
+
+def run_export(source: Path, out: Path, **kw) -> object:
+    return export(ExportConfig(source=str(source), output_dir=str(out), **kw))
+
+
+def weight_keys(out: Path) -> set[str]:
+    keys: set[str] = set()
+    for f in out.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as fh:
+            keys |= set(fh.keys())
+    return keys
+
+
+def write_student_dir(model, path: Path) -> None:
+    """What the training recipe puts under checkpoints/step-N/student/: config + tokenizer, no weights."""
+    path.mkdir(parents=True)
+    model.config.save_pretrained(path)
+    model.generation_config.save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+
+
+def make_checkpoint(ckpt: Path, model, step: int, drop: tuple[str, ...] = ()) -> None:
+    """A training checkpoint: teacher–student state dict (student.* + projectors.*), student/, bookkeeping."""
+    ckpt.mkdir(parents=True)
+    state = {f"student.{k}": v.clone().contiguous() for k, v in model.state_dict().items() if k not in drop}
+    state["projectors.h1.weight"] = torch.randn(96, 64)
+    state["projectors.h2.weight"] = torch.randn(96, 64)
+    save_file(state, str(ckpt / "model.safetensors"))
+    (ckpt / "optimizer.bin").write_bytes(b"not a real optimizer state")
+    (ckpt / "random_states_0.pkl").write_bytes(b"ignored")
+    write_student_dir(model, ckpt / "student")
+    (ckpt / "config.yaml").write_text(yaml.safe_dump(RUN_CONFIG))
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": step}))
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> tuple[Path, dict[int, torch.nn.Module]]:
+    """A finished run: final/ (seed 0) and checkpoints step-3 (seed 3) and step-7 (seed 7), records."""
+    run = tmp_path / "run"
+    run.mkdir()
+    save_tiny(run / "final", seed=0)
+    models = {0: tiny_model(seed=0)}
+    for step in (3, 7):
+        models[step] = tiny_model(seed=step)
+        make_checkpoint(run / "checkpoints" / f"step-{step}", models[step], step)
+    (run / "checkpoints" / "step-9.tmp").mkdir()  # an interrupted save is not a checkpoint
+    (run / "config.yaml").write_text(yaml.safe_dump(RUN_CONFIG))
+    (run / "summary.json").write_text(json.dumps(SUMMARY))
+    (run / "gate").mkdir()
+    (run / "gate" / "report.json").write_text(json.dumps(GATE))
+    (run / "gate" / "report.md").write_text(GATE_MD)
+    (run / "loss.png").write_bytes(b"\x89PNG\r\n\x1a\nfake")
+    return run, models
+
+
+# --------------------------------------------------------------------------------------------
+# Sources → identical model
+# --------------------------------------------------------------------------------------------
+
+
+def test_final_dir_roundtrip_fp32_is_exact(tmp_path: Path) -> None:
+    src = save_tiny(tmp_path / "final", seed=1)
+    out = tmp_path / "export"
+    res = run_export(src, out)
+    exported, source = load(out), load(src)
+    for (k, a), (k2, b) in zip(source.state_dict().items(), exported.state_dict().items()):
+        assert k == k2 and torch.equal(a, b), k
+    torch.testing.assert_close(logits(exported), logits(source), atol=1e-6, rtol=0)
+    assert res.dtype == torch.float32 and res.hybrid is None and res.params == source.num_parameters()
+    tok = AutoTokenizer.from_pretrained(str(out))
+    assert tok.chat_template and tok.encode("the quick fox") == tiny_tokenizer().encode("the quick fox")
+    assert (out / "generation_config.json").is_file()
+    assert oct((out / "model.safetensors").stat().st_mode & 0o444) == oct(0o444)  # readable by all
+
+
+def test_checkpoint_strips_projectors_and_matches_student(run_dir) -> None:
+    run, models = run_dir
+    ckpt = run / "checkpoints" / "step-3"
+    out = run.parent / "export"
+    res = run_export(ckpt, out)
+    keys = weight_keys(out)
+    assert keys == set(models[3].state_dict()), keys ^ set(models[3].state_dict())
+    assert not any("projector" in k or k.startswith("student.") for k in keys)
+    torch.testing.assert_close(logits(load(out)), logits(models[3]), atol=1e-6, rtol=0)
+    assert res.source.kind == "checkpoint" and res.source.step == 3 and res.source.run_dir == run
+    assert AutoTokenizer.from_pretrained(str(out)).chat_template
+
+
+def test_checkpoint_with_tied_embeddings_dropped_alias(tmp_path: Path) -> None:
+    # safetensors savers keep one name of a tied pair; either one must be enough.
+    model = tiny_model(seed=4, tie_word_embeddings=True)
+    for dropped in ("lm_head.weight", "model.embed_tokens.weight"):
+        ckpt = tmp_path / f"ckpt-{dropped}"
+        make_checkpoint(ckpt, model, 1, drop=(dropped,))
+        out = tmp_path / f"out-{dropped}"
+        run_export(ckpt, out)
+        torch.testing.assert_close(logits(load(out)), logits(model), atol=1e-6, rtol=0)
+
+
+def test_run_dir_picks_final_latest_or_step(run_dir) -> None:
+    run, models = run_dir
+    assert ex.resolve_source(run).path == run / "final"
+    assert ex.resolve_source(run, "latest").path == run / "checkpoints" / "step-7"
+    assert ex.resolve_source(run, "3").step == 3
+    out = run.parent / "latest"
+    run_export(run, out, checkpoint="latest")
+    torch.testing.assert_close(logits(load(out)), logits(models[7]), atol=1e-6, rtol=0)
+    with pytest.raises(ConfigError, match=r"no checkpoints/step-5; pick checkpoint= from: final, 3, 7"):
+        ex.resolve_source(run, "5")
+    with pytest.raises(ConfigError, match="only applies when source is a run directory"):
+        ex.resolve_source(run / "final", "latest")
+
+
+def test_bf16_export_is_close_and_stored_bf16(tmp_path: Path) -> None:
+    src = save_tiny(tmp_path / "final", seed=2)
+    out = tmp_path / "bf16"
+    res = run_export(src, out, dtype="bf16")
+    with safe_open(str(out / "model.safetensors"), "pt") as fh:
+        assert {fh.get_tensor(k).dtype for k in fh.keys()} == {torch.bfloat16}
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16" and res.dtype == torch.bfloat16
+    exported = load(out, dtype=torch.float32)
+    ref = logits(load(src))
+    got = logits(exported)
+    assert (got - ref).abs().max() < 0.05 * ref.abs().max()
+    assert (got - ref).abs().max() > 0  # it really was rounded
+    # dtype=auto keeps what the source stores
+    out2 = tmp_path / "auto"
+    assert run_export(out, out2, dtype="auto").dtype == torch.bfloat16
+
+
+def test_lora_adapter_is_merged(tmp_path: Path) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    base_dir = save_tiny(tmp_path / "base", seed=5)
+    peft_model = get_peft_model(load(base_dir), LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                                           target_modules=["q_proj", "v_proj", "down_proj"]))
+    adapter = tmp_path / "adapter"
+    peft_model.save_pretrained(adapter)
+    ref = logits(peft_model)
+    assert (ref - logits(load(base_dir))).abs().max() > 1e-3  # the adapter changes the model
+
+    out = tmp_path / "merged"
+    res = run_export(adapter, out)
+    merged = load(out)
+    torch.testing.assert_close(logits(merged), ref, atol=1e-5, rtol=0)
+    assert not any("lora" in k for k in weight_keys(out)) and res.params == merged.num_parameters()
+
+    # The recorded base path is wrong once the base moves: base= overrides it.
+    moved = tmp_path / "moved-base"
+    base_dir.rename(moved)
+    with pytest.raises(ConfigError, match="pass base=PATH"):
+        run_export(adapter, tmp_path / "x")
+    run_export(adapter, tmp_path / "merged2", base=str(moved))
+    torch.testing.assert_close(logits(load(tmp_path / "merged2")), ref, atol=1e-5, rtol=0)
+
+
+def test_hybrid_spec_preserved_and_plain_load_works(tmp_path: Path) -> None:
+    src = save_tiny(tmp_path / "final", seed=6)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["hybrid_attention"] = HYBRID
+    cfg["attn_implementation"] = "hybrid_sparse"  # registered only inside a training process
+    (src / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "hybrid"
+    res = run_export(src, out)
+    written = json.loads((out / "config.json").read_text())
+    assert written["hybrid_attention"] == HYBRID and res.hybrid == HYBRID
+    assert "attn_implementation" not in written
+    exported = load(out)  # plain, default attention: would raise on an unregistered name
+    assert exported.config.hybrid_attention == HYBRID
+    torch.testing.assert_close(logits(exported), logits(tiny_model(seed=6)), atol=1e-5, rtol=0)
+    assert "Hybrid sparse attention" in (out / "README.md").read_text()
+
+
+def test_sharding_writes_an_index(tmp_path: Path) -> None:
+    src = save_tiny(tmp_path / "final", seed=8)
+    out = tmp_path / "sharded"
+    res = run_export(src, out, max_shard_size="100KB")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = set(index["weight_map"].values())
+    assert len(shards) >= 3 and res.shards == len(shards)
+    assert all(os.path.getsize(out / s) <= 150_000 for s in shards)
+    torch.testing.assert_close(logits(load(out)), logits(load(src)), atol=1e-6, rtol=0)
+
+
+# --------------------------------------------------------------------------------------------
+# Model card
+# --------------------------------------------------------------------------------------------
+
+
+def test_model_card_has_config_data_metrics_and_gate(run_dir) -> None:
+    run, _ = run_dir
+    out = run.parent / "export"
+    run_export(run, out)
+    card = (out / "README.md").read_text()
+    assert card.startswith("---\nlibrary_name: transformers")
+    assert "| student_ppl_final | 17.75 |" in card and "| top1_agreement | 0.6125 |" in card
+    assert "**Verdict: PASS**" in card and "| bertscore_f1 | 0.9137 |" in card
+    assert "BERTScore F1 0.9137 >= 0.9 on 24 prompts" in card  # report.md embedded
+    assert "| dataset | data/tiny.txt |" in card and "| lr |" not in card  # data table only data keys
+    assert "lr: 0.0003" in card  # full config below
+    assert "models/teacher" in card and "![training loss](loss.png)" in card
+    assert (out / "loss.png").read_bytes().startswith(b"\x89PNG")
+    assert "not on this" not in card
+
+    # A mid-run checkpoint says the numbers belong to the final model.
+    out3 = run.parent / "step3"
+    run_export(run, out3, checkpoint="3")
+    assert "final model (step 7), not on this export (step 3)" in (out3 / "README.md").read_text()
+
+
+def test_model_card_without_run_records(tmp_path: Path) -> None:
+    out = tmp_path / "export"
+    run_export(save_tiny(tmp_path / "final"), out)
+    card = (out / "README.md").read_text()
+    assert "No metrics recorded" in card and "has not been run" in card and "Dense attention" in card
+
+
+# --------------------------------------------------------------------------------------------
+# Safety: overwrite, atomicity, bad input
+# --------------------------------------------------------------------------------------------
+
+
+def test_overwrite_refused_then_allowed(tmp_path: Path) -> None:
+    src = save_tiny(tmp_path / "final")
+    out = tmp_path / "export"
+    run_export(src, out)
+    before = (out / "model.safetensors").read_bytes()
+    with pytest.raises(ConfigError, match="already exists; pass overwrite=true"):
+        run_export(src, out, dtype="bf16")
+    assert (out / "model.safetensors").read_bytes() == before
+    run_export(src, out, dtype="bf16", overwrite=True)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "final"]  # no leftovers
+    with pytest.raises(ConfigError, match="contains the source"):
+        run_export(src, src, overwrite=True)
+
+
+def test_failure_mid_write_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src = save_tiny(tmp_path / "final")
+    out = tmp_path / "export"
+
+    def broken(out_dir: Path, *a, **k) -> None:
+        assert (Path(out_dir) / "model.safetensors").is_file()  # weights already written
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ex, "write_card", broken)
+    with pytest.raises(OSError, match="disk full"):
+        run_export(src, out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+
+    # With overwrite, a failed replacement keeps the previous export intact.
+    monkeypatch.undo()
+    run_export(src, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    monkeypatch.setattr(ex, "write_card", broken)
+    with pytest.raises(OSError):
+        run_export(src, out, dtype="bf16", overwrite=True)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "final"]
+
+
+def test_bad_sources_name_the_fix(tmp_path: Path, run_dir) -> None:
+    run, models = run_dir
+    with pytest.raises(ConfigError, match="does not exist"):
+        ex.resolve_source(tmp_path / "missing")
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "notes.txt").write_text("hi")
+    with pytest.raises(ConfigError, match="not a known kind of source; point source= at a run directory"):
+        ex.resolve_source(tmp_path / "junk")
+    ckpt = run / "checkpoints" / "step-3"
+    (ckpt / "student" / "config.json").unlink()
+    with pytest.raises(ConfigError, match="has no student/config.json; copy the student's config.json"):
+        ex.resolve_source(ckpt)
+    # A checkpoint that lacks some student weights must not be exported with random ones.
+    partial = tmp_path / "partial"
+    make_checkpoint(partial, models[0], 1, drop=("model.layers.1.mlp.up_proj.weight",))
+    with pytest.raises(ConfigError, match=r"lacks 1 student weights \(e.g. model.layers.1.mlp.up_proj.weight\)"):
+        run_export(partial, tmp_path / "never")
+    assert not (tmp_path / "never").exists()
+    # Config validation.
+    for bad, msg in [("dtype=int8", "use fp32, bf16, fp16 or auto"), ("max_shard_size=lots", "500MB"),
+                     ("checkpoint=best", "use auto, final, latest or a step")]:
+        with pytest.raises(ConfigError, match=msg):
+            parse_config(ExportConfig, ["source=a", "output_dir=b", bad])
+
+
+def test_deepspeed_checkpoint_goes_through_zero_to_fp32(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("deepspeed")
+    import deepspeed.utils.zero_to_fp32 as z2f
+
+    model = tiny_model(seed=9)
+    ckpt = tmp_path / "checkpoints" / "step-2"
+    (ckpt / "pytorch_model").mkdir(parents=True)
+    (ckpt / "pytorch_model" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")
+    (ckpt / "latest").write_text("pytorch_model")
+    write_student_dir(model, ckpt / "student")
+    calls = []
+
+    def fake(checkpoint_dir, tag=None, **kw):
+        calls.append((checkpoint_dir, tag))
+        state = {f"module.student.{k}": v.clone() for k, v in model.state_dict().items()}
+        state["module.projectors.h1.weight"] = torch.zeros(3, 3)
+        return state
+
+    monkeypatch.setattr(z2f, "get_fp32_state_dict_from_zero_checkpoint", fake)
+    src = ex.resolve_source(ckpt)
+    assert src.kind == "deepspeed" and src.step == 2
+    out = tmp_path / "export"
+    run_export(ckpt, out)
+    assert calls == [(str(ckpt), None)]
+    torch.testing.assert_close(logits(load(out)), logits(model), atol=1e-6, rtol=0)
+
+
+def test_student_state_dict_stripping() -> None:
+    t = torch.zeros(1)
+    state = {"student.model.x": t, "_orig_mod.student.lm_head.weight": t, "projectors.p.weight": t,
+             "teacher.model.x": t}
+    assert set(ex.student_state_dict(state)) == {"model.x", "lm_head.weight"}
+    assert set(ex.student_state_dict({"module.model.x": t})) == {"model.x"}  # a bare student
+
+
+# --------------------------------------------------------------------------------------------
+# The real CLI
+# --------------------------------------------------------------------------------------------
+
+
+def test_cli_exports_a_run_and_rejects_bad_input(run_dir) -> None:
+    run, models = run_dir
+    out = run.parent / "cli-export"
+    env = {**os.environ, "PYTHONPATH": ""}  # the recipe must find the package by itself
+    cmd = [sys.executable, str(REPO / "recipes" / "export.py"), f"source={run}", f"output_dir={out}",
+           "checkpoint=latest", "max_shard_size=200KB", "threads=1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=run.parent, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"-> {out}" in proc.stdout and "fp32" in proc.stdout and "dense attention" in proc.stdout
+    torch.testing.assert_close(logits(load(out)), logits(models[7]), atol=1e-6, rtol=0)
+
+    again = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=run.parent, timeout=300)
+    assert again.returncode == 2
+    lines = again.stderr.strip().splitlines()
+    assert lines[-1] == f"error: output_dir {out} already exists; pass overwrite=true to replace it or choose " \
+                        "another output_dir"
+    assert "Traceback" not in again.stderr
