@@ -61,3 +61,32 @@ def padded_hybrid_mask(attention_mask: torch.Tensor, spec: HybridAttentionConfig
     eye = torch.eye(am.shape[-1], dtype=torch.bool, device=am.device)
     m = m | (eye & ~am.unsqueeze(-1))
     return m.unsqueeze(1)
+
+
+def query_key_mask(q_len: int, k_len: int, spec: HybridAttentionConfig, *,
+                   attention_mask: torch.Tensor | None = None, window: int | None = None,
+                   query_start: int | None = None, device: torch.device | str | None = None) -> torch.Tensor:
+    """``[batch or 1, 1, q_len, k_len]`` bool mask for queries that are a slice of the key sequence.
+
+    The general reference (and the masked-SDPA backend): query ``r`` sits at key index
+    ``query_start + r`` (default: the last ``q_len`` keys, as in cached decoding). ``attention_mask``
+    is ``[batch, k_len]`` (1 = real token); positions count real tokens only, keys that are not real
+    are never seen, and a padded query row sees only its own key so softmax never gets an empty row.
+    With ``q_len == k_len`` this equals :func:`padded_hybrid_mask` / :func:`hybrid_mask`.
+    """
+    qs = k_len - q_len if query_start is None else query_start
+    if attention_mask is None:
+        kpos = torch.arange(k_len, device=device).unsqueeze(0)
+        real = torch.ones_like(kpos, dtype=torch.bool)
+    else:
+        real = attention_mask.to(device=device).bool()
+        kpos = real.long().cumsum(-1) - 1
+    q_idx = torch.arange(qs, qs + q_len, device=real.device)
+    qpos = kpos[:, q_idx]
+    q_real = real[:, q_idx]
+    k_idx = torch.arange(k_len, device=real.device)
+    m = allowed(qpos, kpos, spec, window) & real.unsqueeze(-2) & q_real.unsqueeze(-1)
+    m = m & (k_idx.unsqueeze(0) <= q_idx.unsqueeze(1))  # keys stored after a query (static cache) stay unseen
+    own = k_idx.unsqueeze(0) == q_idx.unsqueeze(1)
+    m = m | (own & ~q_real.unsqueeze(-1))
+    return m.unsqueeze(1)

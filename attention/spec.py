@@ -7,6 +7,10 @@ A query at position ``i`` sees a key at position ``j <= i`` iff
 * ``global_every > 0 and j % global_every == 0`` (periodic global tokens every later query sees;
   at most ``max_globals`` of them when set, the earliest ones).
 
+``sink_tokens=0`` is legitimate (no sinks: window + globals only); ``window`` must be at least 1
+(the token itself). Sequences no longer than ``sink_tokens + window`` get exactly dense causal
+attention.
+
 ``global_rows=True`` additionally gives each global token a full attention row (it sees every
 earlier key, Longformer-style). A global row needs the whole history at decode time, so a
 bounded KV cache is impossible with it; that is why it is off by default.
@@ -22,6 +26,8 @@ import dataclasses
 import json
 from typing import Any
 
+from attention.errors import HybridAttentionError
+
 CONFIG_KEY = "hybrid_attention"
 
 
@@ -36,20 +42,20 @@ class HybridAttentionConfig:
 
     def __post_init__(self) -> None:
         if self.sink_tokens < 0:
-            raise ValueError(f"sink_tokens must be >= 0, got {self.sink_tokens}; use 0 to disable sinks")
+            raise HybridAttentionError(f"sink_tokens must be >= 0, got {self.sink_tokens}; use 0 to disable sinks")
         if self.window <= 0:
-            raise ValueError(f"window must be > 0, got {self.window}; the window counts the token itself")
+            raise HybridAttentionError(f"window must be > 0, got {self.window}; the window counts the token itself")
         if self.global_every < 0:
-            raise ValueError(f"global_every must be >= 0, got {self.global_every}; use 0 to disable globals")
+            raise HybridAttentionError(f"global_every must be >= 0, got {self.global_every}; use 0 to disable globals")
         if self.max_globals is not None and self.max_globals < 0:
-            raise ValueError(f"max_globals must be >= 0 or None, got {self.max_globals}")
+            raise HybridAttentionError(f"max_globals must be >= 0 or None, got {self.max_globals}")
         if self.window_policy is not None:
             policy = [(None if b is None else int(b), int(w)) for b, w in self.window_policy]
             if not policy or any(w <= 0 for _, w in policy):
-                raise ValueError("window_policy needs [[max_len, window], ...] with windows > 0")
+                raise HybridAttentionError("window_policy needs [[max_len, window], ...] with windows > 0")
             bounds = [b for b, _ in policy if b is not None]
             if bounds != sorted(bounds) or any(b is None for b, _ in policy[:-1]):
-                raise ValueError("window_policy bounds must increase; only the last may be None (no limit)")
+                raise HybridAttentionError("window_policy bounds must increase; only the last may be None (no limit)")
             self.window_policy = policy
 
     def window_for(self, seq_len: int) -> int:
@@ -80,7 +86,7 @@ class HybridAttentionConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known
         if unknown:
-            raise ValueError(f"unknown hybrid attention keys {sorted(unknown)}; known: {sorted(known)}")
+            raise HybridAttentionError(f"unknown hybrid attention keys {sorted(unknown)}; known: {sorted(known)}")
         return cls(**d)
 
     def to_json(self) -> str:

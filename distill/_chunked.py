@@ -61,7 +61,7 @@ def divergence_and_grad(zs: Tensor, zt: Tensor, kind: str, beta: float, need_gra
         ps = log_ps.exp_()
         loss = (ps * f).sum(-1)
         if need_grad:
-            grad = f.mul_(ps)
+            grad = f.sub_(loss[:, None]).mul_(ps)
     elif kind == "jsd":
         log_m = log_ps + math.log1p(-beta)
         torch.logaddexp(log_m, log_pt + math.log(beta), out=log_m)

@@ -17,12 +17,14 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from distill.config import ConfigError
+
 COMPLETE = "COMPLETE"
 _STEP = re.compile(r"^step-(\d+)$")
 
 
-class CheckpointError(ValueError):
-    pass
+class CheckpointError(ConfigError):
+    """A missing, torn or foreign checkpoint."""
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:
@@ -40,6 +42,12 @@ def complete_checkpoints(output_dir: str | Path) -> list[Path]:
         if m and (p / COMPLETE).is_file():
             found.append((int(m.group(1)), p))
     return [p for _, p in sorted(found)]
+
+
+class TrainingDiverged(ConfigError):
+    """The loss became NaN/inf; the last good checkpoint is kept."""
+
+    exit_code = 3
 
 
 def latest_checkpoint(output_dir: str | Path) -> Path | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import sys
 import types
 import typing
@@ -26,8 +27,36 @@ import yaml
 T = TypeVar("T")
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML 1.2-style scalars: ``15:20`` stays a string (YAML 1.1 would read base-60 ``920``)."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    ch: [(tag, rx) for tag, rx in resolvers if tag not in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")]
+    for ch, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:int", re.compile(r"^[-+]?(0|[1-9][0-9_]*|0x[0-9a-fA-F_]+|0o?[0-7_]+)$"), list("-+0123456789")
+)
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(\.[0-9]+|[0-9][0-9_]*(\.[0-9_]*)?)([eE][-+]?[0-9]+)?$|^[-+]?\.(inf|Inf|INF)$|^\.(nan|NaN|NAN)$"),
+    list("-+0123456789."),
+)
+
+
+def yaml_load(text: str):
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+
+
 class ConfigError(ValueError):
-    """A user-facing configuration problem; the message is one line that names the fix."""
+    """A user-facing problem (config, paths, data, checkpoints); one line that names the fix.
+
+    Recipes turn it into ``error: <message>`` and exit code ``exit_code`` without a traceback;
+    the library's own error types (data, checkpoints, model sources ...) derive from it.
+    """
+
+    exit_code = 2
 
 
 def field(default: Any = dataclasses.MISSING, *, help: str, default_factory: Any = dataclasses.MISSING):
@@ -98,7 +127,7 @@ def _coerce(name: str, value: Any, tp: Any) -> Any:
 
 def _parse_scalar(text: str) -> Any:
     try:
-        return yaml.safe_load(text)
+        return yaml_load(text)
     except yaml.YAMLError:
         return text
 
@@ -117,7 +146,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist; pass an existing YAML with --config")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml_load(path.read_text()) or {}
     except yaml.YAMLError as err:
         raise ConfigError(f"config file {path} is not valid YAML ({err.__class__.__name__}); fix its syntax") from None
     if not isinstance(data, dict):
@@ -195,4 +224,4 @@ def run_cli(main: typing.Callable[[], Any]) -> None:
         main()
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise SystemExit(err.exit_code) from None

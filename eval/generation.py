@@ -24,7 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from eval.fingerprint import DigestMemo, directory_fingerprint, json_hash
-from eval.prompt_set import GateInputError, Prompt
+from eval.prompt_set import GateInputError, ModelLoadError, Prompt
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -86,12 +86,26 @@ def check_model_dir(model: str | Path) -> Path:
     return path
 
 
-def load_model(model_dir: Path, device: str, dtype: str):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[dtype]).to(device).eval()
-    return model, tok
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except Exception as err:  # noqa: BLE001 - any loader failure is the same user problem
+        raise ModelLoadError(f"cannot load the tokenizer of {model_dir} ({type(err).__name__}: "
+                             f"{str(err).splitlines()[0] if str(err) else ''}); save it with the model") from None
+
+
+def load_model(model_dir: Path, device: str, dtype: str):
+    from transformers import AutoModelForCausalLM
+
+    tok = load_tokenizer(model_dir)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[dtype])
+    except Exception as err:  # noqa: BLE001
+        raise ModelLoadError(f"cannot load the model in {model_dir} ({type(err).__name__}: "
+                             f"{str(err).splitlines()[0] if str(err) else ''}); check its weights and config") from None
+    return model.to(device).eval(), tok
 
 
 def render(tok, prompt: Prompt, default_chat: bool) -> tuple[str, list[int]]:
@@ -179,9 +193,7 @@ def generate_outputs(model_dir: str | Path, prompts: list[Prompt], settings: Gen
     timings = {"fingerprint_s": time.perf_counter() - t0}
     cache = GenerationCache(cache_dir, fp)
     t1 = time.perf_counter()
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(path)
+    tok = load_tokenizer(path)
     base = {"model": fp, "settings": settings.cache_view(), "versions": _versions()}
     rendered = [render(tok, p, default_chat) for p in prompts]
     keys = [json_hash({**base, "input": text}) for text, _ in rendered]

@@ -111,3 +111,95 @@ def evaluate_lm(model: torch.nn.Module, batches: Iterable[dict[str, torch.Tensor
         total.add(batch_stats(logits, ids, am, ref))
     model.train(was_training)
     return total
+
+
+def text_windows(tokenizer, text: str, seq_len: int = 512) -> tuple[list[list[int]], list[int]]:
+    """Token windows that score every token of ``text`` exactly once, with the UTF-8 bytes each covers.
+
+    The text is tokenized whole (prefixed with BOS when the tokenizer has one, so the first real
+    token is predicted too). Consecutive windows overlap by one token: window ``k`` starts with the
+    last token of window ``k-1``, whose prediction therefore moves to the next window. Summed over
+    windows, the byte counts give the whole text, so bits per byte is exact rather than estimated.
+
+    Returns:
+        ``(windows, bytes)``: token id lists of length ≤ ``seq_len`` and, per window, the bytes of
+        the text that its predicted tokens (positions 1..) span.
+    """
+    if seq_len < 2:
+        raise ValueError("seq_len must be at least 2")
+    fast = getattr(tokenizer, "is_fast", False)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=fast)
+    ids = list(enc["input_ids"])
+    starts = [s for s, _ in enc["offset_mapping"]] if fast else None
+    bos = tokenizer.bos_token_id is not None
+    if bos:
+        ids = [tokenizer.bos_token_id] + ids
+        starts = [0] + starts if starts is not None else None
+    total = len(text.encode("utf-8"))
+    windows: list[list[int]] = []
+    nbytes: list[int] = []
+    start = 0
+    while start < len(ids) - 1:
+        end = min(start + seq_len, len(ids))
+        windows.append(ids[start:end])
+        if starts is not None:
+            hi = starts[end] if end < len(ids) else len(text)
+            lo = 0 if start == 0 and bos else starts[start + 1]  # BOS predicts the text from byte 0
+            nbytes.append(len(text[lo:hi].encode("utf-8")))
+        else:  # slow tokenizer: no offsets, share the bytes by predicted tokens
+            nbytes.append(round(total * (end - start - 1) / max(len(ids) - 1, 1)))
+        start = end - 1
+    return windows, nbytes
+
+
+@torch.inference_mode()
+def window_stats(model: torch.nn.Module, windows: list[list[int]], nbytes: list[int] | None = None,
+                 reference: torch.nn.Module | None = None, batch_size: int = 4, pad_id: int = 0,
+                 device: torch.device | str | None = None, progress: str | None = None
+                 ) -> tuple[list[LMStats], list[LMStats] | None]:
+    """Per-window stats of ``model`` (and of ``reference`` itself) over token windows.
+
+    Returning one :class:`LMStats` per window lets callers bootstrap intervals over windows;
+    ``LMStats().add`` over the list gives the corpus totals. When ``reference`` is given, the
+    model's stats include top-1 agreement and KL to it, and the reference's own loss comes back
+    as the second list (its logits are computed anyway).
+    """
+    from tqdm.auto import tqdm
+
+    device = device if device is not None else next(model.parameters()).device
+    nbytes = nbytes if nbytes is not None else [0] * len(windows)
+    own: list[LMStats] = []
+    ref_own: list[LMStats] | None = [] if reference is not None else None
+    for s in tqdm(range(0, len(windows), batch_size), desc=progress, disable=progress is None, unit="batch"):
+        chunk = windows[s:s + batch_size]
+        width = max(len(w) for w in chunk)
+        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for i, w in enumerate(chunk):  # right padding: windows start at position 0
+            ids[i, :len(w)] = torch.tensor(w)
+            mask[i, :len(w)] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        ref = reference(input_ids=ids, attention_mask=mask).logits if reference is not None else None
+        for i in range(len(chunk)):
+            row = slice(i, i + 1)
+            st = batch_stats(logits[row], ids[row], mask[row], None if ref is None else ref[row])
+            st.bytes = nbytes[s + i]
+            own.append(st)
+            if ref_own is not None:
+                rs = batch_stats(ref[row], ids[row], mask[row])
+                rs.bytes = nbytes[s + i]
+                ref_own.append(rs)
+    return own, ref_own
+
+
+def evaluate_text(model: torch.nn.Module, tokenizer, text: str, reference: torch.nn.Module | None = None,
+                  seq_len: int = 512, batch_size: int = 4) -> LMStats:
+    """Perplexity and bits per byte of ``model`` on ``text`` (agreement/KL to ``reference`` if given)."""
+    windows, nbytes = text_windows(tokenizer, text, seq_len)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    own, _ = window_stats(model, windows, nbytes, reference, batch_size, pad)
+    total = LMStats()
+    for st in own:
+        total.add(st)
+    return total

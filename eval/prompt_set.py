@@ -26,6 +26,14 @@ KNOWN_KEYS = ("id", "prompt", "reference", "chat", "category", "kind")
 class GateInputError(ValueError):
     """Broken user input (file, line, option); the message is one line that names the fix."""
 
+    exit_code = 3
+
+
+class ModelLoadError(GateInputError):
+    """A model or tokenizer directory that exists but cannot be loaded."""
+
+    exit_code = 4
+
 
 @dataclass(frozen=True)
 class Prompt:

@@ -54,6 +54,7 @@ class DistillConfig:
     eval_dataset: str | None = field(None, help="held-out text; default: a held-out split of dataset")
     text_field: str = field("text", help="column holding the text (records with 'messages' use the chat template)")
     seq_len: int = field(256, help="tokens per packed training block")
+    max_train_blocks: int | None = field(None, help="use only the first N packed training blocks")
     eval_blocks: int = field(16, help="held-out blocks used for perplexity/agreement")
     # loop
     max_steps: int = field(48, help="optimizer steps")
@@ -232,7 +233,8 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator) -> dict:
     # ---- data ---------------------------------------------------------------------------
     global_batch = cfg.micro_batch_size * cfg.grad_accum * accelerator.num_processes
     data = build_data(tokenizer, dataset=cfg.dataset, eval_dataset=cfg.eval_dataset, seq_len=cfg.seq_len,
-                      eval_blocks=cfg.eval_blocks, text_field=cfg.text_field, min_train_blocks=global_batch)
+                      eval_blocks=cfg.eval_blocks, text_field=cfg.text_field, min_train_blocks=global_batch,
+                      max_train_blocks=cfg.max_train_blocks)
     order = BlockOrder(data.train.shape[0], global_batch, cfg.seed)
 
     # ---- teacher–student module, optimizer, schedule -------------------------------------
@@ -336,7 +338,7 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator) -> dict:
             torch.tensor(list(sums.values()), device=accelerator.device), reduction="mean").tolist())}
         if not math.isfinite(terms["loss"]):
             last = ckpt.latest_checkpoint(out)
-            raise FloatingPointError(
+            raise ckpt.TrainingDiverged(
                 f"loss became {terms['loss']} at step {step + 1}; the last good checkpoint is "
                 f"{last or 'none'}: lower lr or enable clipping, then resume=latest")
         trained_tokens += tokens_per_step

@@ -156,7 +156,8 @@ def _sampling(body: dict[str, Any], n_prompt: int, max_seq_len: int, default_max
     if len(stop) > 4 or any(not isinstance(s, str) or not s for s in stop):
         raise BadRequest("'stop' must be a non-empty string or a list of at most 4 non-empty strings")
     return SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                          seed=_get(body, "seed", int, None), stop=tuple(stop))
+                          seed=_get(body, "seed", int, None), stop=tuple(stop),
+                          ignore_eos=_get(body, "ignore_eos", bool, False))
 
 
 def create_app(engine: Engine, *, max_queue: int = 32, model_name: str = "hybrid-distill") -> Starlette:

@@ -386,3 +386,50 @@ def test_cli_exports_a_run_and_rejects_bad_input(run_dir) -> None:
     assert lines[-1] == f"error: output_dir {out} already exists; pass overwrite=true to replace it or choose " \
                         "another output_dir"
     assert "Traceback" not in again.stderr
+
+
+_ZERO_SAVE = """
+import os, sys, torch, deepspeed, deepspeed.comm.torch
+from tests.tiny import tiny_model
+ckpt, stage = sys.argv[1], int(sys.argv[2])
+
+class TeacherStudent(torch.nn.Module):  # the shape of the training module: student + projectors
+    def __init__(self):
+        super().__init__()
+        self.student = tiny_model(seed=10)
+        self.projectors = torch.nn.ModuleDict({"h1": torch.nn.Linear(64, 96, bias=False)})
+
+module = TeacherStudent()
+config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage},
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+# One CPU process needs no shared-memory collectives; skipping the op saves a C++ build per test run.
+deepspeed.comm.torch.build_shm_op = lambda: None
+deepspeed.init_distributed(dist_backend="gloo")
+engine, *_ = deepspeed.initialize(model=module, model_parameters=module.parameters(), config=config)
+engine.save_checkpoint(ckpt, "pytorch_model")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_real_zero_checkpoint(tmp_path: Path, stage: int) -> None:
+    pytest.importorskip("deepspeed")
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ckpt = tmp_path / "checkpoints" / "step-1"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", _ZERO_SAVE, str(ckpt), str(stage)], capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (ckpt / "latest").is_file() and not (ckpt / "model.safetensors").exists()
+    model = tiny_model(seed=10)
+    write_student_dir(model, ckpt / "student")
+    out = tmp_path / "export"
+    res = run_export(ckpt, out)
+    assert res.source.kind == "deepspeed"
+    assert weight_keys(out) == set(model.state_dict())
+    torch.testing.assert_close(logits(load(out)), logits(model), atol=1e-6, rtol=0)

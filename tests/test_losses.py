@@ -288,13 +288,13 @@ def test_chunked_only_head_trainable_and_grad_scaling():
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_chunked_empty_mask(kind):
-    hs, ws, ht, wt, _, _, _ = make_hidden()
-    hs.requires_grad_()
-    ws.requires_grad_()
-    out = chunked_kd_loss(hs, ws, ht, wt, torch.zeros(3, 7, dtype=torch.bool), kind=kind)
+    hs, ws, ht, wt, bs, _, _ = make_hidden(bias=True)
+    for x in (hs, ws, bs):
+        x.requires_grad_()
+    out = chunked_kd_loss(hs, ws, ht, wt, torch.zeros(3, 7, dtype=torch.bool), kind=kind, student_bias=bs)
     assert out.item() == 0.0
     out.backward()
-    for g in (hs.grad, ws.grad):
+    for g in (hs.grad, ws.grad, bs.grad):
         assert torch.isfinite(g).all() and g.abs().max() == 0
 
 

@@ -1,0 +1,210 @@
+"""Plug hybrid attention into transformers models through their registries (no ``forward`` patched).
+
+``retrofit(model, spec)`` registers one attention function with ``AttentionInterface`` and one mask
+function with ``AttentionMaskInterface`` under :data:`ATTN_IMPLEMENTATION`, switches the model to
+it with ``model.set_attn_implementation`` and stores the spec in ``model.config`` under
+``CONFIG_KEY``. transformers does not write the attention implementation into ``config.json``, so a
+saved hybrid model still loads as a dense one with plain ``from_pretrained``; ``load(path)`` brings
+it back hybrid.
+
+The mask function returns a :class:`HybridMask` (the ``[batch, k_len]`` padding mask and where the
+queries sit among the keys) instead of a dense ``[q, k]`` mask, which is what keeps prefill O(n).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import os
+from typing import Any
+
+import torch
+
+from attention.errors import HybridAttentionError, SequenceTooLongError, UnsupportedArchitectureError
+from attention.functional import hybrid_attention
+from attention.spec import CONFIG_KEY, HybridAttentionConfig
+
+logger = logging.getLogger(__name__)
+
+ATTN_IMPLEMENTATION = "hybrid_sparse"
+# Tested end to end (tiny GQA configs of each in tests/test_attention_retrofit.py).
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+_REVERT_ATTR = "_hybrid_attention_revert"
+
+
+@dataclasses.dataclass
+class HybridMask:
+    """What the hybrid attention function needs to know about padding, in O(k_len) memory.
+
+    ``padding`` is ``[batch, k_len]`` bool (True = real token) or None for no padding; queries sit at
+    key indices ``[query_start, query_start + q_len)``.
+    """
+
+    padding: torch.Tensor | None
+    query_start: int
+
+
+def _spec_from_config(config: Any) -> HybridAttentionConfig:
+    raw = getattr(config, CONFIG_KEY, None)
+    if raw is None:
+        raise HybridAttentionError(f"model config has no {CONFIG_KEY!r}; call attention.retrofit(model, spec) first")
+    if isinstance(raw, HybridAttentionConfig):
+        return raw
+    return _parse_spec(json.dumps(raw, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=16)
+def _parse_spec(raw_json: str) -> HybridAttentionConfig:
+    # Parsed once per distinct spec: the attention function runs once per layer and step.
+    return HybridAttentionConfig.from_dict(json.loads(raw_json))
+
+
+def hybrid_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attention_mask: Any, dropout: float = 0.0, scaling: float | None = None,
+                             sliding_window: int | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """``AttentionInterface`` entry: q ``[b, h, q, d]``, k/v ``[b, kv_h, k, d]`` -> ``([b, q, h, d], None)``.
+
+    ``sliding_window`` (Mistral / Qwen2) is ignored: the hybrid spec is the pattern.
+    """
+    if dropout:
+        raise HybridAttentionError(f"hybrid attention has no attention dropout (got {dropout}); "
+                                   "set config.attention_dropout = 0")
+    config = module.config
+    spec = _spec_from_config(config)
+    padding, query_start, mask4 = None, None, None
+    if isinstance(attention_mask, HybridMask):
+        padding, query_start = attention_mask.padding, attention_mask.query_start
+    elif isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 4:
+        mask4 = attention_mask
+    elif isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2:
+        padding = attention_mask
+    elif attention_mask is not None:
+        raise HybridAttentionError(f"unexpected attention mask {type(attention_mask).__name__}; "
+                                   "pass a [batch, seq] padding mask")
+    q_len, k_len = query.shape[2], key.shape[2]
+    length = (k_len - q_len if query_start is None else query_start) + q_len
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and length > limit:
+        raise SequenceTooLongError(f"sequence of {length} tokens exceeds max_position_embeddings={limit}; "
+                                   "truncate the input or raise max_position_embeddings (with RoPE scaling)")
+    out = hybrid_attention(query, key, value, spec, attention_mask=mask4 if mask4 is not None else padding,
+                           scale=scaling, query_start=query_start)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def hybrid_mask_function(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0, kv_offset: int = 0,
+                         mask_function: Any = None, attention_mask: torch.Tensor | None = None,
+                         **kwargs: Any) -> HybridMask:
+    """``AttentionMaskInterface`` entry: a :class:`HybridMask` instead of a dense 4-D mask.
+
+    ``mask_function`` (causal, or sliding-window on Mistral / Qwen2) is ignored: the hybrid spec
+    replaces it. Packed sequences (position ids restarting inside a row) are not supported.
+    """
+    query_start = int(q_offset) - int(kv_offset)
+    padding = None
+    if attention_mask is not None:
+        pad = attention_mask.bool()[:, kv_offset:kv_offset + kv_length]
+        if pad.shape[-1] < kv_length:  # static caches keep empty slots after the seen tokens
+            pad = torch.nn.functional.pad(pad, (0, kv_length - pad.shape[-1]), value=False)
+        if not bool(pad[:, : query_start + q_length].all()):
+            padding = pad
+    return HybridMask(padding=padding, query_start=query_start)
+
+
+def register() -> None:
+    """Register the attention and mask functions with transformers (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, hybrid_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, hybrid_mask_function)
+
+
+def _check_supported(model: Any) -> None:
+    model_type = getattr(model.config, "model_type", None)
+    can_set = getattr(model, "_can_set_attn_implementation", None)
+    if model_type in SUPPORTED_MODEL_TYPES:
+        return
+    if can_set is not None and can_set():
+        logger.warning("hybrid attention on untested model type %r (tested: %s)", model_type,
+                       ", ".join(SUPPORTED_MODEL_TYPES))
+        return
+    raise UnsupportedArchitectureError(
+        f"{type(model).__name__} ({model_type}) does not route attention through transformers' AttentionInterface; "
+        f"hybrid attention supports {', '.join(SUPPORTED_MODEL_TYPES)}")
+
+
+def retrofit(model: Any, config: HybridAttentionConfig | dict | None = None) -> Any:
+    """Switch ``model`` (in place) to hybrid attention; returns the model.
+
+    ``config`` defaults to the spec already stored in ``model.config`` (as after loading a hybrid
+    checkpoint), else ``HybridAttentionConfig()``. Sliding-window settings of the base config
+    (Mistral ``sliding_window``, Qwen2 ``use_sliding_window`` / ``layer_types``) are switched off
+    while hybrid, since a sliding KV cache would drop the sink and global keys; ``revert`` restores them.
+    """
+    _check_supported(model)
+    if config is None:
+        raw = getattr(model.config, CONFIG_KEY, None)
+        spec = HybridAttentionConfig.from_dict(dict(raw)) if raw is not None else HybridAttentionConfig()
+    elif isinstance(config, dict):
+        spec = HybridAttentionConfig.from_dict(config)
+    else:
+        spec = config
+    register()
+    cfg = model.config
+    if getattr(model, _REVERT_ATTR, None) is None:
+        saved = {"attn": cfg._attn_implementation}
+        for name in ("sliding_window", "use_sliding_window", "layer_types"):
+            if name in cfg.__dict__:
+                saved[name] = getattr(cfg, name)
+        object.__setattr__(model, _REVERT_ATTR, saved)
+    if getattr(cfg, "sliding_window", None) is not None:
+        cfg.sliding_window = None
+    if getattr(cfg, "use_sliding_window", None):
+        cfg.use_sliding_window = False
+    if isinstance(getattr(cfg, "layer_types", None), list):
+        cfg.layer_types = ["full_attention"] * len(cfg.layer_types)
+    setattr(cfg, CONFIG_KEY, spec.to_dict())
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    return model
+
+
+def revert(model: Any) -> Any:
+    """Undo :func:`retrofit`: the original attention implementation and sliding settings, no spec."""
+    saved = getattr(model, _REVERT_ATTR, None)
+    cfg = model.config
+    if saved is None:
+        if hasattr(cfg, CONFIG_KEY):
+            delattr(cfg, CONFIG_KEY)
+        if cfg._attn_implementation == ATTN_IMPLEMENTATION:
+            model.set_attn_implementation("sdpa")
+        return model
+    for name, value in saved.items():
+        if name != "attn":
+            setattr(cfg, name, value)
+    model.set_attn_implementation(saved["attn"] or "sdpa")
+    if hasattr(cfg, CONFIG_KEY):
+        delattr(cfg, CONFIG_KEY)
+    object.__delattr__(model, _REVERT_ATTR)
+    return model
+
+
+def is_hybrid(model: Any) -> bool:
+    """Whether ``model`` currently runs hybrid attention."""
+    return getattr(model.config, "_attn_implementation", None) == ATTN_IMPLEMENTATION
+
+
+def load(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> Any:
+    """Load a causal LM saved after :func:`retrofit` and switch it back to hybrid attention.
+
+    Extra keyword arguments go to ``AutoModelForCausalLM.from_pretrained`` (``torch_dtype``, ...).
+    """
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, **from_pretrained_kwargs)
+    if getattr(model.config, CONFIG_KEY, None) is None:
+        raise HybridAttentionError(f"{path} has no {CONFIG_KEY!r} in its config.json; load it with "
+                                   "from_pretrained and call attention.retrofit(model, spec)")
+    return retrofit(model)

@@ -1,0 +1,166 @@
+"""Decode throughput: the serving engine vs HF ``generate`` on SmolLM2-135M, side by side in one run.
+
+    python bench/decode.py [--quick] [--new-tokens 128] [--threads 2]
+
+Cases: prompt 512 × batch 1, prompt 512 × batch 8, prompt 8K × batch 1. Each runs HF ``generate``
+(greedy, its default dynamic cache), the engine with a preallocated dense cache, and the engine on a
+hybrid copy of the same weights (spec sink 128 / window 512 / global_every 1024 / max_globals 16 in the
+config) with the bounded cache. HF always attends densely: the hybrid copy only changes our engine.
+
+Throughput is *decode* tokens/s: generated tokens after the first, over the time from the first to the
+last token (the prompt's prefill is excluded, it is reported separately as time to first token).
+
+JSON keys:
+* ``speedup_512_b1``, ``speedup_512_b8``: engine dense / HF, decode tokens/s (same attention, so this
+  is the cache and loop overhead alone).
+* ``speedup_8k``: engine hybrid bounded / HF dense at the 8K prompt, the number a user of a hybrid
+  export sees; ``speedup_8k_dense`` is engine dense / HF and ``speedup_8k_bounded_vs_dense`` the cache alone.
+* ``kv_ratio_32k``: bounded / dense KV-cache bytes at 32K positions (``kv_ratio_8k`` likewise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from attention.spec import HybridAttentionConfig  # noqa: E402
+from serve.engine import Engine  # noqa: E402
+from serve.sampling import SamplingParams  # noqa: E402
+
+SPEC = HybridAttentionConfig(sink_tokens=128, window=512, global_every=1024, max_globals=16)
+
+
+def hf_decode(model, prompts: torch.Tensor, new: int) -> tuple[float, float]:
+    """(time to first token, decode tokens/s per sequence × batch) of HF greedy ``generate``."""
+    from transformers.generation.streamers import BaseStreamer
+
+    stamps: list[float] = []
+
+    class Stamp(BaseStreamer):
+        def put(self, value):
+            stamps.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    t0 = time.perf_counter()
+    # The streamer only works with batch 1; batches time the whole call and subtract a 1-token run.
+    if prompts.shape[0] == 1:
+        model.generate(prompts, max_new_tokens=new, min_new_tokens=new, do_sample=False, streamer=Stamp(),
+                       eos_token_id=None, pad_token_id=0)
+        # stamps[0] is the prompt, stamps[1] the first generated token.
+        return stamps[1] - t0, (new - 1) / (stamps[-1] - stamps[1])
+    model.generate(prompts, max_new_tokens=1, do_sample=False, eos_token_id=None, pad_token_id=0)
+    ttft = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    model.generate(prompts, max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=None,
+                   pad_token_id=0)
+    total = time.perf_counter() - t1
+    return ttft, prompts.shape[0] * (new - 1) / (total - ttft)
+
+
+def engine_decode(engine: Engine, prompts: torch.Tensor, new: int) -> tuple[float, float]:
+    """(time to first token of the last row, decode tokens/s summed over the batch) of the engine."""
+    first: dict[int, float] = {}
+    last: dict[int, float] = {}
+
+    def cb(i):
+        def on_event(_delta, token, _finish):
+            if token is not None:
+                last[i] = time.perf_counter()
+                first.setdefault(i, last[i])
+        return on_event
+
+    sp = SamplingParams(max_new_tokens=new, ignore_eos=True)
+    t0 = time.perf_counter()
+    reqs = [engine.submit(p.tolist(), sp, cb(i)) for i, p in enumerate(prompts)]
+    while not all(r.done for r in reqs):
+        engine.step()
+    start = max(first.values())  # all rows decode together once the last prefill is done
+    end = max(last.values())
+    return start - t0, len(reqs) * (new - 1) / (end - start)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="2K instead of 8K prompt, 32 new tokens")
+    ap.add_argument("--new-tokens", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    new = args.new_tokens or (32 if args.quick else 128)
+    long_len = 2048 if args.quick else 8192
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from distill.pretrained import smollm2_dir
+
+    path = smollm2_dir()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    model.config.hybrid_attention = SPEC.to_dict()  # the hybrid copy: same weights, spec in the config
+    max_len = long_len + new
+    dense = Engine(model=model, tokenizer=tok, max_batch=8, max_seq_len=max_len, dense=True)
+    hybrid = Engine(model=model, tokenizer=tok, max_batch=8, max_seq_len=max_len)
+    vocab = model.config.vocab_size
+
+    def prompts(batch: int, n: int) -> torch.Tensor:
+        return torch.randint(100, vocab, (batch, n), generator=torch.Generator().manual_seed(n + batch))
+
+    warm = prompts(1, 16)
+    hf_decode(model, warm, 4)
+    engine_decode(dense, warm, 4)
+    engine_decode(hybrid, warm, 4)
+
+    rows, result = [], {}
+    for name, batch, n in [("512_b1", 1, 512), ("512_b8", 8, 512), ("8k", 1, long_len)]:
+        p = prompts(batch, n)
+        with torch.inference_mode():
+            hf = hf_decode(model, p, new)
+        en = engine_decode(dense, p, new)
+        hy = engine_decode(hybrid, p, new)
+        rows.append((name, hf, en, hy))
+        result[f"hf_tok_s_{name}"] = round(hf[1], 2)
+        result[f"engine_dense_tok_s_{name}"] = round(en[1], 2)
+        result[f"engine_hybrid_tok_s_{name}"] = round(hy[1], 2)
+        print(f"  {name}: HF {hf[1]:.1f} tok/s, engine dense {en[1]:.1f}, engine hybrid {hy[1]:.1f}",
+              file=sys.stderr, flush=True)
+
+    def kv_bytes(n: int, bounded: bool) -> int:
+        return dense.model.new_cache(1, n, dense=not bounded).nbytes()
+
+    kv = {n: (kv_bytes(n, False), kv_bytes(n, True)) for n in (8192, 32768)}
+    print(f"\nSmolLM2-135M fp32, {torch.get_num_threads()} threads, {new} new tokens, decode tokens/s "
+          f"(TTFT in parentheses); hybrid = {SPEC.to_json()}")
+    print(f"{'case':<14}{'HF generate':>22}{'engine dense':>22}{'engine hybrid':>22}")
+    for name, hf, en, hy in rows:
+        print(f"{name:<14}" + "".join(f"{t:>12.1f} ({f:6.2f}s)" for f, t in (hf, en, hy)))
+    print(f"\n{'KV cache bytes':<14}{'dense':>16}{'bounded':>16}{'ratio':>10}")
+    for n, (d, b) in kv.items():
+        print(f"{n:<14}{d:>16,}{b:>16,}{b / d:>10.4f}")
+    r = {name: (hf[1], en[1], hy[1]) for name, hf, en, hy in rows}
+    out = {
+        "speedup_512_b1": round(r["512_b1"][1] / r["512_b1"][0], 3),
+        "speedup_512_b8": round(r["512_b8"][1] / r["512_b8"][0], 3),
+        "speedup_8k": round(r["8k"][2] / r["8k"][0], 3),
+        "speedup_8k_dense": round(r["8k"][1] / r["8k"][0], 3),
+        "speedup_8k_bounded_vs_dense": round(r["8k"][2] / r["8k"][1], 3),
+        "kv_ratio_8k": round(kv[8192][1] / kv[8192][0], 5),
+        "kv_ratio_32k": round(kv[32768][1] / kv[32768][0], 5),
+        "long_prompt": long_len,
+        "new_tokens": new,
+        **result,
+    }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""One distillation step: the toolkit's teacher–student module vs a naive pipeline.
+
+    python bench/distill_step.py [--seq 512 --batch 2 --steps 3]
+
+Same teacher/student pair (SmolLM2-135M-Instruct → a 10-layer derived student), same batch, same
+three terms on (logits KD, hidden-state MSE, attention maps) plus focal CE:
+
+* **ours** — ``DistillModel``: chunked KD from final hidden states (no full-vocab logits kept),
+  hooks on the mapped layers only, attention maps on 64 sampled query rows, the models' own SDPA.
+* **naive** — ``output_hidden_states=True`` and eager attention with ``output_attentions=True`` on
+  both models to read one layer each, full logits through plain ``kd_loss``, full attention maps.
+
+Each variant runs in its own subprocess; peak RSS is the high-water mark of the step alone (the
+mark is reset with ``/proc/self/clear_refs`` after the models are loaded). Prints a table, then one
+JSON line with ``speedup`` (tokens/s ratio) and ``rss_ratio`` (peak ratio, ours / naive).
+Targets: ≥ 1.3× tokens/s and ≤ 0.6× peak RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _rss_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field):
+            return int(line.split()[1])
+    return 0
+
+
+def worker(variant: str, seq: int, batch: int, steps: int, threads: int) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    from distill import losses
+    from distill.model import DistillModel, LossConfig
+    from distill.pretrained import load_causal_lm, smollm2_dir
+    from distill.student import derive_student
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    path = str(smollm2_dir())
+    teacher = load_causal_lm(path, attn_implementation="eager" if variant == "naive" else "sdpa")
+    teacher.eval().requires_grad_(False)
+    student = derive_student(teacher, "0-3,24-29")
+    student.config._attn_implementation = teacher.config._attn_implementation
+    ids = torch.randint(3, teacher.config.vocab_size, (batch, seq))
+    s_layer, t_layer = 9, 29  # the last kept layer ↔ the teacher's last layer
+    h_s_layer, h_t_layer = 3, 23  # derived pair for the hidden term
+    cfg = LossConfig(kd_weight=1.0, temperature=2.0, focal_weight=0.5, hidden_weight=1.0,
+                     hidden_layers=[f"{h_s_layer}:{h_t_layer}"], attn_weight=1.0,
+                     attn_layers=[f"{s_layer}:{t_layer}"], attn_num_queries=64, kd_chunk_size=1024)
+    opt = torch.optim.AdamW(student.parameters(), lr=1e-5)
+    model = DistillModel(student, teacher, cfg) if variant == "ours" else None
+
+    def naive_step():
+        out_s = student(ids, output_hidden_states=True, output_attentions=True)
+        with torch.no_grad():
+            out_t = teacher(ids, output_hidden_states=True, output_attentions=True)
+        target = ids[:, 1:]
+        kd = losses.kd_loss(out_s.logits[:, :-1], out_t.logits[:, :-1], temperature=2.0)
+        focal = losses.focal_loss(out_s.logits[:, :-1], target)
+        hid = F.mse_loss(out_s.hidden_states[h_s_layer + 1], out_t.hidden_states[h_t_layer + 1])
+        a_s = out_s.attentions[s_layer].float().mean(1)
+        a_t = out_t.attentions[t_layer].float().mean(1)
+        attn = ((a_s - a_t) ** 2).sum(-1).mean()
+        return kd + 0.5 * focal + hid + attn
+
+    def step():
+        loss = model(ids).loss if model is not None else naive_step()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss)
+
+    step()  # warm-up (allocator, optimizer state)
+    base = _rss_kb("VmRSS:")
+    Path("/proc/self/clear_refs").write_text("5")  # reset the high-water mark to the current RSS
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    peak = _rss_kb("VmHWM:")
+    t = sorted(times)[len(times) // 2]
+    return {"variant": variant, "tokens_per_s": batch * seq / t, "step_s": t,
+            "peak_rss_mb": (peak - base) / 1024}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--worker", choices=["ours", "naive"])
+    a = p.parse_args()
+    if a.worker:
+        print(json.dumps(worker(a.worker, a.seq, a.batch, a.steps, a.threads)))
+        return
+    rows = {}
+    for variant in ("naive", "ours"):
+        proc = subprocess.run([sys.executable, __file__, "--worker", variant, "--seq", str(a.seq), "--batch",
+                               str(a.batch), "--steps", str(a.steps), "--threads", str(a.threads)],
+                              capture_output=True, text=True, check=True)
+        rows[variant] = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"distill step, SmolLM2-135M → 10 layers, batch {a.batch} × {a.seq} tokens, {a.threads} threads")
+    print(f"{'variant':<8} {'tokens/s':>10} {'step s':>8} {'step peak RSS MB':>17}")
+    for r in rows.values():
+        print(f"{r['variant']:<8} {r['tokens_per_s']:>10.1f} {r['step_s']:>8.2f} {r['peak_rss_mb']:>17.0f}")
+    result = {"speedup": rows["ours"]["tokens_per_s"] / rows["naive"]["tokens_per_s"],
+              "rss_ratio": rows["ours"]["peak_rss_mb"] / max(rows["naive"]["peak_rss_mb"], 1e-9),
+              "ours": rows["ours"], "naive": rows["naive"], "seq": a.seq, "batch": a.batch}
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

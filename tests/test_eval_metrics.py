@@ -1,0 +1,69 @@
+"""Windowed perplexity / bits per byte against one full forward pass, and agreement/KL limits."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eval.metrics import LMStats, evaluate_text, text_windows, window_stats
+from tests.tiny import tiny_model, tiny_tokenizer
+
+TEXT = "the quick brown fox jumps over the lazy dog. héllo wörld ✓ naïve café. distill the teacher! " * 4
+
+
+def _naive_nll(model, ids: list[int]) -> float:
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        logits = model(input_ids=x).logits[0, :-1].float()
+    return F.cross_entropy(logits, x[0, 1:], reduction="sum").item()
+
+
+@pytest.mark.parametrize("bos", [False, True])
+def test_windows_predict_every_token_once_and_bytes_add_up(bos):
+    tok = tiny_tokenizer()
+    if not bos:
+        tok.bos_token = None
+    ids = tok(TEXT, add_special_tokens=False)["input_ids"]
+    windows, nbytes = text_windows(tok, TEXT, seq_len=16)
+    predicted = sum(len(w) - 1 for w in windows)
+    assert predicted == len(ids) - (0 if bos else 1)
+    assert all(len(w) <= 16 for w in windows)
+    assert windows[1][0] == windows[0][-1]  # one-token overlap
+    first = len(TEXT.encode()) if bos else len(TEXT.encode()) - len(tok.decode(ids[:1]).encode())
+    assert sum(nbytes) == first
+
+
+def test_windowed_stats_equal_full_sequence_when_it_fits():
+    torch.manual_seed(0)
+    model = tiny_model(seed=0)
+    tok = tiny_tokenizer()
+    full = [tok.bos_token_id] + tok(TEXT, add_special_tokens=False)["input_ids"]
+    st = evaluate_text(model, tok, TEXT, seq_len=len(full))
+    assert st.tokens == len(full) - 1
+    assert st.nll_sum == pytest.approx(_naive_nll(model, full), rel=1e-5)
+    assert st.bits_per_byte == pytest.approx(st.nll_sum / math.log(2) / len(TEXT.encode()))
+    # short windows lose context (nll may change) but every token is still scored once
+    short = evaluate_text(model, tok, TEXT, seq_len=20, batch_size=3)
+    assert short.tokens == st.tokens and short.bytes == st.bytes == len(TEXT.encode())
+    naive = sum(_naive_nll(model, w) for w in text_windows(tok, TEXT, 20)[0])
+    assert short.nll_sum == pytest.approx(naive, rel=1e-5)
+
+
+def test_agreement_and_kl_limits():
+    model, other = tiny_model(seed=0), tiny_model(seed=1)
+    tok = tiny_tokenizer()
+    windows, nbytes = text_windows(tok, TEXT, 32)
+    own, ref_own = window_stats(model, windows, nbytes, reference=model, batch_size=4)
+    total = LMStats()
+    for s in own:
+        total.add(s)
+    assert total.top1_agreement == 1.0 and total.kl == pytest.approx(0.0, abs=1e-6)
+    assert sum(s.nll_sum for s in ref_own) == pytest.approx(total.nll_sum, rel=1e-6)
+    own2, _ = window_stats(model, windows, nbytes, reference=other, batch_size=4)
+    t2 = LMStats()
+    for s in own2:
+        t2.add(s)
+    assert t2.kl > 0 and t2.top1_agreement < 1.0

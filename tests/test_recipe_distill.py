@@ -1,0 +1,147 @@
+"""The distill recipe driven through its real CLI on the tiny config."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--config", "recipes/configs/tiny.yaml"]
+
+
+def run(args, check=True, env=None):
+    proc = subprocess.run([sys.executable, "recipes/distill.py", *args], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"recipe failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def final_weights(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(out / "final" / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run") / "tiny"
+    proc = run([*TINY, f"output_dir={out}", "max_steps=4", "save_every=2", "keep_checkpoints=1"])
+    return out, proc
+
+
+@pytest.mark.slow
+def test_outputs_are_complete_and_deployable(tiny_run):
+    out, proc = tiny_run
+    summary = json.loads((out / "summary.json").read_text())
+    for key in ("steps", "final_loss", "tokens_per_s", "teacher_ppl", "student_ppl_init", "student_ppl_final",
+                "top1_agreement"):
+        assert summary[key] is not None, key
+    assert summary["steps"] == 4 and summary["num_processes"] == 1
+    assert (out / "loss.png").stat().st_size > 1000
+    assert (out / "config.yaml").is_file()
+    # keep_checkpoints=1: only the newest complete one remains, with everything resume and export need.
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-4"]
+    step = out / "checkpoints" / "step-4"
+    for name in ("COMPLETE", "trainer_state.json", "config.yaml", "student/config.json", "student/tokenizer.json"):
+        assert (step / name).exists(), name
+    model = AutoModelForCausalLM.from_pretrained(out / "final")
+    assert model.config.num_hidden_layers == 2
+    keys = final_weights(out)
+    assert not any("projector" in k for k in keys)
+    assert (out / "final" / "tokenizer.json").is_file() and (out / "final" / "generation_config.json").is_file()
+    assert "run folder" in proc.stdout and "held-out ppl" in proc.stdout
+
+
+@pytest.mark.slow
+def test_refuses_to_overwrite_a_run(tiny_run):
+    out, _ = tiny_run
+    before = (out / "summary.json").read_text()
+    proc = run([*TINY, f"output_dir={out}"], check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("error:") and "overwrite=true" in proc.stderr
+    assert (out / "summary.json").read_text() == before
+
+
+@pytest.mark.slow
+def test_bad_input_exits_with_one_line(tmp_path):
+    for args, needle in [(["max_stepz=1"], "did you mean max_steps"),
+                         (["dataset=/no/such.jsonl"], "does not exist"),
+                         (["seq_len=5000"], "exceeds the model's maximum"),
+                         (["teacher=/no/such/model"], "does not exist"),
+                         (["resume=/no/ckpt"], "does not exist")]:
+        proc = run([*TINY, f"output_dir={tmp_path / 'o'}", *args], check=False)
+        assert proc.returncode == 2, (args, proc.stderr[-2000:])
+        last = proc.stderr.strip().splitlines()[-1]
+        assert last.startswith("error:") and needle in last, (args, last)
+        assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_resume_after_kill_equals_uninterrupted(tmp_path):
+    common = [*TINY, "max_steps=6", "save_every=2", "eval_every=0"]
+    full = tmp_path / "full"
+    run([*common, f"output_dir={full}"])
+    killed = tmp_path / "killed"
+    proc = run([*common, f"output_dir={killed}", "debug_exit_at_step=5"], check=False)
+    assert proc.returncode == 137
+    assert not (killed / "final").exists()
+    # A torn checkpoint left by a kill during saving must never be picked up.
+    torn = killed / "checkpoints" / ".tmp-step-6"
+    torn.mkdir()
+    (torn / "model.safetensors").write_bytes(b"garbage")
+    run([*common, f"output_dir={killed}", "resume=latest"])
+    a = json.loads((full / "summary.json").read_text())
+    b = json.loads((killed / "summary.json").read_text())
+    assert b["final_loss"] == pytest.approx(a["final_loss"], rel=1e-6, abs=1e-7)
+    wa, wb = final_weights(full), final_weights(killed)
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=1e-6)
+    assert not torn.exists()
+
+
+@pytest.mark.slow
+def test_grad_accum_equals_big_batch(tmp_path):
+    common = [*TINY, "max_steps=2", "eval_every=0", "save_every=0", "attn_num_queries=64", "seq_len=32"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    run([*common, f"output_dir={a}", "micro_batch_size=1", "grad_accum=8"])
+    run([*common, f"output_dir={b}", "micro_batch_size=8", "grad_accum=1"])
+    sa, sb = (json.loads((p / "summary.json").read_text()) for p in (a, b))
+    assert sa["final_loss"] == pytest.approx(sb["final_loss"], rel=1e-5)
+    wa, wb = final_weights(a), final_weights(b)
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_nan_loss_stops_with_a_clear_message_and_keeps_the_checkpoint(tmp_path):
+    out = tmp_path / "nan"
+    proc = run([*TINY, f"output_dir={out}", "max_steps=6", "save_every=1", "lr=1e30", "max_grad_norm=0",
+                "eval_every=0"], check=False)
+    assert proc.returncode != 0
+    assert "loss became" in proc.stderr and "resume=latest" in proc.stderr
+    assert (out / "checkpoints").is_dir()
+
+
+@pytest.mark.slow
+def test_teacher_cache_round_trip(tmp_path):
+    cache = tmp_path / "cache"
+    proc = subprocess.run([sys.executable, "recipes/cache_teacher.py", "teacher=tiny-random", "seq_len=64",
+                           "max_blocks=16", "topk=8", f"output_dir={cache}"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    meta = json.loads((cache / "meta.json").read_text())
+    assert meta["k"] == 8 and meta["bytes_per_token"] == 48 and "bytes/token" in proc.stdout
+    cached = [*TINY, f"teacher_cache={cache}", "hidden_weight=0", "attn_weight=0", "max_steps=3",
+              "save_every=0"]
+    good = run([*cached, f"output_dir={tmp_path / 'good'}", "max_train_blocks=16"])
+    summary = json.loads((tmp_path / "good" / "summary.json").read_text())
+    assert summary["final_terms"]["kd"] > 0 and summary["teacher_ppl"] == pytest.approx(meta["teacher_ppl"])
+    assert "Traceback" not in good.stderr
+    # The cache only serves the exact packed data it was made from.
+    bad = run([*cached, f"output_dir={tmp_path / 'bad'}"], check=False)
+    assert bad.returncode == 2 and "other data" in bad.stderr

@@ -1,0 +1,196 @@
+"""The HTTP server, started for real on a free loopback port with a tiny model."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+
+from serve.engine import Engine
+from serve.server import ServerThread, create_app
+from tests.tiny import save_tiny
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: avoid OpenMP contention on busy shared cores
+    path = save_tiny(tmp_path_factory.mktemp("tiny"), arch="qwen2")
+    engine = Engine(path, max_batch=1, max_seq_len=256)
+    with ServerThread(create_app(engine, max_queue=1, model_name="tiny")) as srv:
+        yield srv
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
+def client(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+def sse_events(lines) -> list:
+    """Parse an SSE body: the JSON payloads, then the literal ``[DONE]``."""
+    out = []
+    for line in lines:
+        if not line:
+            continue
+        assert line.startswith("data: "), line
+        data = line[len("data: "):]
+        out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def test_health_and_models(client):
+    assert client.get("/health").json()["status"] == "ok"
+    assert client.get("/v1/models").json()["data"][0]["id"] == "tiny"
+
+
+def test_streaming_matches_non_streaming_and_counts_tokens(client):
+    body = {"prompt": "the quick brown", "max_tokens": 24, "temperature": 0}
+    full = client.post("/v1/completions", json=body).json()
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r.iter_lines())
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    token_events = [c for c in chunks if c["choices"][0]["finish_reason"] is None]
+    final = chunks[-1]
+    assert len(token_events) == final["usage"]["completion_tokens"] == full["usage"]["completion_tokens"]
+    assert len(chunks) == len(token_events) + 1
+    assert "".join(c["choices"][0]["text"] for c in chunks) == full["choices"][0]["text"]
+    assert final["choices"][0]["finish_reason"] == full["choices"][0]["finish_reason"]
+
+
+def test_chat_completion_and_stream(client):
+    body = {"messages": [{"role": "user", "content": "héllo wörld"}], "max_tokens": 12, "temperature": 0}
+    full = client.post("/v1/chat/completions", json=body).json()
+    msg = full["choices"][0]["message"]
+    assert msg["role"] == "assistant" and full["object"] == "chat.completion"
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        events = sse_events(r.iter_lines())
+    chunks = events[:-1]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert "".join(c["choices"][0]["delta"]["content"] for c in chunks) == msg["content"]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+
+
+@pytest.mark.parametrize("body, message", [
+    (b"{not json", "malformed JSON"),
+    (b"[1, 2]", "JSON object"),
+    (json.dumps({"prompt": "hi", "temperature": "hot"}).encode(), "'temperature' must be"),
+    (json.dumps({"prompt": "hi", "max_tokens": "5"}).encode(), "'max_tokens' must be int"),
+    (json.dumps({"prompt": "hi", "stream": "yes"}).encode(), "'stream' must be bool"),
+    (json.dumps({"prompt": "hi", "max_tokens": 0}).encode(), "max_tokens must be in [1, "),
+    (json.dumps({"prompt": "hi", "max_tokens": 10_000}).encode(), "max_tokens must be in [1, "),
+    (json.dumps({"prompt": "the " * 400}).encode(), "shorten the prompt"),
+    (json.dumps({"prompt": 42}).encode(), "'prompt' must be"),
+    (json.dumps({"prompt": [1, 99999]}).encode(), "token ids must be in"),
+    (json.dumps({"prompt": "hi", "n": 2}).encode(), "only n=1"),
+])
+def test_bad_requests_get_400_with_a_message(client, body, message):
+    r = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    assert message in r.json()["error"]["message"]
+
+
+def test_chat_needs_messages(client):
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user"}]})
+    assert r.status_code == 400 and "content" in r.json()["error"]["message"]
+
+
+def _metric(client, name: str) -> float:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} missing")
+
+
+def wait_idle(client, timeout: float = 30) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        h = client.get("/health").json()
+        if h["active"] == 0 and h["queued"] == 0:
+            return
+        time.sleep(0.02)
+    raise AssertionError("the engine did not go idle")
+
+
+def test_full_server_answers_503_and_disconnect_stops_generation(server, client):
+    wait_idle(client)
+    long = {"prompt": "the", "max_tokens": 240, "temperature": 1.0, "seed": 0, "stream": True,
+            "ignore_eos": True}
+    before = _metric(client, "hd_serve_generated_tokens_total")
+    with httpx.Client(base_url=server.url, timeout=60) as c1, httpx.Client(base_url=server.url, timeout=60) as c2:
+        s1 = c1.stream("POST", "/v1/completions", json=long)
+        r1 = s1.__enter__()
+        it = r1.iter_lines()
+        assert next(it).startswith("data: ")  # first token: request 1 holds the only batch row
+        s2 = c2.stream("POST", "/v1/completions", json=long)  # capacity 2 = 1 row + 1 queued
+        r2 = s2.__enter__()
+        r3 = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert r3.status_code == 503 and "capacity" in r3.json()["error"]["message"]
+        s2.__exit__(None, None, None)  # the queued request leaves before it starts
+        s1.__exit__(None, None, None)  # the client goes away mid-generation
+        assert r2.status_code == 200
+    wait_idle(client)
+    generated = _metric(client, "hd_serve_generated_tokens_total") - before
+    assert generated < 240, "generation went on after the client disconnected"
+    assert _metric(client, "hd_serve_requests_rejected_total") >= 1
+    ok = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "temperature": 0})
+    assert ok.status_code == 200
+
+
+def test_metrics_exposition(client):
+    client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 4, "temperature": 0})
+    text = client.get("/metrics").text
+    for name in ["hd_serve_requests_total", "hd_serve_request_errors_total", "hd_serve_prompt_tokens_total",
+                 "hd_serve_generated_tokens_total", "hd_serve_kv_cache_bytes",
+                 'hd_serve_time_to_first_token_seconds_bucket{le="+Inf"}',
+                 "hd_serve_inter_token_latency_seconds_count"]:
+        assert name in text
+    assert _metric(client, "hd_serve_kv_cache_bytes") > 0
+    assert _metric(client, "hd_serve_time_to_first_token_seconds_count") >= 1
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_server_cli_serves_a_hybrid_model(tmp_path):
+    from attention.spec import HybridAttentionConfig
+    from tests.tiny import tiny_model, tiny_tokenizer
+
+    model = tiny_model("llama")
+    model.config.hybrid_attention = HybridAttentionConfig(sink_tokens=2, window=8, global_every=0).to_dict()
+    model.save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "serve.server", "--model", str(tmp_path), "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).json()
+                break
+            except httpx.TransportError:
+                assert proc.poll() is None and time.time() < deadline, "server did not start"
+                time.sleep(0.2)
+        assert health["hybrid"] is True
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
+                       json={"prompt": "the quick", "max_tokens": 30, "temperature": 0}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
