@@ -7,7 +7,14 @@ masked SDPA); ``retrofit`` / ``revert`` / ``load`` plug it into transformers mod
 
 from attention.errors import HybridAttentionError, SequenceTooLongError, UnsupportedArchitectureError
 from attention.functional import BACKENDS, hybrid_attention, resolve_window, use_backend, use_window
-from attention.integration import ATTN_IMPLEMENTATION, SUPPORTED_MODEL_TYPES, is_hybrid, load, retrofit, revert
+from attention.integration import (
+    ATTN_IMPLEMENTATION,
+    SUPPORTED_MODEL_TYPES,
+    is_hybrid,
+    load,
+    retrofit,
+    revert,
+)
 from attention.spec import CONFIG_KEY, HybridAttentionConfig
 
 __all__ = [

@@ -8,10 +8,12 @@ Queries are cut into blocks of ``B`` rows. Block ``t`` needs two key sets:
 * the sink and global keys (a short sorted index list ``G``), counted only where they lie *outside*
   the local window (``j <= i - window``) so that no key is counted twice.
 
-Work is ``n * (|G| + (m + 1) * B)`` instead of ``n**2 / 2``. Blocks are processed a few at a time so
-that the score tiles stay in cache; the softmax is assembled from the two parts with fp32 running
-max / sum (flash-attention style), and the backward pass recomputes scores from the saved
-log-sum-exp instead of keeping probabilities: memory is O(n * head_dim) beyond the inputs.
+Work is ``n * (|G| + (m + 1) * B)`` instead of ``n**2 / 2``. Blocks are processed a few at a time
+(each chunk's keys are the visible globals followed by the block's span, with a precomputed
+additive mask) so that score tiles stay in cache. Inference runs each chunk through SDPA's fused
+kernel; training computes fp32 scores with matmuls to keep the log-sum-exp, and the backward pass
+recomputes probabilities from it instead of storing them: memory is O(n * head_dim) beyond the
+inputs, never [n, n].
 
 Rows that ``global_rows=True`` turns into full rows are not handled here; ``attention.functional``
 overwrites them with a small dense computation.
@@ -19,6 +21,7 @@ overwrites them with a small dense computation.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -30,7 +33,7 @@ from attention.spec import HybridAttentionConfig
 NEG_INF = float("-inf")
 DEFAULT_BLOCK = 128
 # Score elements per chunk of blocks: large enough to amortise Python overhead, small enough for L2/L3.
-CHUNK_ELEMENTS = 1 << 20
+CHUNK_ELEMENTS = 1 << 21
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,7 @@ class _Plan:
     band_bias: torch.Tensor  # [B, (m+1)*B] fp32, 0 / -inf
     early_bias: torch.Tensor  # [t_neg, B, (m+1)*B] fp32 for blocks whose span starts before position 0
     chunks: tuple[tuple[int, int, int], ...]  # (t0, t1, number of global keys any query in it can see)
+    chunk_bias: tuple[torch.Tensor, ...] = ()  # per chunk [t1 - t0, B, cnt + (m+1)*B]: globals then span
 
     def local_bias(self, t0: int, t1: int) -> torch.Tensor:
         """``[t1 - t0, B, (m+1)*B]`` additive mask of the local spans of blocks ``t0..t1``."""
@@ -79,7 +83,7 @@ def global_positions(spec: HybridAttentionConfig, k_len: int, device: torch.devi
     return torch.cat([sinks, glob])
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=16)
 def _plan(q_len: int, q_offset: int, sink: int, global_every: int, max_globals: int | None, window: int,
           block: int, rows_per_block: int, device: torch.device) -> _Plan:
     spec = HybridAttentionConfig(sink_tokens=sink, window=window, global_every=global_every,
@@ -98,7 +102,7 @@ def _plan(q_len: int, q_offset: int, sink: int, global_every: int, max_globals: 
     rel = m * B + r - c
     band = (rel >= 0) & (rel < window)
     band_bias = torch.zeros(B, L, device=device).masked_fill_(~band, NEG_INF)
-    t_neg = min(T, max(0, -(-(-key_start) // B)))  # blocks whose span reaches negative positions
+    t_neg = min(T, max(0, -(key_start // B)))  # blocks whose span reaches negative positions
     if t_neg:
         kpos = key_start + torch.arange(t_neg, device=device).view(-1, 1, 1) * B + c.unsqueeze(0)
         early = band.unsqueeze(0) & (kpos >= 0)
@@ -115,7 +119,10 @@ def _plan(q_len: int, q_offset: int, sink: int, global_every: int, max_globals: 
         last_q = q_offset + min(q_len, t1 * B) - 1
         count = int((g_cpu <= last_q - window).sum())
         chunks.append((t0, t1, count))
-    return _Plan(q_len, q_offset, B, T, m, window, key_start, gidx, band_bias, early_bias, tuple(chunks))
+    plan = _Plan(q_len, q_offset, B, T, m, window, key_start, gidx, band_bias, early_bias, tuple(chunks))
+    biases = tuple(torch.cat([plan.global_bias(t0, t1, cnt), plan.local_bias(t0, t1)], -1).contiguous()
+                   for t0, t1, cnt in chunks)
+    return dataclasses.replace(plan, chunk_bias=biases)
 
 
 def _blocks(x: torch.Tensor, plan: _Plan, kv_heads: int) -> torch.Tensor:
@@ -167,22 +174,10 @@ def _up(x: torch.Tensor) -> torch.Tensor:
 class _BlockSparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _Plan, scale: float):
-        b, h, _, d = q.shape
-        kvh = k.shape[1]
-        qb = _blocks(q * scale, plan, kvh)  # [b, kvh, T, R, d], R = group * B
-        kbuf, vbuf = _local_buffer(k, plan), _local_buffer(v, plan)
-        kg = k.index_select(2, plan.global_idx)
-        vg = v.index_select(2, plan.global_idx)
-        ob = torch.empty_like(qb)
-        lse = torch.empty(qb.shape[:-1], dtype=_acc_dtype(q.dtype), device=q.device)
-        group = h // kvh
-        for t0, t1, cnt in plan.chunks:
-            o, lse_c = _chunk_forward(qb[:, :, t0:t1], kbuf, vbuf, kg, vg, plan, t0, t1, cnt, group)
-            ob[:, :, t0:t1] = o
-            lse[:, :, t0:t1] = lse_c
+        ob, lse = _forward(q, k, v, plan, scale, need_lse=True)
         ctx.save_for_backward(q, k, v, ob, lse)
         ctx.plan, ctx.scale = plan, scale
-        return _unblocks(ob, plan, h)
+        return _unblocks(ob, plan, q.shape[1])
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
@@ -190,53 +185,103 @@ class _BlockSparseAttention(torch.autograd.Function):
         plan, scale = ctx.plan, ctx.scale
         b, h, _, d = q.shape
         kvh = k.shape[1]
-        group = h // kvh
-        B, L = plan.block, (plan.back + 1) * plan.block
+        B, m = plan.block, plan.back
+        acc = _acc_dtype(q.dtype)
         qb = _blocks(q * scale, plan, kvh)
         dob = _blocks(grad_out.to(q.dtype), plan, kvh)
-        delta = (_up(dob) * _up(ob)).sum(-1)  # [b, kvh, T, R]: rowsum(dO * O) of the softmax backward
+        delta = (_up(dob) * _up(ob)).sum(-1, keepdim=True)  # [b, kvh, T, R, 1]: rowsum(dO * O)
         kbuf, vbuf = _local_buffer(k, plan), _local_buffer(v, plan)
-        kg = k.index_select(2, plan.global_idx)
-        vg = v.index_select(2, plan.global_idx)
-        dqb = torch.zeros_like(qb, dtype=_acc_dtype(q.dtype))
-        dkbuf = torch.zeros(kbuf.shape, dtype=_acc_dtype(k.dtype), device=k.device)
+        kg, vg = k.index_select(2, plan.global_idx), v.index_select(2, plan.global_idx)
+        dqb = torch.empty(qb.shape, dtype=acc, device=q.device)
+        dkbuf = torch.zeros(kbuf.shape, dtype=acc, device=k.device)
         dvbuf = torch.zeros_like(dkbuf)
-        dkg = torch.zeros(kg.shape, dtype=_acc_dtype(k.dtype), device=k.device)
+        dkg = torch.zeros(kg.shape, dtype=acc, device=k.device)
         dvg = torch.zeros_like(dkg)
-        dk_blocks = dkbuf.view(b, kvh, plan.blocks + plan.back, B, d)
-        dv_blocks = dvbuf.view(b, kvh, plan.blocks + plan.back, B, d)
-        for t0, t1, cnt in plan.chunks:
+        dk_blocks = dkbuf.view(b, kvh, plan.blocks + m, B, d)
+        dv_blocks = dvbuf.view(b, kvh, plan.blocks + m, B, d)
+        for (t0, t1, cnt), bias in zip(plan.chunks, plan.chunk_bias):
             cb = t1 - t0
             qc, doc = qb[:, :, t0:t1], dob[:, :, t0:t1]
-            ks, vs = _spans(kbuf, plan, t0, t1), _spans(vbuf, plan, t0, t1)
-            lse_c = lse[:, :, t0:t1].unsqueeze(-1)
-            delta_c = delta[:, :, t0:t1].unsqueeze(-1)
-            # Local part: [b, kvh, cb, R, L]
-            p = _local_scores(qc, ks, plan, t0, t1, group).sub_(lse_c).exp_()
-            dp = _up(torch.matmul(doc, vs.transpose(-1, -2)))
-            ds = p * dp.sub_(delta_c)
-            dqb[:, :, t0:t1] += _up(torch.matmul(ds.to(q.dtype), ks))
-            dks = _up(torch.matmul(ds.transpose(-1, -2).to(q.dtype), qc)).view(b, kvh, cb, plan.back + 1, B, d)
-            dvs = _up(torch.matmul(p.transpose(-1, -2).to(q.dtype), doc)).view(b, kvh, cb, plan.back + 1, B, d)
-            for i in range(plan.back + 1):
+            keys, vals = _chunk_keys(kbuf, kg, plan, t0, t1, cnt), _chunk_keys(vbuf, vg, plan, t0, t1, cnt)
+            p = _scores(qc, keys, bias).sub_(lse[:, :, t0:t1]).exp_()  # [b, kvh, cb, R, cnt + L]
+            ds = _up(torch.matmul(doc, vals.transpose(-1, -2))).sub_(delta[:, :, t0:t1]).mul_(p)
+            dqb[:, :, t0:t1] = _up(torch.matmul(ds.to(q.dtype), keys))
+            dkeys = _up(torch.matmul(ds.transpose(-1, -2).to(q.dtype), qc))  # [b, kvh, cb, cnt + L, d]
+            dvals = _up(torch.matmul(p.transpose(-1, -2).to(q.dtype), doc))
+            if cnt:
+                dkg[:, :, :cnt] += dkeys[:, :, :, :cnt].sum(2)
+                dvg[:, :, :cnt] += dvals[:, :, :, :cnt].sum(2)
+            dks = dkeys[:, :, :, cnt:].view(b, kvh, cb, m + 1, B, d)
+            dvs = dvals[:, :, :, cnt:].view(b, kvh, cb, m + 1, B, d)
+            for i in range(m + 1):  # span i-th sub-block of block t is buffer block t + i
                 dk_blocks[:, :, t0 + i:t1 + i] += dks[:, :, :, i]
                 dv_blocks[:, :, t0 + i:t1 + i] += dvs[:, :, :, i]
-            if cnt:
-                qf = qc.reshape(b, kvh, -1, d)
-                dof = doc.reshape(b, kvh, -1, d)
-                pg = _global_scores(qf, kg[:, :, :cnt], plan, t0, t1, cnt, group)
-                pg = pg.sub_(lse_c.reshape(b, kvh, -1, 1)).exp_()
-                dpg = _up(torch.matmul(dof, vg[:, :, :cnt].transpose(-1, -2)))
-                dsg = pg * dpg.sub_(delta_c.reshape(b, kvh, -1, 1))
-                dqb[:, :, t0:t1] += _up(torch.matmul(dsg.to(q.dtype), kg[:, :, :cnt])).view(qc.shape)
-                dkg[:, :, :cnt] += _up(torch.matmul(dsg.transpose(-1, -2).to(q.dtype), qf))
-                dvg[:, :, :cnt] += _up(torch.matmul(pg.transpose(-1, -2).to(q.dtype), dof))
         dq = _unblocks(dqb, plan, h) * scale
-        dk = _fold_local(dkbuf, plan, k.shape[2])
-        dv = _fold_local(dvbuf, plan, k.shape[2])
-        dk.index_add_(2, plan.global_idx, dkg)
-        dv.index_add_(2, plan.global_idx, dvg)
+        dk = _fold_local(dkbuf, plan, k.shape[2]).index_add_(2, plan.global_idx, dkg)
+        dv = _fold_local(dvbuf, plan, k.shape[2]).index_add_(2, plan.global_idx, dvg)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def _chunk_keys(buf: torch.Tensor, glob: torch.Tensor, plan: _Plan, t0: int, t1: int, cnt: int) -> torch.Tensor:
+    """``[b, kvh, t1 - t0, cnt + L, d]``: the visible sink/global keys, then each block's local span."""
+    spans = _spans(buf, plan, t0, t1)
+    if not cnt:
+        return spans
+    b, kvh, cb, _, d = spans.shape
+    return torch.cat([glob[:, :, None, :cnt].expand(b, kvh, cb, cnt, d), spans], 3)
+
+
+def _scores(qc: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``[b, kvh, cb, R, K]`` masked scores in the accumulation dtype (queries are pre-scaled)."""
+    s = _up(torch.matmul(qc, keys.transpose(-1, -2)))
+    b, kvh, cb, R, K = s.shape
+    B = bias.shape[1]
+    s.view(b, kvh, cb, R // B, B, K).add_(bias.unsqueeze(1))
+    return s
+
+
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _Plan, scale: float, need_lse: bool):
+    """Blocked output ``[b, kvh, T, R, d]`` and, if asked, log-sum-exp ``[b, kvh, T, R, 1]``."""
+    if not need_lse:
+        return _forward_fused(q, k, v, plan, scale), None
+    kvh = k.shape[1]
+    qb = _blocks(q * scale, plan, kvh)  # [b, kvh, T, R, d], R = group * B
+    kbuf, vbuf = _local_buffer(k, plan), _local_buffer(v, plan)
+    kg, vg = k.index_select(2, plan.global_idx), v.index_select(2, plan.global_idx)
+    ob = torch.empty_like(qb)
+    lse = torch.empty((*qb.shape[:-1], 1), dtype=_acc_dtype(q.dtype), device=q.device)
+    for (t0, t1, cnt), bias in zip(plan.chunks, plan.chunk_bias):
+        keys, vals = _chunk_keys(kbuf, kg, plan, t0, t1, cnt), _chunk_keys(vbuf, vg, plan, t0, t1, cnt)
+        s = _scores(qb[:, :, t0:t1], keys, bias)
+        lse[:, :, t0:t1] = torch.logsumexp(s, -1, keepdim=True)
+        ob[:, :, t0:t1] = torch.matmul(torch.softmax(s, -1).to(q.dtype), vals)
+    return ob, lse
+
+
+def _forward_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _Plan, scale: float) -> torch.Tensor:
+    """Inference forward: each chunk of blocks is one fused SDPA call with the chunk's additive mask.
+
+    SDPA's fused kernel keeps score tiles in cache (measurably faster than matmul + softmax on CPU)
+    but does not return the log-sum-exp the backward pass needs, hence training uses ``_forward``.
+    Blocks go to SDPA's batch dim and (batch, kv head, group) to its head dim, so the mask
+    ``[cb, 1, B, K]`` broadcasts over heads and GQA maps query head ``j`` to key head ``j // group``.
+    """
+    b, h, _, d = q.shape
+    kvh = k.shape[1]
+    group, B = h // kvh, plan.block
+    qb = _blocks(q, plan, kvh)
+    kbuf, vbuf = _local_buffer(k, plan), _local_buffer(v, plan)
+    kg, vg = k.index_select(2, plan.global_idx), v.index_select(2, plan.global_idx)
+    ob = torch.empty_like(qb)
+    for (t0, t1, cnt), bias in zip(plan.chunks, plan.chunk_bias):
+        cb = t1 - t0
+        keys = _chunk_keys(kbuf, kg, plan, t0, t1, cnt).permute(2, 0, 1, 3, 4).reshape(cb, b * kvh, -1, d)
+        vals = _chunk_keys(vbuf, vg, plan, t0, t1, cnt).permute(2, 0, 1, 3, 4).reshape(cb, b * kvh, -1, d)
+        qc = qb[:, :, t0:t1].permute(2, 0, 1, 3, 4).reshape(cb, b * kvh * group, B, d)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qc, keys, vals, attn_mask=bias.unsqueeze(1).to(q.dtype), scale=scale, enable_gqa=group > 1)
+        ob[:, :, t0:t1] = o.view(cb, b, kvh, group * B, d).permute(1, 2, 0, 3, 4)
+    return ob
 
 
 def _fold_local(buf: torch.Tensor, plan: _Plan, k_len: int) -> torch.Tensor:
@@ -248,43 +293,6 @@ def _fold_local(buf: torch.Tensor, plan: _Plan, k_len: int) -> torch.Tensor:
     n = min(k_len - lo, buf.shape[2] - left)
     out[:, :, lo:lo + n] = buf[:, :, left:left + n]
     return out
-
-
-def _local_scores(qc: torch.Tensor, ks: torch.Tensor, plan: _Plan, t0: int, t1: int, group: int) -> torch.Tensor:
-    """``[b, kvh, cb, R, L]`` fp32 masked scores of a chunk's queries against their local spans."""
-    s = _up(torch.matmul(qc, ks.transpose(-1, -2)))
-    b, kvh, cb, _, L = s.shape
-    s.view(b, kvh, cb, group, plan.block, L).add_(plan.local_bias(t0, t1).unsqueeze(1))
-    return s
-
-
-def _global_scores(qf: torch.Tensor, kg: torch.Tensor, plan: _Plan, t0: int, t1: int, cnt: int,
-                   group: int) -> torch.Tensor:
-    """``[b, kvh, cb * R, cnt]`` fp32 masked scores against the sink/global keys."""
-    s = _up(torch.matmul(qf, kg.transpose(-1, -2)))
-    b, kvh = s.shape[:2]
-    s.view(b, kvh, t1 - t0, group, plan.block, cnt).add_(plan.global_bias(t0, t1, cnt).unsqueeze(1))
-    return s
-
-
-def _chunk_forward(qc, kbuf, vbuf, kg, vg, plan: _Plan, t0: int, t1: int, cnt: int, group: int):
-    b, kvh, cb, R, d = qc.shape
-    ks, vs = _spans(kbuf, plan, t0, t1), _spans(vbuf, plan, t0, t1)
-    s = _local_scores(qc, ks, plan, t0, t1, group)
-    mx = s.amax(-1, keepdim=True)
-    if cnt:
-        qf = qc.reshape(b, kvh, cb * R, d)
-        sg = _global_scores(qf, kg[:, :, :cnt], plan, t0, t1, cnt, group).view(b, kvh, cb, R, cnt)
-        mx = torch.maximum(mx, sg.amax(-1, keepdim=True))
-    p = s.sub_(mx).exp_()
-    denom = p.sum(-1, keepdim=True)
-    o = _up(torch.matmul(p.to(qc.dtype), vs))
-    if cnt:
-        pg = sg.sub_(mx).exp_()
-        denom += pg.sum(-1, keepdim=True)
-        o += _up(torch.matmul(pg.view(b, kvh, cb * R, cnt).to(qc.dtype), vg[:, :, :cnt])).view(o.shape)
-    o.div_(denom)
-    return o.to(qc.dtype), (mx + denom.log()).squeeze(-1)
 
 
 def blocksparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: HybridAttentionConfig,
@@ -309,4 +317,8 @@ def blocksparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spe
     rows = q.shape[0] * q.shape[1] * block
     plan = _plan(q_len, k_len - q_len, spec.sink_tokens, spec.global_every, spec.max_globals, window, block,
                  rows, q.device)
-    return _BlockSparseAttention.apply(q, k, v, plan, scale if scale is not None else 1.0 / math.sqrt(d))
+    scale = scale if scale is not None else 1.0 / math.sqrt(d)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _BlockSparseAttention.apply(q, k, v, plan, scale)
+    ob, _ = _forward(q, k, v, plan, scale, need_lse=False)  # inference: no log-sum-exp, nothing saved
+    return _unblocks(ob, plan, q.shape[1])

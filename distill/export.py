@@ -136,14 +136,18 @@ def is_checkpoint_dir(path: Path) -> bool:
 
 
 def list_checkpoints(run_dir: Path) -> dict[int, Path]:
-    """``{step: path}`` for the complete ``checkpoints/step-N`` folders (temp folders don't match)."""
+    """``{step: path}`` for the whole ``checkpoints/step-N`` folders.
+
+    The trainer writes ``COMPLETE`` and ``trainer_state.json`` last, before the rename; a folder with
+    neither is a torn copy and temp folders (``.tmp-step-N``) don't match the name.
+    """
     root = run_dir / "checkpoints"
     if not root.is_dir():
         return {}
     found = {}
     for sub in root.iterdir():
         m = _STEP_DIR.match(sub.name)
-        if m and sub.is_dir():
+        if m and sub.is_dir() and ((sub / "COMPLETE").is_file() or (sub / "trainer_state.json").is_file()):
             found[int(m.group(1))] = sub
     return dict(sorted(found.items()))
 
@@ -408,11 +412,13 @@ def load_student(src: Source, dtype: torch.dtype | None = torch.float32, base: s
 # ----------------------------------------------------------------------------------------------
 
 
-def check_target(target: Path, overwrite: bool, source: Path | None = None) -> None:
-    """Refuse a target that exists (unless ``overwrite``), is a file, or would swallow the source."""
+def check_target(target: Path, overwrite: bool, *sources: str | os.PathLike | None) -> None:
+    """Refuse a target that exists (unless ``overwrite``), is a file, or would swallow a source."""
     target = Path(target).expanduser().absolute()
-    if source is not None:
-        src = Path(source).resolve()
+    for source in sources:
+        if source is None:
+            continue
+        src = Path(source).expanduser().resolve()
         tgt = target.resolve()
         if tgt == src or tgt in src.parents:
             raise SourceError(f"output_dir {target} contains the source {src}; choose another output_dir")
@@ -574,16 +580,29 @@ def _scalars(d: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
     return rows
 
 
+def _is_path(key: str, value: Any) -> bool:
+    """Local paths (``final_dir``) mean nothing to a reader of a published card."""
+    return key.endswith(("_dir", "_path", "_file")) or (isinstance(value, str) and os.path.isabs(value))
+
+
 def _table(rows: list[tuple[str, Any]], head: tuple[str, str] = ("", "")) -> list[str]:
     out = [f"| {head[0]} | {head[1]} |", "|---|---|"]
     out += [f"| {k} | {_fmt(v)} |" for k, v in rows]
     return out
 
 
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _DATA_KEY = re.compile(r"data|split|text_field|seq_len|max_len|max_steps|batch|tokens|epoch|packing")
 # Metrics worth a line of their own in the summary, in this order, when the run recorded them.
 _HEADLINE = ("student_ppl_final", "student_ppl_init", "teacher_ppl", "top1_agreement", "final_loss", "steps",
              "tokens_per_s")
+
+
+def _short(src: Source) -> str:
+    """``describe()`` with the path relative to the run's parent: the card should not leak local paths."""
+    if src.run_dir is None:
+        return src.describe().replace(str(src.path), src.path.name)
+    return src.describe().replace(str(src.path), str(src.path.relative_to(src.run_dir.parent)))
 
 
 def model_card(name: str, student: LoadedStudent, records: RunRecords, dtype: torch.dtype,
@@ -597,15 +616,15 @@ def model_card(name: str, student: LoadedStudent, records: RunRecords, dtype: to
                         "- distillation"]
     if hybrid:
         lines.append("- hybrid-attention")
-    if isinstance(teacher, str) and teacher:
-        lines.append(f"base_model: {json.dumps(teacher)}")
+    if isinstance(teacher, str) and _HUB_ID.match(teacher) and not Path(teacher).exists():
+        lines.append(f"base_model: {teacher}")  # hub metadata: only a hub id, never a local path
     lines += ["---", "", f"# {name}", ""]
 
     made = "distilled" + (f" from `{teacher}`" if teacher else "")
     lines.append(f"A {cfg.model_type} causal LM ({human_count(student.params)} parameters, "
                  f"{DTYPE_NAMES.get(dtype, str(dtype))}) {made}"
                  f"{', with a merged LoRA adapter' if student.lora_merged else ''}. "
-                 f"Exported from the {src.describe()}.")
+                 f"Exported from the {_short(src)}.")
     lines += ["", "## Model", ""]
     arch = [("architecture", (getattr(cfg, "architectures", None) or [type(student.model).__name__])[0]),
             ("parameters", f"{student.params:,}"), ("layers", getattr(cfg, "num_hidden_layers", None)),
@@ -635,15 +654,18 @@ def model_card(name: str, student: LoadedStudent, records: RunRecords, dtype: to
     data_rows = [(k, v) for k, v in _scalars(records.config or {}) if _DATA_KEY.search(k)]
     lines += _table(data_rows, ("key", "value")) if data_rows else ["Not recorded (no run config found)."]
 
+    # Metrics and gate describe the run's final model; say so when this export is an earlier checkpoint.
+    run_step = (records.summary or {}).get("steps")
+    elsewhere = src.step is not None and run_step is not None and src.step != run_step
+    caveat = (f"measured on the run's final model (step {run_step}), not on this export (step {src.step})."
+              if elsewhere else "")
     lines += ["", "## Measured", ""]
     if records.summary:
         s = records.summary
-        run_step = s.get("steps")
-        if src.step is not None and run_step is not None and src.step != run_step:
-            lines += [f"These numbers were measured on the run's final model (step {run_step}), not on this "
-                      f"export (step {src.step}).", ""]
+        if caveat:
+            lines += [f"These numbers were {caveat}", ""]
         head = [(k, s[k]) for k in _HEADLINE if k in s]
-        rest = [(k, v) for k, v in _scalars(s) if k not in _HEADLINE]
+        rest = [(k, v) for k, v in _scalars(s) if k not in _HEADLINE and not _is_path(k, v)]
         lines += _table(head + rest, ("metric", "value"))
     else:
         lines.append("No metrics recorded (no summary.json beside the run).")
@@ -654,6 +676,8 @@ def model_card(name: str, student: LoadedStudent, records: RunRecords, dtype: to
     if records.gate:
         verdict = records.gate.get("verdict", "unknown")
         lines += [f"**Verdict: {_fmt(verdict).upper()}**", ""]
+        if caveat:
+            lines += [f"The gate was {caveat}", ""]
         numbers = [(k, v) for k, v in _scalars(records.gate) if k != "verdict" and not isinstance(v, str)][:12]
         if numbers:
             lines += _table(numbers, ("gate", "value")) + [""]

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 
 KEPT_KEY = "distill_kept_layers"
 
@@ -72,8 +72,13 @@ def derive_student(teacher: PreTrainedModel, keep_layers: int | str | Sequence[i
         config.layer_types = [config.layer_types[i] for i in keep]
     setattr(config, KEPT_KEY, keep)
     dtype = next(teacher.parameters()).dtype
-    student = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    src = teacher.state_dict()
+    # The plain constructor, not from_config: under ZeRO-3, from_config partitions parameters while
+    # building; accelerate.prepare shards the student later anyway.
+    student = type(teacher)(config).to(dtype)
+    from distill.distributed import gather_params
+
+    with gather_params(teacher):  # a ZeRO-3 teacher holds only its shard of each weight
+        src = {k: v.detach().clone() for k, v in teacher.state_dict().items()}
     dst = {}
     for key in student.state_dict():
         if key.startswith("model.layers."):
@@ -82,7 +87,7 @@ def derive_student(teacher: PreTrainedModel, keep_layers: int | str | Sequence[i
         else:
             dst[key] = src[key]
     with torch.no_grad():
-        student.load_state_dict({k: v.detach().clone() for k, v in dst.items()}, strict=True)
+        student.load_state_dict(dst, strict=True)
     if getattr(config, "tie_word_embeddings", False):
         student.tie_weights()
     return student

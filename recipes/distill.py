@@ -252,6 +252,9 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator) -> dict:
         cache = TeacherCache(cfg.teacher_cache, data.train)
     model = DistillModel(student, None if cache else teacher, loss_cfg, tokenizer_size=len(tokenizer),
                          cached_teacher=cache is not None)
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is not None:  # no dataloader goes through prepare(), so DeepSpeed learns the batch here
+        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.micro_batch_size
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
@@ -293,6 +296,8 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator) -> dict:
             init["teacher_ppl"] = evaluate(accelerator, eval_teacher, None, data.eval, cfg.micro_batch_size).perplexity
         s = evaluate(accelerator, unwrapped.student, eval_teacher, data.eval, cfg.micro_batch_size, teacher_logits)
         init.update(student_ppl_init=s.perplexity, top1_agreement_init=s.top1_agreement)
+        evals.append({"step": 0, "perplexity": s.perplexity, "top1_agreement": s.top1_agreement,
+                      "kl_to_teacher": s.kl, "teacher_perplexity": init.get("teacher_ppl")})
         if main:
             print(f"held-out perplexity: teacher {init.get('teacher_ppl', float('nan')):.2f}, "
                   f"student at init {s.perplexity:.2f} ({time.time() - t0:.0f}s)")
@@ -390,6 +395,7 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator) -> dict:
     if main:
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
         plot_training(history, evals, out / "loss.png", title=f"{cfg.teacher} → student ({out.name})")
+    accelerator.wait_for_everyone()
     if cfg.tracker != "none":
         accelerator.end_training()
     return summary
@@ -419,6 +425,9 @@ def main() -> None:
     cfg = parse_config(DistillConfig)
     out = check_output_dir(cfg)
     accelerator = make_accelerator(cfg, out)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and accelerator.num_processes == 1:
+        raise ConfigError("several processes were launched but accelerate runs them apart; on CPU add "
+                          "ACCELERATE_USE_CPU=true (see launch/README.md)")
     if cfg.overwrite and accelerator.is_main_process and out.exists():
         shutil.rmtree(out)
     accelerator.wait_for_everyone()

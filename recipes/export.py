@@ -87,7 +87,7 @@ def export(cfg: ExportConfig) -> ExportResult:
 
     # 1. What are we exporting? Refuse a bad target before the (slow) load.
     src = ex.resolve_source(cfg.source, cfg.checkpoint)
-    ex.check_target(out, cfg.overwrite, source=src.path)
+    ex.check_target(out, cfg.overwrite, src.path, cfg.base)
     print(f"loading {src.describe()}", flush=True)
 
     # 2. The bare student: projectors and teacher stripped, LoRA merged, in the chosen dtype.

@@ -43,9 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = Engine(resolve_model_path(args.model), device=args.device, max_batch=1,
                         max_seq_len=args.max_seq_len)
         t0 = time.perf_counter()
-        n = 0
         for delta in engine.stream(args.prompt, params, chat=args.chat):
-            n += 1
             sys.stdout.write(delta)
             sys.stdout.flush()
         sys.stdout.write("\n")

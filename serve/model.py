@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attention.masks import allowed
 from attention.spec import CONFIG_KEY, HybridAttentionConfig
 from serve.kv_cache import KVCache
 
@@ -117,8 +118,6 @@ class DecoderModel(nn.Module):
         i, j = pos[:, None], pos[None, :]
         chunk_mask = j <= i
         if cache.bounded:
-            from attention.masks import allowed
-
             chunk_mask = allowed(pos, pos, cache.spec, w)
         mask = chunk_mask
         if n_old:

@@ -163,7 +163,6 @@ def _sampling(body: dict[str, Any], n_prompt: int, max_seq_len: int, default_max
 def create_app(engine: Engine, *, max_queue: int = 32, model_name: str = "hybrid-distill") -> Starlette:
     """The ASGI app; starts the engine's background thread."""
     aengine = AsyncEngine(engine, max_queue=max_queue)
-    tok = engine.tokenizer
 
     async def parse(request: HTTPRequest) -> dict[str, Any]:
         try:

@@ -151,6 +151,9 @@ PROBE = textwrap.dedent('''
                   teacher_head_sum=head_sum, local_param_sums=digests)
     with open(os.path.join(out, f"rank{acc.process_index}.json"), "w") as f:
         json.dump(report, f)
+    # Leave together: a rank tearing gloo down while its peer still works can abort at exit.
+    acc.wait_for_everyone()
+    acc.end_training()
 ''')
 
 

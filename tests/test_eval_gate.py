@@ -196,3 +196,21 @@ def test_cli_subprocess_bad_input(tmp_path):
                           capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], timeout=120)
     assert proc.returncode == 3
     assert proc.stderr.strip().splitlines()[-1] == "error: p.jsonl line 2: not valid JSON; fix or remove the line"
+
+
+def test_reference_mode_flags_texts_past_the_scorer_window(env):
+    rows = [json.loads(line) for line in env["prompts"].read_text().splitlines()[:12]]
+    for k, row in enumerate(rows):
+        row["reference"] = "a long reference " * 250 if k == 0 else f"reference text number {k}"
+    f = env["root"] / "with_refs.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    env["scorer"].batch_size = 4  # keep the 512-wide padding to the one batch holding the long text
+    try:
+        res = run_gate(_cfg(env, "refs", candidate=str(env["orig"]), prompts=str(f), skip_lm_metrics=True),
+                       scorer=env["scorer"])
+    finally:
+        env["scorer"].batch_size = 64
+    assert res.report["mode"] == "references"
+    assert res.report["long_texts"] == [{"id": rows[0]["id"], "which": "reference", "tokens": 750}]
+    assert any("exceed the scorer" in r for r in res.report["reasons"])
+    assert res.verdict == "pass"  # same model: differences are exactly zero

@@ -23,7 +23,8 @@ from tests.tiny import save_tiny, tiny_model, tiny_tokenizer
 REPO = Path(__file__).resolve().parent.parent
 HYBRID = {"sink_tokens": 4, "window": 8, "global_every": 16, "max_globals": 2}
 SUMMARY = {"steps": 7, "final_loss": 1.2345, "tokens_per_s": 812.5, "teacher_ppl": 11.5,
-           "student_ppl_init": 40.25, "student_ppl_final": 17.75, "top1_agreement": 0.6125}
+           "student_ppl_init": 40.25, "student_ppl_final": 17.75, "top1_agreement": 0.6125,
+           "loss_weights": {"kd_weight": 1.0, "ce_weight": 0.5}, "final_dir": "/somewhere/run/final"}
 GATE = {"verdict": "pass", "bertscore_f1": 0.9137, "threshold": 0.9, "prompts": 24}
 GATE_MD = "# Release gate\n\nverdict: PASS — BERTScore F1 0.9137 >= 0.9 on 24 prompts\n"
 RUN_CONFIG = {"teacher": "models/teacher", "student": "models/student", "dataset": "data/tiny.txt",
@@ -88,7 +89,8 @@ def run_dir(tmp_path: Path) -> tuple[Path, dict[int, torch.nn.Module]]:
     for step in (3, 7):
         models[step] = tiny_model(seed=step)
         make_checkpoint(run / "checkpoints" / f"step-{step}", models[step], step)
-    (run / "checkpoints" / "step-9.tmp").mkdir()  # an interrupted save is not a checkpoint
+    (run / "checkpoints" / ".tmp-step-9").mkdir()  # an interrupted save is not a checkpoint
+    (run / "checkpoints" / "step-8").mkdir()  # nor is a torn copy without COMPLETE / trainer_state.json
     (run / "config.yaml").write_text(yaml.safe_dump(RUN_CONFIG))
     (run / "summary.json").write_text(json.dumps(SUMMARY))
     (run / "gate").mkdir()
@@ -177,6 +179,8 @@ def test_lora_adapter_is_merged(tmp_path: Path) -> None:
     from peft import LoraConfig, get_peft_model
 
     base_dir = save_tiny(tmp_path / "base", seed=5)
+    cfg = json.loads((base_dir / "config.json").read_text())
+    (base_dir / "config.json").write_text(json.dumps({**cfg, "hybrid_attention": HYBRID}))  # a retrofit base
     peft_model = get_peft_model(load(base_dir), LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
                                                            target_modules=["q_proj", "v_proj", "down_proj"]))
     adapter = tmp_path / "adapter"
@@ -189,6 +193,7 @@ def test_lora_adapter_is_merged(tmp_path: Path) -> None:
     merged = load(out)
     torch.testing.assert_close(logits(merged), ref, atol=1e-5, rtol=0)
     assert not any("lora" in k for k in weight_keys(out)) and res.params == merged.num_parameters()
+    assert json.loads((out / "config.json").read_text())["hybrid_attention"] == HYBRID
 
     # The recorded base path is wrong once the base moves: base= overrides it.
     moved = tmp_path / "moved-base"
@@ -246,11 +251,15 @@ def test_model_card_has_config_data_metrics_and_gate(run_dir) -> None:
     assert "models/teacher" in card and "![training loss](loss.png)" in card
     assert (out / "loss.png").read_bytes().startswith(b"\x89PNG")
     assert "not on this" not in card
+    assert "| loss_weights.ce_weight | 0.5 |" in card and "/somewhere" not in card
 
     # A mid-run checkpoint says the numbers belong to the final model.
     out3 = run.parent / "step3"
     run_export(run, out3, checkpoint="3")
-    assert "final model (step 7), not on this export (step 3)" in (out3 / "README.md").read_text()
+    card3 = (out3 / "README.md").read_text()
+    assert card3.count("final model (step 7), not on this export (step 3)") == 2  # metrics and gate
+    assert "Exported from the training checkpoint run/checkpoints/step-3 (step 3)" in card3
+    assert str(run.parent) not in card3  # no local paths in a card meant to be published
 
 
 def test_model_card_without_run_records(tmp_path: Path) -> None:
@@ -356,6 +365,15 @@ def test_deepspeed_checkpoint_goes_through_zero_to_fp32(tmp_path: Path, monkeypa
     torch.testing.assert_close(logits(load(out)), logits(model), atol=1e-6, rtol=0)
 
 
+def test_shipped_export_configs_parse() -> None:
+    configs = sorted((REPO / "recipes" / "configs").glob("export_*.yaml"))
+    assert configs
+    for path in configs:
+        assert path.read_text().startswith("# python recipes/export.py --config")
+        cfg = parse_config(ExportConfig, ["--config", str(path)])
+        assert cfg.dtype in ("fp32", "bf16", "fp16", "auto") and not cfg.overwrite
+
+
 def test_student_state_dict_stripping() -> None:
     t = torch.zeros(1)
     state = {"student.model.x": t, "_orig_mod.student.lm_head.weight": t, "projectors.p.weight": t,
@@ -403,7 +421,7 @@ module = TeacherStudent()
 config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage},
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
 # One CPU process needs no shared-memory collectives; skipping the op saves a C++ build per test run.
-deepspeed.comm.torch.build_shm_op = lambda: None
+sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
 deepspeed.init_distributed(dist_backend="gloo")
 engine, *_ = deepspeed.initialize(model=module, model_parameters=module.parameters(), config=config)
 engine.save_checkpoint(ckpt, "pytorch_model")
@@ -433,3 +451,25 @@ def test_real_zero_checkpoint(tmp_path: Path, stage: int) -> None:
     assert res.source.kind == "deepspeed"
     assert weight_keys(out) == set(model.state_dict())
     torch.testing.assert_close(logits(load(out)), logits(model), atol=1e-6, rtol=0)
+
+
+@pytest.mark.slow
+def test_exports_a_real_distill_run(tmp_path: Path) -> None:
+    """The training recipe's own outputs: its checkpoint (pytorch_model.bin) and final/ export identically."""
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "recipes/distill.py", "--config", "recipes/configs/tiny.yaml",
+                           f"output_dir={run}", "max_steps=2", "save_every=2"], cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from_ckpt = run_export(run, tmp_path / "from-ckpt", checkpoint="latest")
+    from_final = run_export(run, tmp_path / "from-final")
+    assert from_ckpt.source.kind == "checkpoint" and from_final.source.path == run / "final"
+    a, b = load(tmp_path / "from-ckpt"), load(tmp_path / "from-final")
+    for (k, x), (k2, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert k == k2 and torch.equal(x, y), k
+    x = torch.randint(3, a.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(logits(a, x), logits(load(run / "final"), x), atol=1e-6, rtol=0)
+    card = (tmp_path / "from-final" / "README.md").read_text()
+    summary = json.loads((run / "summary.json").read_text())
+    assert f"| steps | {summary['steps']} |" in card and "student_ppl_final" in card
+    assert "builtin:stdlib-docs" in card  # the data table

@@ -1,0 +1,165 @@
+"""Hybrid attention speed: the attention op alone, then whole-model prefill of SmolLM2-135M.
+
+    python bench/attention.py                 # full run (minutes)
+    python bench/attention.py --quick         # 2K / 4K op only, no model
+
+Op: fp32, batch 1, 9 query heads / 3 KV heads, head dim 64 (SmolLM2-135M's attention), spec
+sink 128 / window 512 / global every 1024. Rows: causal SDPA (``is_causal=True``), masked SDPA
+with the boolean hybrid mask (skipped where the [n, n] mask is too big), and the block-sparse
+kernel; forward and forward+backward. Timings are the best of interleaved repeats, so load from
+other processes hits every variant alike. Then whole-model prefill (last-token logits only, as a
+server does) dense vs hybrid at 4K and 8K. Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import attention  # noqa: E402
+from attention import HybridAttentionConfig, hybrid_attention  # noqa: E402
+from attention import kernel as kernel_mod  # noqa: E402
+from attention.masks import hybrid_mask  # noqa: E402
+
+SPEC = HybridAttentionConfig(sink_tokens=128, window=512, global_every=1024)
+HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
+
+
+def best_of(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Best wall time per function, running them round-robin ``repeats`` times after one warm-up."""
+    for f in fns.values():
+        f()
+    best = {k: float("inf") for k in fns}
+    for _ in range(repeats):
+        for name, f in fns.items():
+            t = time.perf_counter()
+            f()
+            best[name] = min(best[name], time.perf_counter() - t)
+    return best
+
+
+def op_bench(n: int, repeats: int, masked_max: int) -> dict[str, float]:
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, HEADS, n, HEAD_DIM, generator=g)
+    k = torch.randn(1, KV_HEADS, n, HEAD_DIM, generator=g)
+    v = torch.randn(1, KV_HEADS, n, HEAD_DIM, generator=g)
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    mask = hybrid_mask(n, SPEC) if n <= masked_max else None
+
+    def causal(x, y, z):
+        return F.scaled_dot_product_attention(x, y, z, is_causal=True, enable_gqa=True)
+
+    def masked(x, y, z):
+        return F.scaled_dot_product_attention(x, y, z, attn_mask=mask, enable_gqa=True)
+
+    def kernel(x, y, z):
+        return hybrid_attention(x, y, z, SPEC, backend="blocksparse")
+
+    variants = {"causal_sdpa": causal, "kernel": kernel}
+    if mask is not None:
+        variants["masked_sdpa"] = masked
+    fns: dict[str, Callable[[], object]] = {}
+    for name, f in variants.items():
+        fns[f"{name}/fwd"] = lambda f=f: _no_grad(f, q, k, v)
+        fns[f"{name}/fwd+bwd"] = lambda f=f: _fwd_bwd(f, qg, kg, vg)
+    return best_of(fns, repeats)
+
+
+def _no_grad(f, q, k, v):
+    with torch.no_grad():
+        return f(q, k, v)
+
+
+def _fwd_bwd(f, q, k, v):
+    q.grad = k.grad = v.grad = None
+    f(q, k, v).sum().backward()
+
+
+def prefill_bench(lengths: list[int], repeats: int) -> dict[int, dict[str, float]]:
+    from transformers import AutoModelForCausalLM
+
+    from distill.pretrained import smollm2_dir
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir(), dtype=torch.float32).eval()
+    dense = AutoModelForCausalLM.from_pretrained(smollm2_dir(), dtype=torch.float32).eval()
+    attention.retrofit(model, SPEC)
+    out = {}
+    for n in lengths:
+        ids = torch.randint(100, 40000, (1, n), generator=torch.Generator().manual_seed(n))
+
+        def run(m, ids=ids):
+            with torch.no_grad():
+                return m(ids, use_cache=False, logits_to_keep=1).logits
+
+        out[n] = best_of({"dense": lambda: run(dense), "hybrid": lambda: run(model)}, repeats)
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default="2048,4096,8192,16384", help="comma-separated op sequence lengths")
+    p.add_argument("--prefill", default="4096,8192", help="comma-separated prefill lengths ('' to skip)")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats per measurement (best kept)")
+    p.add_argument("--masked-max", type=int, default=8192, help="largest n for masked SDPA ([n, n] mask)")
+    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    p.add_argument("--block", type=int, help="kernel query block size (default: the kernel's)")
+    p.add_argument("--quick", action="store_true", help="2K and 4K op only, no model")
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    if a.block:
+        kernel_mod.DEFAULT_BLOCK = a.block
+    sizes = [2048, 4096] if a.quick else [int(s) for s in a.sizes.split(",") if s]
+    prefill = [] if a.quick else [int(s) for s in a.prefill.split(",") if s]
+
+    print(f"hybrid attention: sink {SPEC.sink_tokens} / window {SPEC.window} / global every {SPEC.global_every}; "
+          f"fp32, batch 1, {HEADS} q heads / {KV_HEADS} kv heads, head dim {HEAD_DIM}, {a.threads} threads")
+    print(f"{'n':>6} {'pass':>8} {'causal SDPA':>12} {'masked SDPA':>12} {'kernel':>10} {'vs causal':>10}")
+    ops = {}
+    for n in sizes:
+        r = op_bench(n, a.repeats, a.masked_max)
+        ops[n] = r
+        for pas in ("fwd", "fwd+bwd"):
+            c, m, kt = r[f"causal_sdpa/{pas}"], r.get(f"masked_sdpa/{pas}"), r[f"kernel/{pas}"]
+            ms = f"{m * 1e3:10.1f}ms" if m is not None else f"{'skipped':>12}"
+            print(f"{n:>6} {pas:>8} {c * 1e3:10.1f}ms {ms} {kt * 1e3:8.1f}ms {c / kt:9.2f}x", flush=True)
+
+    pre = prefill_bench(prefill, max(2, a.repeats - 1)) if prefill else {}
+    if pre:
+        print(f"\nSmolLM2-135M prefill (last-token logits), fp32 batch 1\n{'n':>6} {'dense':>10} {'hybrid':>10} "
+              f"{'speedup':>8}")
+        for n, r in pre.items():
+            print(f"{n:>6} {r['dense']:9.2f}s {r['hybrid']:9.2f}s {r['dense'] / r['hybrid']:7.2f}x", flush=True)
+
+    def speedup(n, pas="fwd"):
+        return round(ops[n][f"causal_sdpa/{pas}"] / ops[n][f"kernel/{pas}"], 3) if n in ops else None
+
+    kernel_fwd = {n: ops[n]["kernel/fwd"] for n in ops}
+    ns = sorted(kernel_fwd)
+    summary = {
+        "speedup_4k": speedup(4096),
+        "speedup_16k": speedup(16384),
+        "prefill_speedup_8k": round(pre[8192]["dense"] / pre[8192]["hybrid"], 3) if 8192 in pre else None,
+        "prefill_speedup_4k": round(pre[4096]["dense"] / pre[4096]["hybrid"], 3) if 4096 in pre else None,
+        "fwd_bwd_speedup": {str(n): speedup(n, "fwd+bwd") for n in ns},
+        "kernel_fwd_ms": {str(n): round(kernel_fwd[n] * 1e3, 2) for n in ns},
+        "causal_fwd_ms": {str(n): round(ops[n]["causal_sdpa/fwd"] * 1e3, 2) for n in ns},
+        # Cost per token relative to the smallest size: ~1.0 everywhere means linear in n.
+        "kernel_per_token_growth": round((kernel_fwd[ns[-1]] / ns[-1]) / (kernel_fwd[ns[0]] / ns[0]), 3),
+        "threads": a.threads,
+        "targets": {"speedup_4k": 2.5, "speedup_16k": 6.0, "prefill_speedup_8k": 1.6},
+    }
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""The retrofit recipe driven through its real CLI on the tiny config."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+import attention
+from attention.spec import CONFIG_KEY, HybridAttentionConfig
+from distill.config import ConfigError, parse_config
+from distill.tiny import tiny_teacher
+from recipes.retrofit import RetrofitConfig, training_window
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--config", "recipes/configs/retrofit_tiny.yaml"]
+
+
+def run(args, check=True):
+    proc = subprocess.run([sys.executable, "recipes/retrofit.py", *args], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "2"}, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"recipe failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return proc
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("retrofit") / "tiny"
+    proc = run([*TINY, f"output_dir={out}", "max_steps=4", "save_every=2"])
+    return out, proc
+
+
+@pytest.mark.slow
+def test_final_loads_dense_and_hybrid_without_adapter_keys(tiny_run):
+    out, proc = tiny_run
+    final = out / "final"
+    config = json.loads((final / "config.json").read_text())
+    spec = HybridAttentionConfig(sink_tokens=4, window=16, global_every=32)
+    assert config[CONFIG_KEY] == spec.to_dict()
+    dense = AutoModelForCausalLM.from_pretrained(final)
+    assert not attention.is_hybrid(dense)
+    hybrid = attention.load(final)
+    assert attention.is_hybrid(hybrid)
+    # Merged: exactly the base model's tensors, no LoRA / peft wrapper keys left.
+    keys = set(load_file(str(final / "model.safetensors")))
+    assert keys == set(tiny_teacher(0).state_dict())
+    assert not [k for k in keys if "lora" in k or "base_model" in k or "modules_to_save" in k]
+    # The two loads share weights and differ only in attention: equal on a short input that the
+    # pattern covers densely, different on a long one.
+    short, long = torch.randint(3, 512, (1, 16)), torch.randint(3, 512, (1, 200))
+    with torch.no_grad():
+        torch.testing.assert_close(hybrid(short).logits, dense(short).logits, rtol=1e-4, atol=1e-4)
+        assert not torch.allclose(hybrid(long).logits, dense(long).logits, atol=1e-3)
+    assert "run folder" in proc.stdout and "hybrid after" in proc.stdout
+    assert (out / "loss.png").stat().st_size > 1000 and (out / "config.yaml").is_file()
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-4"]
+
+
+@pytest.mark.slow
+def test_lora_changed_attention_norms_and_embeddings_only(tiny_run):
+    out, _ = tiny_run
+    before = tiny_teacher(0).state_dict()
+    after = load_file(str(out / "final" / "model.safetensors"))
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        w = f"model.layers.1.self_attn.{name}.weight"
+        delta = after[w] - before[w]
+        assert delta.abs().max() > 1e-5, name
+        # A merged LoRA update has at most the adapter's rank (lora_r: 4 in the tiny config).
+        assert torch.linalg.matrix_rank(delta, atol=1e-6) <= 4, name
+    for w in ("model.layers.0.input_layernorm.weight", "model.layers.3.post_attention_layernorm.weight",
+              "model.norm.weight", "model.embed_tokens.weight"):
+        assert (after[w] - before[w]).abs().max() > 1e-5, w
+    for w in ("model.layers.0.mlp.up_proj.weight", "lm_head.weight"):  # lora_mlp=false; untied head frozen
+        torch.testing.assert_close(after[w], before[w], rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_summary_reports_what_was_saved(tiny_run):
+    from recipes.retrofit import heldout_blocks
+
+    out, _ = tiny_run
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["perplexity"]) == {"128", "256"}
+    for row in summary["perplexity"].values():
+        for key in ("dense", "hybrid_before", "hybrid_after"):
+            assert 1.0 < row[key] < 1e4, (key, row)
+    assert summary["hybrid_after_ppl"] == summary["perplexity"]["128"]["hybrid_after"]
+    assert [h["window"] for h in json.loads((out / "checkpoints" / "step-4" / "trainer_state.json").read_text())
+            ["history"]] == [16] * 4
+    # hybrid_after is the perplexity of final/ loaded back as hybrid; dense that of the untouched model.
+    cfg = parse_config(RetrofitConfig, TINY)
+    from distill.tiny import tiny_tokenizer
+    from eval.metrics import evaluate_lm
+
+    blocks = heldout_blocks(cfg, tiny_tokenizer(), 256)
+    batches = [{"input_ids": blocks[i:i + 2]} for i in range(0, len(blocks), 2)]
+    hybrid = evaluate_lm(attention.load(out / "final"), batches).perplexity
+    dense = evaluate_lm(tiny_teacher(0), batches).perplexity
+    assert hybrid == pytest.approx(summary["perplexity"]["256"]["hybrid_after"], rel=1e-4)
+    assert dense == pytest.approx(summary["perplexity"]["256"]["dense"], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_refuses_to_overwrite_a_run(tiny_run):
+    out, _ = tiny_run
+    before = (out / "summary.json").read_text()
+    proc = run([*TINY, f"output_dir={out}"], check=False)
+    assert proc.returncode == 2 and "overwrite=true" in proc.stderr.strip().splitlines()[-1]
+    assert (out / "summary.json").read_text() == before
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["windw=8"], "did you mean window"),
+    (["window=0"], "window must be > 0"),
+])
+def test_bad_input_exits_2_with_one_line(tmp_path, args, needle):
+    proc = run([*TINY, f"output_dir={tmp_path / 'o'}", *args], check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1].startswith("error:") and needle in lines[-1], lines[-1]
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["window=-3"], "window must be > 0"),
+    (["sink_tokens=-1"], "sink_tokens must be >= 0"),
+    (["window_policy=[[64, 8], [32, 16]]"], "bounds must increase"),
+    (["window_policy=[8, 16]"], "pairs"),
+    (["lora_r=0"], "lora_r must be >= 1"),
+    (["eval_seq_lens=[1]"], "eval_seq_lens"),
+    (["resume=latest", "overwrite=true"], "contradict"),
+])
+def test_config_errors_name_the_fix(argv, match):
+    with pytest.raises(ConfigError, match=match) as err:
+        parse_config(RetrofitConfig, [*TINY, *argv])
+    assert "\n" not in str(err.value)
+
+
+def test_training_window_follows_the_served_policy():
+    plain = HybridAttentionConfig(sink_tokens=4, window=16, global_every=32)
+    assert training_window(plain, 128, seed=0, step=5) == (16, 128)
+    spec = HybridAttentionConfig(sink_tokens=4, window=16, global_every=32,
+                                 window_policy=[[64, 8], [128, 16], [512, 32], [None, 64]])
+    seen = {training_window(spec, 128, seed=0, step=s) for s in range(200)}
+    # Entries whose length range starts at or beyond seq_len are never served at this length.
+    assert seen == {(8, 64), (16, 128)}
+    # Each (window, crop) is what the policy serves for an input of exactly `crop` tokens.
+    assert all(spec.window_for(n) == w for w, n in seen)
+    assert training_window(spec, 100, seed=3, step=7) == training_window(spec, 100, seed=3, step=7)
+    assert {training_window(spec, 100, seed=0, step=s) for s in range(200)} == {(8, 64), (16, 100)}
