@@ -361,7 +361,6 @@ def training_function(cfg: RetrofitConfig, accelerator: Accelerator) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     distill_model, optimizer, scheduler = accelerator.prepare(distill_model, optimizer, scheduler)
     teacher = teacher.to(accelerator.device)
-    unwrapped = accelerator.unwrap_model(distill_model)
     trainable = sum(p.numel() for p in params)
 
     # ---- resume -------------------------------------------------------------------------
@@ -468,7 +467,7 @@ def training_function(cfg: RetrofitConfig, accelerator: Accelerator) -> dict:
     tokens_per_s = trained_tokens / max(time.time() - t_start, 1e-9)
 
     # ---- merge, save, measure what was saved ---------------------------------------------
-    merged = accelerator.unwrap_model(peft_model).merge_and_unload()
+    merged = peft_model.merge_and_unload()  # same module objects: folds LoRA into the base weights
     merged.config.use_cache = True
     save_merged(accelerator, merged, tokenizer, out / "final")
     merged.config.use_cache = False

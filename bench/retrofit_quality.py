@@ -1,0 +1,131 @@
+"""Long-context perplexity of a hybrid retrofit: dense vs hybrid before vs hybrid after fine-tuning.
+
+    python bench/retrofit_quality.py --model runs/retrofit-smollm2/final
+    python bench/retrofit_quality.py --base smollm2-135m-instruct --sink 128 --window 512 --global-every 1024
+
+Held-out text: the built-in corpus's held-out docstrings (files never trained on), joined with EOS
+and packed into sequences of the longest length (8K by default). Every shorter length scores the
+same tokens, cut into shorter blocks, so the columns differ only in context length and attention.
+
+* dense: the base model (``--base``), untouched;
+* hybrid before: the base model retrofitted with the spec of ``--model`` (or ``--sink/--window/
+  --global-every`` without one), no fine-tune;
+* hybrid after: ``--model`` loaded with ``attention.load``.
+
+Prints a table, then one JSON line (``gap`` = hybrid / dense - 1; the retrofit target is a gap
+of at most ``--target`` at 4K).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+
+def heldout_sequences(tokenizer, length: int, max_sequences: int | None) -> torch.Tensor:
+    """``[n, length]`` tokens of the held-out docstrings, joined with EOS."""
+    from distill.data import pack, stdlib_docs
+
+    seqs = pack(stdlib_docs("eval"), tokenizer, length)
+    return seqs[:max_sequences] if max_sequences else seqs
+
+
+def perplexity(model, tokens: torch.Tensor, length: int) -> tuple[float, float]:
+    """Perplexity over ``tokens`` ``[n, longest]`` cut into ``[*, length]`` blocks; returns (ppl, seconds)."""
+    from eval.metrics import evaluate_lm
+
+    blocks = tokens.reshape(-1, length)
+    t0 = time.time()
+    stats = evaluate_lm(model, ({"input_ids": blocks[i:i + 1]} for i in range(blocks.shape[0])))
+    return stats.perplexity, time.time() - t0
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="retrofitted HF dir (recipes/retrofit.py's final/); omit to skip 'after'")
+    p.add_argument("--base", default="smollm2-135m-instruct", help="the dense model the retrofit started from")
+    p.add_argument("--lengths", default="2048,4096,8192", help="comma-separated context lengths")
+    p.add_argument("--max-sequences", type=int, default=None, help="score at most N sequences of the longest length")
+    p.add_argument("--sink", type=int, default=128, help="spec without --model: sink tokens")
+    p.add_argument("--window", type=int, default=512, help="spec without --model: window")
+    p.add_argument("--global-every", type=int, default=1024, help="spec without --model: global_every")
+    p.add_argument("--target", type=float, default=0.03, help="acceptable perplexity gap at 4K")
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    import attention
+    from distill.pretrained import load_causal_lm, load_tokenizer
+
+    lengths = sorted(int(x) for x in args.lengths.split(","))
+    if args.model:
+        spec_dict = json.loads((Path(args.model) / "config.json").read_text()).get(attention.CONFIG_KEY)
+        if spec_dict is None:
+            raise SystemExit(f"error: {args.model} has no {attention.CONFIG_KEY!r}; pass a retrofitted model dir")
+        spec = attention.HybridAttentionConfig.from_dict(spec_dict)
+    else:
+        spec = attention.HybridAttentionConfig(sink_tokens=args.sink, window=args.window,
+                                               global_every=args.global_every)
+    tokenizer = load_tokenizer(args.base)
+    tokens = heldout_sequences(tokenizer, lengths[-1], args.max_sequences)
+    if tokens.shape[0] == 0:
+        raise SystemExit(f"error: the held-out text is shorter than {lengths[-1]} tokens; lower --lengths")
+    if any(lengths[-1] % n for n in lengths):
+        raise SystemExit("error: every length must divide the longest one (e.g. 2048,4096,8192)")
+
+    rows: dict[int, dict[str, float]] = {n: {} for n in lengths}
+    seconds: dict[str, float] = {}
+    base = load_causal_lm(args.base)
+    runs = [("dense", base, False), ("hybrid_before", base, True)]
+    for name, model, hybrid in runs:
+        if hybrid:
+            attention.retrofit(model, spec)
+        seconds[name] = 0.0
+        for n in lengths:
+            rows[n][name], s = perplexity(model, tokens, n)
+            seconds[name] += s
+            print(f"  {name:<14} {n:>6}: {rows[n][name]:.3f} ({s:.0f}s)", file=sys.stderr, flush=True)
+    del base
+    if args.model:
+        after = attention.load(args.model)
+        seconds["hybrid_after"] = 0.0
+        for n in lengths:
+            rows[n]["hybrid_after"], s = perplexity(after, tokens, n)
+            seconds["hybrid_after"] += s
+            print(f"  {'hybrid_after':<14} {n:>6}: {rows[n]['hybrid_after']:.3f} ({s:.0f}s)", file=sys.stderr,
+                  flush=True)
+
+    for row in rows.values():
+        for name in ("hybrid_before", "hybrid_after"):
+            if name in row:
+                row[f"gap_{name.split('_')[1]}"] = row[name] / row["dense"] - 1
+
+    print(f"held-out perplexity, {tokens.numel():,} tokens per length ({tokens.shape[0]} x {lengths[-1]}); "
+          f"spec: sink {spec.sink_tokens}, window {spec.window}, global_every {spec.global_every}")
+    print(f"{'length':>7} {'dense':>9} {'hybrid before':>14} {'gap':>7} {'hybrid after':>13} {'gap':>7}")
+    for n, row in rows.items():
+        after_cols = (f"{row['hybrid_after']:>13.3f} {row['gap_after']:>+7.1%}" if "hybrid_after" in row
+                      else f"{'-':>13} {'-':>7}")
+        print(f"{n:>7} {row['dense']:>9.3f} {row['hybrid_before']:>14.3f} {row['gap_before']:>+7.1%} {after_cols}")
+    target_len = 4096 if 4096 in rows else lengths[-1]
+    gap = rows[target_len].get("gap_after", rows[target_len]["gap_before"])
+    result = {
+        "bench": "retrofit_quality", "model": args.model, "base": args.base, "spec": spec.to_dict(),
+        "tokens_per_length": tokens.numel(), "perplexity": {str(n): r for n, r in rows.items()},
+        "target": {"length": target_len, "max_gap": args.target, "gap": gap, "met": gap <= args.target,
+                   "measured_on": "hybrid_after" if args.model else "hybrid_before"},
+        "seconds": seconds, "threads": args.threads,
+    }
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
