@@ -31,6 +31,10 @@ from distill.student import kept_layers
 
 SUPPORTED = ("llama", "mistral", "qwen2")
 KD_KINDS = ("forward_kl", "reverse_kl", "jsd", "tvd")
+# nmse: MSE divided by the teacher state's mean square. Residual streams of real LMs carry a few
+# huge "massive activation" features (hundreds in SmolLM2), so raw MSE is in the thousands and
+# swamps every other term; the normalized form is scale-free and comparable to KD.
+HIDDEN_KINDS = ("nmse", "mse", "cosine")
 
 
 class DistillSetupError(ConfigError):
@@ -52,7 +56,7 @@ class LossConfig:
     focal_gamma: float = 2.0
     hidden_weight: float = 0.0
     hidden_layers: list[str] = field(default_factory=lambda: ["relative"])
-    hidden_kind: str = "mse"
+    hidden_kind: str = "nmse"
     attn_weight: float = 0.0
     attn_layers: list[str] = field(default_factory=list)
     attn_num_queries: int = 64
@@ -64,8 +68,8 @@ class LossConfig:
             raise DistillSetupError(f"temperature must be > 0, got {self.temperature}")
         if not 0.0 <= self.beta <= 1.0:
             raise DistillSetupError(f"beta must be in [0, 1], got {self.beta}")
-        if self.hidden_kind not in ("mse", "cosine"):
-            raise DistillSetupError(f"hidden_kind '{self.hidden_kind}' is unknown; use mse or cosine")
+        if self.hidden_kind not in HIDDEN_KINDS:
+            raise DistillSetupError(f"hidden_kind '{self.hidden_kind}' is unknown; use {', '.join(HIDDEN_KINDS)}")
         weights = [self.kd_weight, self.ce_weight, self.focal_weight, self.hidden_weight, self.attn_weight]
         if any(w < 0 for w in weights):
             raise DistillSetupError("loss weights must be >= 0; set a weight to 0 to switch its term off")
@@ -326,11 +330,15 @@ class DistillModel(nn.Module):
             token_mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None \
                 else attention_mask.bool()
             if self.hidden_pairs:
-                terms = [
-                    losses.hidden_loss(self.projectors[f"s{s}_t{t}"](self._student_taps.hidden[s]),
-                                       self._teacher_taps.hidden[t].detach(), token_mask, kind=cfg.hidden_kind)
-                    for s, t in self.hidden_pairs
-                ]
+                terms = []
+                for s, t in self.hidden_pairs:
+                    h_t = self._teacher_taps.hidden[t].detach()
+                    kind = "mse" if cfg.hidden_kind == "nmse" else cfg.hidden_kind
+                    term = losses.hidden_loss(self.projectors[f"s{s}_t{t}"](self._student_taps.hidden[s]), h_t,
+                                              token_mask, kind=kind)
+                    if cfg.hidden_kind == "nmse":
+                        term = term / h_t[token_mask].float().pow(2).mean().clamp(min=1e-12)
+                    terms.append(term)
                 hidden = torch.stack(terms).mean()
             if self.attn_pairs:
                 hd_s, hd_t = _head_dim(self.student.config), _head_dim(teacher.config)

@@ -57,7 +57,7 @@ class DistillConfig:
     max_train_blocks: int | None = field(None, help="use only the first N packed training blocks")
     eval_blocks: int = field(16, help="held-out blocks used for perplexity/agreement")
     # loop
-    max_steps: int = field(48, help="optimizer steps")
+    max_steps: int = field(32, help="optimizer steps")
     micro_batch_size: int = field(4, help="blocks per forward on each process")
     grad_accum: int = field(1, help="micro-batches per optimizer step")
     lr: float = field(3e-4, help="peak learning rate (AdamW)")
@@ -82,7 +82,8 @@ class DistillConfig:
     hidden_weight: float = field(1.0, help="hidden-state term weight")
     hidden_layers: list[str] = field(default_factory=lambda: ["derived"], help="layer pairs 's:t', "
                                      "'relative' or 'derived' (a derived student's replaced spans)")
-    hidden_kind: str = field("mse", help="hidden-state distance: mse | cosine")
+    hidden_kind: str = field("nmse", help="hidden-state distance: nmse (MSE / teacher mean square, scale-free) "
+                             "| mse | cosine")
     attn_weight: float = field(0.0, help="attention-map term weight")
     attn_layers: list[str] = field(default_factory=list, help="layer pairs for the attention-map term")
     attn_num_queries: int = field(64, help="query positions sampled per sequence for the attention-map term")

@@ -47,7 +47,7 @@ def test_forward_terms_equal_direct_computation():
     student = derive_student(teacher, [0, 2, 3])
     # HF's last hidden state is after the final norm: compare layers before the last one.
     cfg = LossConfig(kd_weight=1.0, temperature=2.0, ce_weight=0.5, focal_weight=0.3, hidden_weight=0.7,
-                     hidden_layers=["0:1", "1:2"], attn_weight=0.2, attn_layers=["2:3"], attn_num_queries=64,
+                     hidden_layers=["0:1", "1:2"], hidden_kind="mse", attn_weight=0.2, attn_layers=["2:3"], attn_num_queries=64,
                      kd_chunk_size=5)
     m = DistillModel(student, teacher, cfg)
     x = ids()
@@ -158,3 +158,14 @@ def test_setup_errors_name_the_fix():
         DistillModel(teacher, None, LossConfig(kd_weight=1.0))
     with pytest.raises(DistillSetupError, match="every loss weight is 0"):
         LossConfig(kd_weight=0.0)
+
+
+def test_normalized_hidden_mse_is_scale_free():
+    teacher = tiny_model(layers=4, seed=0)
+    student = derive_student(teacher, [0, 2, 3])
+    m = DistillModel(student, teacher, LossConfig(kd_weight=0.0, hidden_weight=1.0, hidden_layers=["0:1"],
+                                                  hidden_kind="nmse"))
+    x = ids()
+    s = student(x, output_hidden_states=True).hidden_states[1]
+    t = teacher(x, output_hidden_states=True).hidden_states[2].detach()
+    torch.testing.assert_close(m(x).hidden, F.mse_loss(s, t) / t.pow(2).mean(), rtol=1e-5, atol=1e-7)

@@ -115,6 +115,21 @@ def test_refuses_to_overwrite_a_run(tiny_run):
     assert (out / "summary.json").read_text() == before
 
 
+@pytest.mark.slow
+def test_resume_after_kill_equals_uninterrupted(tiny_run, tmp_path):
+    out, _ = tiny_run  # the uninterrupted run: max_steps=4, save_every=2
+    killed = tmp_path / "killed"
+    proc = run([*TINY, f"output_dir={killed}", "max_steps=4", "save_every=2", "debug_exit_at_step=3"], check=False)
+    assert proc.returncode == 137 and not (killed / "final").exists()
+    run([*TINY, f"output_dir={killed}", "max_steps=4", "save_every=2", "resume=latest"])
+    a, b = (json.loads((p / "summary.json").read_text()) for p in (out, killed))
+    assert b["final_loss"] == pytest.approx(a["final_loss"], rel=1e-5)
+    assert b["perplexity"] == pytest.approx(a["perplexity"], rel=1e-5)
+    wa, wb = (load_file(str(p / "final" / "model.safetensors")) for p in (out, killed))
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("args, needle", [
     (["windw=8"], "did you mean window"),
     (["window=0"], "window must be > 0"),
