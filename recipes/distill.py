@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 from accelerate.logging import get_logger  # noqa: E402
-from accelerate.utils import InitProcessGroupKwargs, set_seed  # noqa: E402
+from accelerate.utils import set_seed  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from distill import checkpoint as ckpt  # noqa: E402
@@ -33,6 +33,7 @@ from distill.config import ConfigError, field, parse_config, run_cli, save_confi
 from distill.data import BUILTIN, BlockOrder, build_data, eval_batches  # noqa: E402
 from distill.model import KD_KINDS, DistillModel, LossConfig, loss_config_from  # noqa: E402
 from distill.plots import plot_training  # noqa: E402
+from distill.training import check_output_dir, make_accelerator, warmup_cosine  # noqa: E402
 from eval.metrics import LMStats, batch_stats  # noqa: E402
 
 logger = get_logger(__name__)
@@ -138,36 +139,6 @@ class DistillConfig:
 # Pieces of the loop that read better with a name
 # --------------------------------------------------------------------------------------------
 
-def make_accelerator(cfg: DistillConfig, project_dir: Path) -> Accelerator:
-    mixed = cfg.mixed_precision
-    if mixed == "auto":
-        mixed = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
-    # Without GPUs, distributed runs (DDP, DeepSpeed) must use gloo or accelerate miscounts processes.
-    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1 or os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true"
-    handlers = [InitProcessGroupKwargs(backend="gloo")] if distributed and not torch.cuda.is_available() else []
-    log_with = None if cfg.tracker == "none" else cfg.tracker
-    return Accelerator(gradient_accumulation_steps=cfg.grad_accum, mixed_precision=mixed, log_with=log_with,
-                       project_dir=str(project_dir), kwargs_handlers=handlers)
-
-
-def check_output_dir(cfg: DistillConfig) -> Path:
-    out = Path(cfg.output_dir)
-    has_run = out.is_dir() and any((out / n).exists() for n in ("checkpoints", "final", "summary.json"))
-    if has_run and cfg.resume is None and not cfg.overwrite:
-        raise ConfigError(f"{out} already holds a run; pass resume=latest to continue it, overwrite=true to "
-                          "replace it, or another output_dir=")
-    return out
-
-
-def lr_lambda(cfg: DistillConfig):
-    def f(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / (cfg.warmup_steps + 1)
-        progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return f
-
-
 @torch.no_grad()
 def evaluate(accelerator: Accelerator, student, teacher, blocks: torch.Tensor, batch_size: int,
              teacher_logits_cache: dict | None = None) -> LMStats:
@@ -215,7 +186,8 @@ def save_student(accelerator: Accelerator, model: DistillModel, tokenizer, path:
 # The training function
 # --------------------------------------------------------------------------------------------
 
-def training_function(cfg: DistillConfig, accelerator: Accelerator) -> dict:
+def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: dict | None = None) -> dict:
+    """Train one student; ``known_init`` reuses held-out metrics already measured on the same pair."""
     out = Path(cfg.output_dir)
     main = accelerator.is_main_process
     set_seed(cfg.seed)
@@ -258,7 +230,8 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator) -> dict:
         plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.micro_batch_size
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, warmup_cosine(cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio))
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     if teacher is not None:
         teacher = prepare_teacher(accelerator, teacher)
@@ -266,7 +239,10 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator) -> dict:
             accelerator.unwrap_model(model).set_teacher(teacher)
 
     # ---- resume -------------------------------------------------------------------------
-    start_step, history, evals, init = 0, [], [], {}
+    start_step, history, evals, init = 0, [], [], dict(known_init or {})
+    if init:
+        evals.append({"step": 0, "perplexity": init["student_ppl_init"], "top1_agreement": init["top1_agreement_init"],
+                      "kl_to_teacher": None, "teacher_perplexity": init.get("teacher_ppl")})
     if cfg.resume is not None:
         path = ckpt.resolve_resume(cfg.resume, out)
         state = ckpt.read_state(path)
@@ -426,9 +402,6 @@ def main() -> None:
     cfg = parse_config(DistillConfig)
     out = check_output_dir(cfg)
     accelerator = make_accelerator(cfg, out)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and accelerator.num_processes == 1:
-        raise ConfigError("several processes were launched but accelerate runs them apart; on CPU add "
-                          "ACCELERATE_USE_CPU=true (see launch/README.md)")
     if cfg.overwrite and accelerator.is_main_process and out.exists():
         shutil.rmtree(out)
     accelerator.wait_for_everyone()
@@ -443,7 +416,8 @@ def main() -> None:
         )
         if accelerator.is_main_process:
             print("\nablation: training a CE-only student for the same steps")
-        ce = training_function(base, accelerator)
+        known = {k: summary[k] for k in ("teacher_ppl", "student_ppl_init", "top1_agreement_init")}
+        ce = training_function(base, accelerator, known_init=known)
         summary["ce_only_ppl_final"] = ce["student_ppl_final"]
         summary["ce_only_top1_agreement"] = ce["top1_agreement"]
         summary["ppl_ratio_vs_ce_only"] = summary["student_ppl_final"] / ce["student_ppl_final"]

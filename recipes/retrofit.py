@@ -82,11 +82,11 @@ class RetrofitConfig:
     text_field: str = field("text", help="column holding the text (records with 'messages' use the chat template)")
     seq_len: int = field(2048, help="tokens per packed training block")
     max_train_blocks: int | None = field(None, help="use only the first N packed training blocks")
-    eval_blocks: int = field(4, help="held-out blocks per evaluated length")
-    eval_seq_lens: list[int] = field(default_factory=list, help="extra held-out lengths evaluated at start and end "
+    eval_blocks: int = field(3, help="held-out blocks per evaluated length")
+    eval_seq_lens: list[int] = field(default_factory=lambda: [4096], help="extra held-out lengths evaluated at start and end "
                                      "(e.g. [4096]); seq_len is always evaluated")
     # loop
-    max_steps: int = field(40, help="optimizer steps")
+    max_steps: int = field(30, help="optimizer steps")
     micro_batch_size: int = field(1, help="blocks per forward on each process")
     grad_accum: int = field(1, help="micro-batches per optimizer step")
     lr: float = field(2e-4, help="peak learning rate (AdamW) for LoRA, norms and embeddings")
@@ -105,7 +105,8 @@ class RetrofitConfig:
     temperature: float = field(1.0, help="KD temperature T (the term is scaled by T²)")
     beta: float = field(0.5, help="JSD interpolation (0 = forward KL, 1 = reverse KL)")
     kd_chunk_size: int | None = field(1024, help="tokens per chunk of the fused KD loss; empty = full logits")
-    ce_weight: float = field(0.1, help="cross-entropy on the data, weight")
+    ce_weight: float = field(0.0, help="cross-entropy on the data, weight (pulls towards the training corpus and "
+                             "away from the dense model; keep it small)")
     # eval, logging, outputs
     eval_every: int = field(0, help="held-out evaluation at seq_len every N steps (0: only at start and end)")
     log_every: int = field(1, help="tracker logging every N steps")
@@ -113,7 +114,7 @@ class RetrofitConfig:
     output_dir: str = field("runs/retrofit-smollm2", help="run folder: checkpoints/, final/, summary.json, loss.png")
     overwrite: bool = field(False, help="replace an existing run in output_dir")
     resume: str | None = field(None, help="'latest' or a checkpoint folder to continue from")
-    save_every: int = field(0, help="checkpoint every N steps (0: only at the end)")
+    save_every: int = field(10, help="checkpoint every N steps (0: only at the end)")
     keep_checkpoints: int = field(1, help="complete checkpoints kept on disk")
     gate: bool = field(False, help="run the release gate (eval.gate) against the dense teacher at the end")
     gate_prompts: int = field(100, help="prompts from the bundled set used by the gate")
@@ -240,6 +241,26 @@ def add_adapters(model: torch.nn.Module, cfg: RetrofitConfig):
     return peft_model
 
 
+def enable_gradient_checkpointing(model: torch.nn.Module, step_window: dict[str, int | None]) -> None:
+    """Activation checkpointing whose recompute uses the window of the forward it replays.
+
+    The recompute runs during backward, outside the forward's ``use_window`` block (on GPUs in
+    autograd's own thread, where that context is not visible), so without this it would silently
+    use the spec's window and the gradients would belong to another mask. ``context_fn`` is called
+    at forward time, so it captures the step's window then.
+    """
+    import contextlib
+
+    import attention
+
+    def context_fn():
+        return contextlib.nullcontext(), attention.use_window(step_window["window"])
+
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
+                                                                       "context_fn": context_fn})
+    model.enable_input_require_grads()
+
+
 def param_groups(model: torch.nn.Module, cfg: RetrofitConfig) -> list[dict]:
     lora, norms, emb = [], [], []
     for name, p in model.named_parameters():
@@ -336,9 +357,9 @@ def training_function(cfg: RetrofitConfig, accelerator: Accelerator) -> dict:
         raise ConfigError(str(err)) from None
     model.config.use_cache = False
     peft_model = add_adapters(model, cfg)
+    step_window: dict[str, int | None] = {"window": None}  # the sampled window of the running step
     if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
+        enable_gradient_checkpointing(model, step_window)
 
     # ---- data ---------------------------------------------------------------------------
     global_batch = cfg.micro_batch_size * cfg.grad_accum * accelerator.num_processes
@@ -415,17 +436,17 @@ def training_function(cfg: RetrofitConfig, accelerator: Accelerator) -> dict:
     t_start, trained_tokens = time.time(), 0
     for step in range(start_step, cfg.max_steps):
         window, length = training_window(spec, cfg.seq_len, cfg.seed, step)
+        step_window["window"] = window
         sums: dict[str, float] = {}
         micro = order.micro_batches(data.train, step, accelerator.process_index, accelerator.num_processes,
                                     cfg.micro_batch_size)
         for _, blocks in micro:
             ids = blocks[:, :length].to(accelerator.device)
             with accelerator.accumulate(distill_model):
-                # The window applies to the forward; backward reuses what the forward saved.
                 with attention.use_window(window):
                     output = distill_model(input_ids=ids)
                 loss = output.loss
-                accelerator.backward(loss)
+                accelerator.backward(loss)  # checkpoint recomputes get the window via step_window
                 if accelerator.sync_gradients and cfg.max_grad_norm > 0:
                     accelerator.clip_grad_norm_(params, cfg.max_grad_norm)
                 optimizer.step()
@@ -536,6 +557,10 @@ def print_summary(summary: dict, out: Path) -> None:
 
 
 def main() -> None:
+    import warnings
+
+    # peft still calls a transformers property deprecated in v5; the warning says nothing to the user.
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     cfg = parse_config(RetrofitConfig)
     out = check_output_dir(cfg)
     accelerator = make_accelerator(cfg, out)
