@@ -58,7 +58,7 @@ class DistillConfig:
     max_train_blocks: int | None = field(None, help="use only the first N packed training blocks")
     eval_blocks: int = field(16, help="held-out blocks used for perplexity/agreement")
     # loop
-    max_steps: int = field(32, help="optimizer steps")
+    max_steps: int = field(24, help="optimizer steps")
     micro_batch_size: int = field(4, help="blocks per forward on each process")
     grad_accum: int = field(1, help="micro-batches per optimizer step")
     lr: float = field(3e-4, help="peak learning rate (AdamW)")
@@ -73,14 +73,14 @@ class DistillConfig:
     # loss terms (weight 0 switches a term off)
     kd_weight: float = field(1.0, help="logits KD term weight")
     kd_kind: str = field("forward_kl", help=f"divergence: {', '.join(KD_KINDS)}")
-    temperature: float = field(2.0, help="KD temperature T (the term is scaled by T²)")
+    temperature: float = field(1.0, help="KD temperature T (the term is scaled by T²)")
     beta: float = field(0.5, help="JSD interpolation (0 = forward KL, 1 = reverse KL)")
     kd_chunk_size: int | None = field(1024, help="tokens per chunk of the fused KD loss; empty = full logits")
-    ce_weight: float = field(0.0, help="cross-entropy on the data term weight")
-    focal_weight: float = field(0.5, help="focal CE term weight (long-tail tokens)")
+    ce_weight: float = field(1.0, help="cross-entropy on the data term weight")
+    focal_weight: float = field(0.0, help="focal CE term weight (long-tail tokens)")
     focal_alpha: float = field(0.25, help="focal alpha")
     focal_gamma: float = field(2.0, help="focal gamma")
-    hidden_weight: float = field(1.0, help="hidden-state term weight")
+    hidden_weight: float = field(0.2, help="hidden-state term weight")
     hidden_layers: list[str] = field(default_factory=lambda: ["derived"], help="layer pairs 's:t', "
                                      "'relative' or 'derived' (a derived student's replaced spans)")
     hidden_kind: str = field("nmse", help="hidden-state distance: nmse (MSE / teacher mean square, scale-free) "
@@ -91,7 +91,7 @@ class DistillConfig:
     teacher_cache: str | None = field(None, help="folder written by recipes/cache_teacher.py: train from cached "
                                       "top-k teacher log-probs without loading the teacher")
     # eval, logging, outputs
-    eval_every: int = field(16, help="held-out evaluation every N steps (0: only at start and end)")
+    eval_every: int = field(12, help="held-out evaluation every N steps (0: only at start and end)")
     log_every: int = field(1, help="tracker logging every N steps")
     tracker: str = field("none", help="none | tensorboard | wandb (WANDB_MODE=offline works)")
     output_dir: str = field("runs/smollm2-demo", help="run folder: checkpoints/, final/, summary.json, loss.png")

@@ -256,8 +256,8 @@ def enable_gradient_checkpointing(model: torch.nn.Module, step_window: dict[str,
     def context_fn():
         return contextlib.nullcontext(), attention.use_window(step_window["window"])
 
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
-                                                                       "context_fn": context_fn})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False,
+                                                                           "context_fn": context_fn})
     model.enable_input_require_grads()
 
 
