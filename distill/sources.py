@@ -71,8 +71,14 @@ def teacher_dir(cfg: Any, out: Path) -> Path:
 def gate_against_teacher(cfg: Any, out: Path) -> dict[str, Any]:
     """Run the release gate: the final student against the teacher, on the bundled prompts."""
     from eval.gate import GateConfig, run_gate
+    from eval.prompt_set import default_prompts_path
 
     teacher = teacher_dir(cfg, out)
+    prompts = default_prompts_path()
+    lines = [line for line in prompts.read_text().splitlines() if line.strip()]
+    if cfg.gate_prompts < len(lines):  # a smaller, fixed subset of the bundled set
+        prompts = out / "gate_prompts.jsonl"
+        prompts.write_text("\n".join(lines[: cfg.gate_prompts]) + "\n")
     result = run_gate(GateConfig(candidate=str(out / "final"), baseline=str(teacher), out=str(out / "gate"),
-                                 max_prompts=cfg.gate_prompts))
-    return {"verdict": result.verdict, "report": str(out / "gate" / "report.md")}
+                                 prompts=str(prompts)))
+    return {"verdict": result.verdict, "exit_code": result.exit_code, "report": str(result.report_md)}

@@ -145,3 +145,13 @@ def test_teacher_cache_round_trip(tmp_path):
     # The cache only serves the exact packed data it was made from.
     bad = run([*cached, f"output_dir={tmp_path / 'bad'}"], check=False)
     assert bad.returncode == 2 and "other data" in bad.stderr
+
+
+@pytest.mark.slow
+def test_gate_at_the_end_against_the_teacher(tmp_path):
+    out = tmp_path / "gated"
+    proc = run([*TINY, f"output_dir={out}", "max_steps=2", "save_every=0", "gate=true", "gate_prompts=12"])
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["gate"]["verdict"] in ("pass", "fail", "inconclusive")
+    report = json.loads((out / "gate" / "report.json").read_text())
+    assert report["verdict"] == summary["gate"]["verdict"] and "release gate" in proc.stdout
