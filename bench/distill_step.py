@@ -1,11 +1,12 @@
 """One distillation step: the toolkit's teacher–student module vs a naive pipeline.
 
-    python bench/distill_step.py [--seq 512 --batch 2 --steps 3]
+    python bench/distill_step.py [--seq 2048 --batch 1 --steps 3]
 
 Same teacher/student pair (SmolLM2-135M-Instruct → a 10-layer derived student), same batch, same
-three terms on (logits KD, hidden-state MSE, attention maps) plus focal CE:
+three terms on (logits KD, hidden-state MSE, attention maps) plus CE on the data:
 
-* **ours** — ``DistillModel``: chunked KD from final hidden states (no full-vocab logits kept),
+* **ours** — ``DistillModel``: chunked KD with CE fused into the same head pass (no full-vocab
+  logits kept),
   hooks on the mapped layers only, attention maps on 64 sampled query rows, the models' own SDPA.
 * **naive** — ``output_hidden_states=True`` and eager attention with ``output_attentions=True`` on
   both models to read one layer each, full logits through plain ``kd_loss``, full attention maps.
@@ -55,7 +56,7 @@ def worker(variant: str, seq: int, batch: int, steps: int, threads: int) -> dict
     ids = torch.randint(3, teacher.config.vocab_size, (batch, seq))
     s_layer, t_layer = 9, 29  # the last kept layer ↔ the teacher's last layer
     h_s_layer, h_t_layer = 3, 23  # derived pair for the hidden term
-    cfg = LossConfig(kd_weight=1.0, temperature=2.0, focal_weight=0.5, hidden_weight=1.0,
+    cfg = LossConfig(kd_weight=1.0, temperature=2.0, ce_weight=1.0, hidden_weight=1.0, hidden_kind="mse",
                      hidden_layers=[f"{h_s_layer}:{h_t_layer}"], attn_weight=1.0,
                      attn_layers=[f"{s_layer}:{t_layer}"], attn_num_queries=64, kd_chunk_size=1024)
     opt = torch.optim.AdamW(student.parameters(), lr=1e-5)
@@ -67,12 +68,12 @@ def worker(variant: str, seq: int, batch: int, steps: int, threads: int) -> dict
             out_t = teacher(ids, output_hidden_states=True, output_attentions=True)
         target = ids[:, 1:]
         kd = losses.kd_loss(out_s.logits[:, :-1], out_t.logits[:, :-1], temperature=2.0)
-        focal = losses.focal_loss(out_s.logits[:, :-1], target)
+        ce = losses.ce_loss(out_s.logits[:, :-1], target)
         hid = F.mse_loss(out_s.hidden_states[h_s_layer + 1], out_t.hidden_states[h_t_layer + 1])
         a_s = out_s.attentions[s_layer].float().mean(1)
         a_t = out_t.attentions[t_layer].float().mean(1)
         attn = ((a_s - a_t) ** 2).sum(-1).mean()
-        return kd + 0.5 * focal + hid + attn
+        return kd + ce + hid + attn
 
     def step():
         loss = model(ids).loss if model is not None else naive_step()
@@ -97,8 +98,8 @@ def worker(variant: str, seq: int, batch: int, steps: int, threads: int) -> dict
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--worker", choices=["ours", "naive"])

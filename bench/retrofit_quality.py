@@ -75,18 +75,20 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         spec = attention.HybridAttentionConfig(sink_tokens=args.sink, window=args.window,
                                                global_every=args.global_every)
+    prev = json.loads(Path(args.reuse).read_text().strip().splitlines()[-1]) if args.reuse else None
+    # Reused numbers were scored on sequences of their longest length: pack the same ones.
+    pack_len = max(lengths + ([int(n) for n in prev["perplexity"]] if prev else []))
     tokenizer = load_tokenizer(args.base)
-    tokens = heldout_sequences(tokenizer, lengths[-1], args.max_sequences)
+    tokens = heldout_sequences(tokenizer, pack_len, args.max_sequences)
     if tokens.shape[0] == 0:
-        raise SystemExit(f"error: the held-out text is shorter than {lengths[-1]} tokens; lower --lengths")
-    if any(lengths[-1] % n for n in lengths):
+        raise SystemExit(f"error: the held-out text is shorter than {pack_len} tokens; lower --lengths")
+    if any(pack_len % n for n in lengths):
         raise SystemExit("error: every length must divide the longest one (e.g. 2048,4096,8192)")
 
     rows: dict[int, dict[str, float]] = {n: {} for n in lengths}
     seconds: dict[str, float] = {}
     runs = [("dense", False), ("hybrid_before", True)]
-    if args.reuse:
-        prev = json.loads(Path(args.reuse).read_text().strip().splitlines()[-1])
+    if prev is not None:
         if (prev["base"], prev["spec"], prev["tokens_per_length"]) != (args.base, spec.to_dict(), tokens.numel()) \
                 or not set(map(str, lengths)) <= set(prev["perplexity"]):
             raise SystemExit(f"error: {args.reuse} was measured with another base, spec, lengths or tokens; "
@@ -120,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
             if name in row:
                 row[f"gap_{name.split('_')[1]}"] = row[name] / row["dense"] - 1
 
-    print(f"held-out perplexity, {tokens.numel():,} tokens per length ({tokens.shape[0]} x {lengths[-1]}); "
+    print(f"held-out perplexity, {tokens.numel():,} tokens per length ({tokens.shape[0]} x {pack_len}); "
           f"spec: sink {spec.sink_tokens}, window {spec.window}, global_every {spec.global_every}")
     print(f"{'length':>7} {'dense':>9} {'hybrid before':>14} {'gap':>7} {'hybrid after':>13} {'gap':>7}")
     for n, row in rows.items():

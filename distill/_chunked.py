@@ -99,7 +99,8 @@ class ChunkedKD(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hs: Tensor, ws: Tensor, bs: Tensor | None, ht: Tensor, wt: Tensor,
                 bt: Tensor | None, kind: str, temperature: float, beta: float, chunk_size: int,
-                n_norm: int, needs: tuple[bool, bool, bool]) -> Tensor:
+                n_norm: int, needs: tuple[bool, bool, bool], labels: Tensor | None = None,
+                ce_weight: float = 0.0) -> tuple[Tensor, Tensor]:
         n = hs.shape[0]
         need_hs, need_ws, need_bs = needs
         need_any = need_hs or need_ws or need_bs
@@ -111,17 +112,33 @@ class ChunkedKD(torch.autograd.Function):
         # d(T^2 * D(z / T) / n_norm) / d logits = T * dD/dz / n_norm
         grad_scale = temperature / n_norm
         total = torch.zeros((), dtype=torch.float64, device=hs.device)
+        ce_total = torch.zeros((), dtype=torch.float64, device=hs.device)
         for start in range(0, n, chunk_size):
             hs_c = hs[start:start + chunk_size]
             ht_c = ht[start:start + chunk_size]
             zs = _logits(hs_c, ws, bs, temperature)
             zt = _logits(ht_c, wt, bt, temperature)
+            g_ce = None
+            if labels is not None:
+                # Fused CE on the same student logits (at T = 1): saves a second head matmul pass.
+                lab = labels[start:start + chunk_size, None]
+                z1 = zs if temperature == 1.0 else zs * temperature
+                lse = torch.logsumexp(z1, dim=-1, keepdim=True)
+                ce_total += (lse - z1.gather(1, lab)).sum(dtype=torch.float64)
+                if need_any:
+                    g_ce = z1.sub(lse).exp_()
+                    g_ce.scatter_add_(1, lab, torch.full_like(lab, -1.0, dtype=g_ce.dtype))
+                    g_ce.mul_(ce_weight / n_norm)
+                del z1, lse
             loss, grad = divergence_and_grad(zs, zt, kind, beta, need_any)
             del zs, zt
             total += loss.sum(dtype=torch.float64)
             if grad is None:
                 continue
             grad.mul_(grad_scale)
+            if g_ce is not None:
+                grad.add_(g_ce)
+                del g_ce
             if need_hs:
                 g = grad.to(ws.dtype)  # no-op for fp32 / fp64 heads
                 torch.mm(g, ws, out=grad_hs[start:start + chunk_size])
@@ -136,15 +153,17 @@ class ChunkedKD(torch.autograd.Function):
         if grad_bs is not None:
             grad_bs = grad_bs.to(bs.dtype)
         ctx.save_for_backward(grad_hs, grad_ws, grad_bs)
-        return (total * (temperature * temperature / n_norm)).to(acc)
+        ce = (ce_total / n_norm).to(acc)
+        ctx.mark_non_differentiable(ce)
+        return (total * (temperature * temperature / n_norm)).to(acc) + ce_weight * ce, ce
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor):
+    def backward(ctx, grad_out: Tensor, _grad_ce: Tensor | None = None):
         grad_hs, grad_ws, grad_bs = ctx.saved_tensors
         out = []
         for g in (grad_hs, grad_ws, grad_bs):
             out.append(None if g is None else g * grad_out.to(g.dtype))
-        return (*out, None, None, None, None, None, None, None, None, None)
+        return (*out, None, None, None, None, None, None, None, None, None, None, None)
 
 
 def _logits(h: Tensor, w: Tensor, b: Tensor | None, temperature: float) -> Tensor:

@@ -33,6 +33,7 @@ __all__ = [
     "KINDS",
     "kd_loss",
     "chunked_kd_loss",
+    "chunked_kd_ce_loss",
     "ce_loss",
     "focal_loss",
     "hidden_loss",
@@ -212,7 +213,39 @@ def chunked_kd_loss(student_hidden: Tensor, student_head: Tensor, teacher_hidden
             zero = zero + student_bias.sum() * 0.0
         return _fp32(zero)
     return ChunkedKD.apply(hs.contiguous(), student_head, student_bias, ht.contiguous(), wt, bt, kind,
-                           float(temperature), float(beta), int(chunk_size), n, needs)
+                           float(temperature), float(beta), int(chunk_size), n, needs)[0]
+
+
+def chunked_kd_ce_loss(student_hidden: Tensor, student_head: Tensor, teacher_hidden: Tensor,
+                       teacher_head: Tensor, labels: Tensor, mask: Tensor | None = None, *,
+                       ce_weight: float = 1.0, kind: str = "forward_kl", temperature: float = 1.0,
+                       beta: float = 0.5, chunk_size: int = 1024) -> tuple[Tensor, Tensor, Tensor]:
+    """``chunked_kd_loss + ce_weight * ce_loss`` in one pass over the student head.
+
+    The CE term (at T = 1, on ``labels`` ``[batch, seq]`` aligned with the hidden states) reuses each
+    chunk's student logits and its gradient joins the KD gradient before the head matmuls, so the
+    student head is applied once instead of twice (forward) and three times less in total.
+
+    Returns:
+        ``(total, kd, ce)``: the weighted total (differentiable) and both terms, detached.
+    """
+    _check_kd_args(kind, temperature, beta)
+    m = _token_mask(mask, student_hidden.shape[:-1], "hidden states' leading dims")
+    lab = labels.reshape(-1) if m is None else labels.reshape(-1)[m]
+    if (lab < 0).any() or (lab >= student_head.shape[0]).any():
+        raise ValueError("labels must be token ids of counted positions; mask out ignored ones (-100)")
+    hs = _rows(student_hidden, m).to(student_head.dtype)
+    ht = _rows(teacher_hidden.detach(), m).to(teacher_head.dtype)
+    n = hs.shape[0]
+    if n == 0:
+        zero = _fp32(hs.sum() * 0.0 + student_head.sum() * 0.0)
+        return zero, zero.detach(), zero.detach()
+    grad_on = torch.is_grad_enabled()
+    needs = (grad_on and hs.requires_grad, grad_on and student_head.requires_grad, False)
+    total, ce = ChunkedKD.apply(hs.contiguous(), student_head, None, ht.contiguous(), teacher_head.detach(), None,
+                                kind, float(temperature), float(beta), int(chunk_size), n, needs,
+                                lab.long(), float(ce_weight))
+    return total, (total.detach() - ce_weight * ce), ce
 
 
 # --------------------------------------------------------------------------- hard labels

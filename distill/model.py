@@ -31,7 +31,7 @@ from distill.student import kept_layers
 
 SUPPORTED = ("llama", "mistral", "qwen2")
 KD_KINDS = ("forward_kl", "reverse_kl", "jsd", "tvd")
-# nmse: MSE divided by the teacher state's mean square. Residual streams of real LMs carry a few
+# nmse: per-token MSE divided by the teacher state's mean square. Residual streams of real LMs carry a few
 # huge "massive activation" features (hundreds in SmolLM2), so raw MSE is in the thousands and
 # swamps every other term; the normalized form is scale-free and comparable to KD.
 HIDDEN_KINDS = ("nmse", "mse", "cosine")
@@ -295,9 +295,13 @@ class DistillModel(nn.Module):
             kd = topk_kd_loss(head_s(h_s[:, :-1])[..., : self.vocab], idx[:, :-1], logp[:, :-1], valid,
                               temperature=cfg.temperature)
 
-        if cfg.ce_weight > 0 or cfg.focal_weight > 0:
+        # CE rides along in the chunked KD pass when it can: one head pass instead of two.
+        fuse_ce = (cfg.ce_weight > 0 and cfg.kd_weight > 0 and cfg.kd_chunk_size is not None
+                   and not self.cached_teacher and self._teacher is not None)
+        fused = None
+        if (cfg.ce_weight > 0 and not fuse_ce) or cfg.focal_weight > 0:
             logits = head_s(h_s[:, :-1])
-            if cfg.ce_weight > 0:
+            if cfg.ce_weight > 0 and not fuse_ce:
                 ce = losses.ce_loss(logits, target.masked_fill(~valid, -100))
             if cfg.focal_weight > 0:
                 focal = losses.focal_loss(logits, target.masked_fill(~valid, -100),
@@ -321,6 +325,13 @@ class DistillModel(nn.Module):
                     kd = losses.kd_loss(lg_s, lg_t, valid, kind=cfg.kd_kind, temperature=cfg.temperature,
                                         beta=cfg.beta)
                     del lg_s, lg_t
+                elif fuse_ce:
+                    w_t = teacher.get_output_embeddings().weight[: self.vocab]
+                    w_s = head_s.weight[: self.vocab]
+                    fused, kd, ce = losses.chunked_kd_ce_loss(
+                        h_s[:, :-1], w_s, h_t[:, :-1].detach(), w_t.detach(), target.clamp(min=0), valid,
+                        ce_weight=cfg.ce_weight / cfg.kd_weight, kind=cfg.kd_kind, temperature=cfg.temperature,
+                        beta=cfg.beta, chunk_size=cfg.kd_chunk_size)
                 else:
                     w_t = teacher.get_output_embeddings().weight[: self.vocab]
                     w_s = head_s.weight[: self.vocab]
@@ -333,12 +344,11 @@ class DistillModel(nn.Module):
                 terms = []
                 for s, t in self.hidden_pairs:
                     h_t = self._teacher_taps.hidden[t].detach()
-                    kind = "mse" if cfg.hidden_kind == "nmse" else cfg.hidden_kind
-                    term = losses.hidden_loss(self.projectors[f"s{s}_t{t}"](self._student_taps.hidden[s]), h_t,
-                                              token_mask, kind=kind)
+                    h_s = self.projectors[f"s{s}_t{t}"](self._student_taps.hidden[s])
                     if cfg.hidden_kind == "nmse":
-                        term = term / h_t[token_mask].float().pow(2).mean().clamp(min=1e-12)
-                    terms.append(term)
+                        terms.append(normalized_mse(h_s, h_t, token_mask))
+                    else:
+                        terms.append(losses.hidden_loss(h_s, h_t, token_mask, kind=cfg.hidden_kind))
                 hidden = torch.stack(terms).mean()
             if self.attn_pairs:
                 hd_s, hd_t = _head_dim(self.student.config), _head_dim(teacher.config)
@@ -354,8 +364,11 @@ class DistillModel(nn.Module):
         if self._student_taps is not None:
             self._student_taps.clear()
 
-        total = (cfg.kd_weight * kd + cfg.ce_weight * ce + cfg.focal_weight * focal
-                 + cfg.hidden_weight * hidden + cfg.attn_weight * attn)
+        if fused is not None:  # kd_weight * (kd + ce_weight / kd_weight * ce), with one graph
+            total = cfg.kd_weight * fused
+        else:
+            total = cfg.kd_weight * kd + cfg.ce_weight * ce
+        total = total + cfg.focal_weight * focal + cfg.hidden_weight * hidden + cfg.attn_weight * attn
         return DistillOutput(loss=total, kd=kd, ce=ce, focal=focal, hidden=hidden, attn=attn,
                              tokens=int(valid.sum()))
 
@@ -363,6 +376,19 @@ class DistillModel(nn.Module):
         for taps in (self._student_taps, getattr(self, "_teacher_taps", None)):
             if taps is not None:
                 taps.remove()
+
+
+def normalized_mse(student_h: torch.Tensor, teacher_h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over counted tokens of ``mean((s - t)²) / mean(t²)`` per token, in fp32.
+
+    Normalizing each token by its own teacher state keeps the term a plain token mean, so gradient
+    accumulation stays exact (a batch-level normalizer would not). Shapes: ``[batch, seq, d]`` and
+    ``mask`` ``[batch, seq]``; no counted token gives 0 with a graph.
+    """
+    t = teacher_h.float()
+    per_token = (student_h.float() - t).pow(2).mean(-1) / t.pow(2).mean(-1).clamp(min=1e-12)
+    m = mask.bool()
+    return (per_token * m).sum() / m.sum().clamp(min=1)
 
 
 @contextmanager

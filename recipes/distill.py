@@ -83,7 +83,7 @@ class DistillConfig:
     hidden_weight: float = field(0.2, help="hidden-state term weight")
     hidden_layers: list[str] = field(default_factory=lambda: ["derived"], help="layer pairs 's:t', "
                                      "'relative' or 'derived' (a derived student's replaced spans)")
-    hidden_kind: str = field("nmse", help="hidden-state distance: nmse (MSE / teacher mean square, scale-free) "
+    hidden_kind: str = field("nmse", help="hidden-state distance: nmse (per-token MSE / teacher mean square, scale-free) "
                              "| mse | cosine")
     attn_weight: float = field(0.0, help="attention-map term weight")
     attn_layers: list[str] = field(default_factory=list, help="layer pairs for the attention-map term")
@@ -282,7 +282,11 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: 
     # ---- loop ---------------------------------------------------------------------------
     def save_checkpoint(step: int) -> None:
         tmp = ckpt.tmp_dir(out, step)
+        if main:  # every rank writes into it (DeepSpeed shards, RNG states): it must exist first
+            tmp.mkdir(parents=True, exist_ok=True)
+        accelerator.wait_for_everyone()
         accelerator.save_state(str(tmp), safe_serialization=False)
+        accelerator.wait_for_everyone()  # every rank's shard is on disk before the rename
         if main:
             unwrapped.student.config.save_pretrained(tmp / "student")
             unwrapped.student.generation_config.save_pretrained(tmp / "student")

@@ -521,3 +521,30 @@ def test_attention_gradcheck_and_empty_and_fp32():
     assert out16.dtype == torch.float32
     with pytest.raises(ValueError, match="multiple"):
         attention_map_loss(sq, sk, tq[:, :1].expand(1, 3, 4, 3), tk, mask)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+@pytest.mark.parametrize("kind", ["forward_kl", "jsd"])
+def test_fused_kd_ce_equals_separate_terms(kind, temperature):
+    from distill.losses import chunked_kd_ce_loss
+
+    g = torch.Generator().manual_seed(7)
+    hs = torch.randn(2, 9, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    ws = torch.randn(40, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    ht = torch.randn(2, 9, 24, generator=g, dtype=torch.float64)
+    wt = torch.randn(40, 24, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, 40, (2, 9), generator=g)
+    mask = torch.rand(2, 9, generator=g) > 0.3
+    total, kd, ce = chunked_kd_ce_loss(hs, ws, ht, wt, labels, mask, ce_weight=0.7, kind=kind,
+                                       temperature=temperature, chunk_size=4)
+    gh, gw = torch.autograd.grad(total, (hs, ws))
+    logits = hs @ ws.T
+    ref_kd = kd_loss(logits, ht @ wt.T, mask, kind=kind, temperature=temperature)
+    ref_ce = torch.nn.functional.cross_entropy(logits[mask], labels[mask])
+    ref = ref_kd + 0.7 * ref_ce
+    rh, rw = torch.autograd.grad(ref, (hs, ws))
+    torch.testing.assert_close(total, ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(kd, ref_kd.detach(), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(ce, ref_ce.detach(), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(gh, rh, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(gw, rw, rtol=1e-9, atol=1e-12)
