@@ -157,3 +157,13 @@ def test_gate_at_the_end_against_the_teacher(tmp_path):
     assert summary["gate"]["verdict"] in ("pass", "fail", "inconclusive")
     report = json.loads((out / "gate" / "report.json").read_text())
     assert report["verdict"] == summary["gate"]["verdict"] and "release gate" in proc.stdout
+
+
+@pytest.mark.slow
+def test_tensorboard_tracker_and_gradient_checkpointing(tmp_path):
+    out = tmp_path / "tb"
+    run([*TINY, f"output_dir={out}", "max_steps=2", "save_every=0", "tracker=tensorboard",
+         "gradient_checkpointing=true"])
+    events = list(out.rglob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 0
+    assert json.loads((out / "summary.json").read_text())["student_ppl_final"] is not None
