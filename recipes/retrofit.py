@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 from accelerate.logging import get_logger  # noqa: E402
-from accelerate.utils import InitProcessGroupKwargs, set_seed  # noqa: E402
+from accelerate.utils import set_seed  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from attention.errors import HybridAttentionError  # noqa: E402
@@ -46,6 +46,7 @@ from distill import checkpoint as ckpt  # noqa: E402
 from distill.config import ConfigError, field, parse_config, run_cli, save_config  # noqa: E402
 from distill.data import BUILTIN, BlockOrder, build_data, eval_batches  # noqa: E402
 from distill.model import KD_KINDS, LossConfig, loss_config_from  # noqa: E402
+from distill.training import check_output_dir, make_accelerator, warmup_cosine  # noqa: E402
 from eval.metrics import LMStats, batch_stats  # noqa: E402
 
 logger = get_logger(__name__)
@@ -170,36 +171,6 @@ class RetrofitConfig:
 # --------------------------------------------------------------------------------------------
 # Pieces of the loop that read better with a name
 # --------------------------------------------------------------------------------------------
-
-def make_accelerator(cfg: RetrofitConfig, project_dir: Path) -> Accelerator:
-    mixed = cfg.mixed_precision
-    if mixed == "auto":
-        mixed = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
-    # Without GPUs, distributed runs must use gloo or accelerate miscounts processes.
-    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    handlers = [InitProcessGroupKwargs(backend="gloo")] if distributed and not torch.cuda.is_available() else []
-    log_with = None if cfg.tracker == "none" else cfg.tracker
-    return Accelerator(gradient_accumulation_steps=cfg.grad_accum, mixed_precision=mixed, log_with=log_with,
-                       project_dir=str(project_dir), kwargs_handlers=handlers)
-
-
-def check_output_dir(cfg: RetrofitConfig) -> Path:
-    out = Path(cfg.output_dir)
-    has_run = out.is_dir() and any((out / n).exists() for n in ("checkpoints", "final", "summary.json"))
-    if has_run and cfg.resume is None and not cfg.overwrite:
-        raise ConfigError(f"{out} already holds a run; pass resume=latest to continue it, overwrite=true to "
-                          "replace it, or another output_dir=")
-    return out
-
-
-def lr_lambda(cfg: RetrofitConfig):
-    def f(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / (cfg.warmup_steps + 1)
-        progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return f
-
 
 def load_models(cfg: RetrofitConfig) -> tuple[torch.nn.Module, torch.nn.Module, Any]:
     """``(model, dense_teacher, tokenizer)``: two copies of the same pretrained weights, fp32."""
@@ -379,7 +350,8 @@ def training_function(cfg: RetrofitConfig, accelerator: Accelerator) -> dict:
     groups = param_groups(distill_model, cfg)
     params = [p for g in groups for p in g["params"]]
     optimizer = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, warmup_cosine(cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio))
     distill_model, optimizer, scheduler = accelerator.prepare(distill_model, optimizer, scheduler)
     teacher = teacher.to(accelerator.device)
     trainable = sum(p.numel() for p in params)
