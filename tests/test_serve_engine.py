@@ -16,15 +16,6 @@ from serve.text import IncrementalDetokenizer, TextStream
 from tests.tiny import save_tiny, tiny_model, tiny_tokenizer
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny matmuls: one thread avoids OpenMP contention on busy shared cores.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def no_eos(model):
     model.generation_config.eos_token_id = None
     model.config.eos_token_id = None

@@ -18,15 +18,6 @@ SPECS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny matmuls: one thread avoids OpenMP contention on busy shared cores (40x in practice).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def reference_logits(model, ids: torch.Tensor, spec: HybridAttentionConfig | None) -> torch.Tensor:
     """``[seq, vocab]`` logits of the untouched HF model with a dense additive hybrid (or causal) mask."""
     n = ids.shape[0]
