@@ -128,10 +128,6 @@ class PackedData:
     train: torch.Tensor  # [num_train_blocks, seq_len]
     eval: torch.Tensor  # [num_eval_blocks, seq_len]
 
-    @property
-    def tokens(self) -> int:
-        return self.train.numel()
-
 
 def build_data(tokenizer, *, dataset: str, seq_len: int, eval_blocks: int, text_field: str = "text",
                eval_dataset: str | None = None, eval_fraction: float = 0.05, max_train_blocks: int | None = None,

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -253,9 +252,6 @@ class DistillModel(nn.Module):
         """Swap in a wrapped teacher (e.g. a DeepSpeed inference engine) after preparation."""
         object.__setattr__(self, "_teacher", teacher)
 
-    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        return self.state_dict()
-
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None,
                 teacher_topk: tuple[torch.Tensor, torch.Tensor] | None = None) -> DistillOutput:
@@ -389,17 +385,6 @@ def normalized_mse(student_h: torch.Tensor, teacher_h: torch.Tensor, mask: torch
     per_token = (student_h.float() - t).pow(2).mean(-1) / t.pow(2).mean(-1).clamp(min=1e-12)
     m = mask.bool()
     return (per_token * m).sum() / m.sum().clamp(min=1)
-
-
-@contextmanager
-def frozen(model: nn.Module):
-    """Temporarily put ``model`` in eval mode (restores the previous mode)."""
-    was = model.training
-    model.eval()
-    try:
-        yield model
-    finally:
-        model.train(was)
 
 
 def loss_config_from(obj) -> LossConfig:

@@ -13,11 +13,6 @@ from distill.student import derive_student
 from distill.tiny import TINY, tiny_teacher, tiny_tokenizer
 
 
-def _parse_keep(keep: str) -> int | str:
-    keep = str(keep).strip()
-    return int(keep) if keep.isdigit() else keep
-
-
 def load_pair(cfg: Any) -> tuple[torch.nn.Module | None, torch.nn.Module, Any]:
     """With ``cfg.teacher_cache`` set the returned teacher is ``None``.
 
@@ -44,7 +39,7 @@ def load_pair(cfg: Any) -> tuple[torch.nn.Module | None, torch.nn.Module, Any]:
             student = load_causal_lm(cfg.student)
         else:
             try:
-                student = derive_student(teacher, _parse_keep(cfg.keep_layers))
+                student = derive_student(teacher, cfg.keep_layers)
             except ValueError as err:
                 raise ConfigError(f"{err} (keep_layers)") from None
     except (ModelSourceError, OSError) as err:

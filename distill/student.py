@@ -28,7 +28,9 @@ def spread_layers(n_teacher: int, n_keep: int) -> list[int]:
 
 
 def parse_keep(keep: int | str | Sequence[int], n_teacher: int) -> list[int]:
-    """An int (spread), ``"0-4,25-29"`` ranges, or an explicit list → sorted unique indices."""
+    """An int or digit string (a count, spread), ``"0-4,25-29"`` ranges, or a list → sorted unique indices."""
+    if isinstance(keep, str) and keep.strip().isdigit():  # "10" from a config: a count
+        keep = int(keep)
     if isinstance(keep, int):
         return spread_layers(n_teacher, keep)
     if isinstance(keep, str):

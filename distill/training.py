@@ -49,6 +49,16 @@ def check_output_dir(cfg: Any) -> Path:
     return out
 
 
+def reduce_stats(accelerator: Accelerator, stats: Any) -> Any:
+    """Sum an ``eval.metrics.LMStats`` over processes (every rank gets the total)."""
+    from eval.metrics import LMStats
+
+    totals = torch.tensor([stats.nll_sum, stats.tokens, stats.agree, stats.kl_sum, stats.ref_tokens],
+                          dtype=torch.float64, device=accelerator.device)
+    nll, tok, agree, kl, ref_tok = accelerator.reduce(totals, reduction="sum").tolist()
+    return LMStats(nll_sum=nll, tokens=int(tok), agree=int(agree), kl_sum=kl, ref_tokens=int(ref_tok))
+
+
 def warmup_cosine(warmup_steps: int, max_steps: int, min_lr_ratio: float):
     """LR multiplier: linear warmup, then cosine decay to ``min_lr_ratio`` at ``max_steps``."""
     def f(step: int) -> float:

@@ -33,7 +33,7 @@ from distill.config import ConfigError, field, parse_config, run_cli, save_confi
 from distill.data import BUILTIN, BlockOrder, build_data, eval_batches  # noqa: E402
 from distill.model import KD_KINDS, DistillModel, LossConfig, loss_config_from  # noqa: E402
 from distill.plots import plot_training  # noqa: E402
-from distill.training import check_output_dir, make_accelerator, warmup_cosine  # noqa: E402
+from distill.training import check_output_dir, make_accelerator, reduce_stats, warmup_cosine  # noqa: E402
 from eval.metrics import LMStats, batch_stats  # noqa: E402
 
 logger = get_logger(__name__)
@@ -141,11 +141,15 @@ class DistillConfig:
 
 @torch.no_grad()
 def evaluate(accelerator: Accelerator, student, teacher, blocks: torch.Tensor, batch_size: int,
-             teacher_logits_cache: dict | None = None) -> LMStats:
-    """Held-out perplexity of ``student`` and its agreement/KL with ``teacher`` (summed over processes)."""
+             teacher_logits_cache: dict | None = None) -> tuple[LMStats, LMStats | None]:
+    """Held-out stats of ``student`` (with agreement/KL to ``teacher``) and of ``teacher`` itself.
+
+    Both come from one teacher pass; ``teacher_logits_cache`` keeps the teacher's logits between
+    calls (the held-out set and the teacher never change) when they are small enough.
+    """
     was = student.training
     student.eval()
-    stats = LMStats()
+    stats, teacher_stats = LMStats(), (LMStats() if teacher is not None else None)
     for i, batch in enumerate(eval_batches(blocks, batch_size, accelerator.process_index,
                                            accelerator.num_processes)):
         ids = batch["input_ids"].to(accelerator.device)
@@ -158,13 +162,10 @@ def evaluate(accelerator: Accelerator, student, teacher, blocks: torch.Tensor, b
                 ref = teacher(input_ids=ids).logits
                 if teacher_logits_cache is not None and ref.numel() * 4 < 512 * 2**20:
                     teacher_logits_cache[i] = ref
+            teacher_stats.add(batch_stats(ref, ids))
         stats.add(batch_stats(logits, ids, None, ref))
     student.train(was)
-    totals = torch.tensor([stats.nll_sum, stats.tokens, stats.agree, stats.kl_sum, stats.ref_tokens],
-                          dtype=torch.float64, device=accelerator.device)
-    totals = accelerator.reduce(totals, reduction="sum")
-    nll, tok, agree, kl, ref_tok = totals.tolist()
-    return LMStats(nll_sum=nll, tokens=int(tok), agree=int(agree), kl_sum=kl, ref_tokens=int(ref_tok))
+    return reduce_stats(accelerator, stats), (reduce_stats(accelerator, teacher_stats) if teacher_stats else None)
 
 
 def save_student(accelerator: Accelerator, model: DistillModel, tokenizer, path: Path) -> None:
@@ -263,15 +264,14 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: 
                                                             if isinstance(v, (int, float, str, bool))})
 
     unwrapped = accelerator.unwrap_model(model)
-    eval_teacher = teacher if teacher is not None else None
     teacher_logits: dict = {}
     if not init and cache is not None:
         init["teacher_ppl"] = cache.meta.get("teacher_ppl")
     if not init or "student_ppl_init" not in init:
         t0 = time.time()
-        if eval_teacher is not None:
-            init["teacher_ppl"] = evaluate(accelerator, eval_teacher, None, data.eval, cfg.micro_batch_size).perplexity
-        s = evaluate(accelerator, unwrapped.student, eval_teacher, data.eval, cfg.micro_batch_size, teacher_logits)
+        s, t = evaluate(accelerator, unwrapped.student, teacher, data.eval, cfg.micro_batch_size, teacher_logits)
+        if t is not None:
+            init["teacher_ppl"] = t.perplexity
         init.update(student_ppl_init=s.perplexity, top1_agreement_init=s.top1_agreement)
         evals.append({"step": 0, "perplexity": s.perplexity, "top1_agreement": s.top1_agreement,
                       "kl_to_teacher": s.kl, "teacher_perplexity": init.get("teacher_ppl")})
@@ -336,8 +336,8 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: 
             accelerator.log(terms | {"lr": history[-1]["lr"]}, step=step + 1)
         done = step + 1 == cfg.max_steps
         if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or done:
-            s = evaluate(accelerator, unwrapped.student, eval_teacher, data.eval, cfg.micro_batch_size,
-                         teacher_logits)
+            s, _ = evaluate(accelerator, unwrapped.student, teacher, data.eval, cfg.micro_batch_size,
+                            teacher_logits)
             evals.append({"step": step + 1, "perplexity": s.perplexity, "top1_agreement": s.top1_agreement,
                           "kl_to_teacher": s.kl, "teacher_perplexity": init.get("teacher_ppl")})
             if cfg.tracker != "none":

@@ -46,7 +46,7 @@ from distill import checkpoint as ckpt  # noqa: E402
 from distill.config import ConfigError, field, parse_config, run_cli, save_config  # noqa: E402
 from distill.data import BUILTIN, BlockOrder, build_data, eval_batches  # noqa: E402
 from distill.model import KD_KINDS, LossConfig, loss_config_from  # noqa: E402
-from distill.training import check_output_dir, make_accelerator, warmup_cosine  # noqa: E402
+from distill.training import check_output_dir, make_accelerator, reduce_stats, warmup_cosine  # noqa: E402
 from eval.metrics import LMStats, batch_stats  # noqa: E402
 
 logger = get_logger(__name__)
@@ -276,10 +276,7 @@ def evaluate(accelerator: Accelerator, model, blocks: torch.Tensor, batch_size: 
         stats.add(batch_stats(logits, ids, None, ref))
         del logits, ref
     model.train(was)
-    totals = torch.tensor([stats.nll_sum, stats.tokens, stats.agree, stats.kl_sum, stats.ref_tokens],
-                          dtype=torch.float64, device=accelerator.device)
-    nll, tok, agree, kl, ref_tok = accelerator.reduce(totals, reduction="sum").tolist()
-    return LMStats(nll_sum=nll, tokens=int(tok), agree=int(agree), kl_sum=kl, ref_tokens=int(ref_tok))
+    return reduce_stats(accelerator, stats)
 
 
 def heldout_blocks(cfg: RetrofitConfig, tokenizer, length: int) -> torch.Tensor:
