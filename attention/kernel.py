@@ -8,12 +8,21 @@ Queries are cut into blocks of ``B`` rows. Block ``t`` needs two key sets:
 * the sink and global keys (a short sorted index list ``G``), counted only where they lie *outside*
   the local window (``j <= i - window``) so that no key is counted twice.
 
-Work is ``n * (|G| + (m + 1) * B)`` instead of ``n**2 / 2``. Blocks are processed a few at a time
-(each chunk's keys are the visible globals followed by the block's span, with a precomputed
-additive mask) so that score tiles stay in cache. Inference runs each chunk through SDPA's fused
-kernel; training computes fp32 scores with matmuls to keep the log-sum-exp, and the backward pass
-recomputes probabilities from it instead of storing them: memory is O(n * head_dim) beyond the
-inputs, never [n, n].
+Work is ``n * (|G| + (m + 1) * B)`` instead of ``n**2 / 2``.
+
+Inference on CPU makes a handful of calls to torch's fused CPU flash-attention op, which also returns
+the log-sum-exp: one call for every block's local span at once (blocks in the batch dim, the spans an
+overlapping view of the buffer, one ``[B, (m+1)*B]`` band mask for all), then the sink/global keys
+for the rows that see any, in row segments where the visible count is constant (no mask), merged
+into the output by log-sum-exp. Few calls matter: on a shared 2-core machine every parallel region
+can wait a whole scheduler slice for the second core. A small block (``INFERENCE_BLOCK``) wastes
+fewer masked span columns, and the flash op does not care about block size.
+
+Training (and other devices) processes blocks a few at a time (each chunk's keys are the visible
+globals followed by the block's span, with a precomputed additive mask) so that score tiles stay in
+cache; it computes fp32 scores with matmuls to keep the log-sum-exp, and the backward pass recomputes
+probabilities from it instead of storing them: memory is O(n * head_dim) beyond the inputs, never
+[n, n].
 
 Rows that ``global_rows=True`` turns into full rows are not handled here; ``attention.functional``
 overwrites them with a small dense computation.
@@ -21,7 +30,7 @@ overwrites them with a small dense computation.
 
 from __future__ import annotations
 
-import dataclasses
+import bisect
 import functools
 import math
 from dataclasses import dataclass
@@ -31,7 +40,12 @@ import torch
 from attention.spec import HybridAttentionConfig
 
 NEG_INF = float("-inf")
-DEFAULT_BLOCK = 128
+DEFAULT_BLOCK = 128  # training / chunked path: big enough for efficient matmuls
+# Inference (flash) path: span (m+1)*B is 576 keys instead of 640 for window 512. 32 measured the
+# same as 64 (the flash op tiles queries by 32), 128 is ~5% slower at 4K.
+INFERENCE_BLOCK = 64
+# Global-key row segments shorter than this are merged into one masked flash call.
+MIN_GLOBAL_ROWS = 256
 # Score elements per chunk of blocks: large enough to amortise Python overhead, small enough for L2/L3.
 CHUNK_ELEMENTS = 1 << 21
 
@@ -51,7 +65,42 @@ class _Plan:
     band_bias: torch.Tensor  # [B, (m+1)*B] fp32, 0 / -inf
     early_bias: torch.Tensor  # [t_neg, B, (m+1)*B] fp32 for blocks whose span starts before position 0
     chunks: tuple[tuple[int, int, int], ...]  # (t0, t1, number of global keys any query in it can see)
-    chunk_bias: tuple[torch.Tensor, ...] = ()  # per chunk [t1 - t0, B, cnt + (m+1)*B]: globals then span
+
+    @functools.cached_property
+    def chunk_bias(self) -> tuple[torch.Tensor, ...]:
+        """Per chunk ``[t1 - t0, B, cnt + (m+1)*B]`` additive mask, globals then span (chunked path only)."""
+        return tuple(torch.cat([self.global_bias(t0, t1, cnt), self.local_bias(t0, t1)], -1).contiguous()
+                     for t0, t1, cnt in self.chunks)
+
+    @functools.cached_property
+    def global_segments(self) -> tuple[tuple[int, int, int, torch.Tensor | None], ...]:
+        """``(r0, r1, count, mask)``: query rows ``[r0, r1)`` see global keys ``G[:count]`` (flash path).
+
+        Global ``g`` becomes visible at row ``g + window - q_offset``. Between such rows the count is
+        constant and a segment needs no mask; runs of short pieces (the sink ramp, dense globals)
+        are merged into one call with a ``[r1 - r0, count]`` additive mask.
+        """
+        g = self.global_idx.tolist()
+        starts = [max(0, p + self.window - self.q_offset) for p in g]
+        bounds = sorted({s for s in starts if s < self.q_len}) + [self.q_len]
+        pieces = list(zip(bounds[:-1], bounds[1:]))
+        segs = []
+        i = 0
+        while i < len(pieces):
+            j = i + 1
+            if pieces[i][1] - pieces[i][0] < MIN_GLOBAL_ROWS:
+                while j < len(pieces) and pieces[j][1] - pieces[j][0] < MIN_GLOBAL_ROWS:
+                    j += 1
+            r0, r1 = pieces[i][0], pieces[j - 1][1]
+            count = bisect.bisect_right(starts, r1 - 1)
+            mask = None
+            if j > i + 1:
+                qpos = self.q_offset + torch.arange(r0, r1, device=self.global_idx.device)
+                ok = self.global_idx[:count].unsqueeze(0) <= (qpos - self.window).unsqueeze(1)
+                mask = torch.zeros(ok.shape, device=ok.device).masked_fill_(~ok, NEG_INF)
+            segs.append((r0, r1, count, mask))
+            i = j
+        return tuple(segs)
 
     def local_bias(self, t0: int, t1: int) -> torch.Tensor:
         """``[t1 - t0, B, (m+1)*B]`` additive mask of the local spans of blocks ``t0..t1``."""
@@ -119,10 +168,7 @@ def _plan(q_len: int, q_offset: int, sink: int, global_every: int, max_globals: 
         last_q = q_offset + min(q_len, t1 * B) - 1
         count = int((g_cpu <= last_q - window).sum())
         chunks.append((t0, t1, count))
-    plan = _Plan(q_len, q_offset, B, T, m, window, key_start, gidx, band_bias, early_bias, tuple(chunks))
-    biases = tuple(torch.cat([plan.global_bias(t0, t1, cnt), plan.local_bias(t0, t1)], -1).contiguous()
-                   for t0, t1, cnt in chunks)
-    return dataclasses.replace(plan, chunk_bias=biases)
+    return _Plan(q_len, q_offset, B, T, m, window, key_start, gidx, band_bias, early_bias, tuple(chunks))
 
 
 def _blocks(x: torch.Tensor, plan: _Plan, kv_heads: int) -> torch.Tensor:
@@ -174,7 +220,7 @@ def _up(x: torch.Tensor) -> torch.Tensor:
 class _BlockSparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _Plan, scale: float):
-        ob, lse = _forward(q, k, v, plan, scale, need_lse=True)
+        ob, lse = _forward(q, k, v, plan, scale)
         ctx.save_for_backward(q, k, v, ob, lse)
         ctx.plan, ctx.scale = plan, scale
         return _unblocks(ob, plan, q.shape[1])
@@ -240,10 +286,8 @@ def _scores(qc: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor) -> torch.T
     return s
 
 
-def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _Plan, scale: float, need_lse: bool):
-    """Blocked output ``[b, kvh, T, R, d]`` and, if asked, log-sum-exp ``[b, kvh, T, R, 1]``."""
-    if not need_lse:
-        return _forward_fused(q, k, v, plan, scale), None
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _Plan, scale: float):
+    """Chunked matmul path: blocked output ``[b, kvh, T, R, d]`` and log-sum-exp ``[b, kvh, T, R, 1]``."""
     kvh = k.shape[1]
     qb = _blocks(q * scale, plan, kvh)  # [b, kvh, T, R, d], R = group * B
     kbuf, vbuf = _local_buffer(k, plan), _local_buffer(v, plan)
@@ -258,30 +302,73 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _Plan, sca
     return ob, lse
 
 
-def _forward_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _Plan, scale: float) -> torch.Tensor:
-    """Inference forward: each chunk of blocks is one fused SDPA call with the chunk's additive mask.
+@functools.cache
+def _flash_op():
+    """torch's fused CPU flash-attention op (it returns the log-sum-exp), or None where missing or without GQA."""
+    op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if op is None:
+        return None
+    try:  # fewer KV than query heads reached the CPU op in torch 2.9
+        op(torch.zeros(1, 2, 1, 8), torch.zeros(1, 1, 1, 8), torch.zeros(1, 1, 1, 8))
+    except RuntimeError:
+        return None
+    return op
 
-    SDPA's fused kernel keeps score tiles in cache (measurably faster than matmul + softmax on CPU)
-    but does not return the log-sum-exp the backward pass needs, hence training uses ``_forward``.
-    Blocks go to SDPA's batch dim and (batch, kv head, group) to its head dim, so the mask
-    ``[cb, 1, B, K]`` broadcasts over heads and GQA maps query head ``j`` to key head ``j // group``.
+
+def _flash_spans(x: torch.Tensor, plan: _Plan, t0: int, t1: int) -> torch.Tensor:
+    """``[t1 - t0, b * kvh, L, d]`` overlapping view of the local spans of blocks ``t0..t1`` of ``x``.
+
+    A view straight into the keys where the spans lie inside them and batch and heads merge;
+    otherwise into a zero-padded copy of just the rows they cover.
     """
-    b, h, _, d = q.shape
+    b, kvh, k_len, d = x.shape
+    B, L = plan.block, (plan.back + 1) * plan.block
+    lo = plan.key_start + t0 * B
+    hi = plan.key_start + (t1 + plan.back) * B
+    if lo < 0 or hi > k_len or x.stride(3) != 1 or (b > 1 and x.stride(0) != kvh * x.stride(1)):
+        x = torch.nn.functional.pad(x[:, :, max(0, lo):min(hi, k_len)], (0, 0, max(0, -lo), max(0, hi - k_len)))
+        lo = 0
+    s = x.stride()
+    return x.as_strided((t1 - t0, b * kvh, L, d), (B * s[2], s[1], s[2], s[3]), x.storage_offset() + lo * s[2])
+
+
+def _join(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
+
+
+def _forward_flash(op, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _Plan, scale: float
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output ``[b, h, q_len, d]`` and fp32 log-sum-exp ``[b, h, q_len]`` through the fused CPU flash op.
+
+    Blocks go to the op's batch dim and (batch, head) to its head dim, so one ``[1, 1, B, L]`` band
+    mask serves every block but the first ``t_neg`` (their spans start before position 0, they get a
+    call of their own) and GQA maps query head ``j`` to KV head ``j // group`` as the op expects.
+    """
+    b, h, n, d = q.shape
     kvh = k.shape[1]
-    group, B = h // kvh, plan.block
-    qb = _blocks(q, plan, kvh)
-    kbuf, vbuf = _local_buffer(k, plan), _local_buffer(v, plan)
-    kg, vg = k.index_select(2, plan.global_idx), v.index_select(2, plan.global_idx)
-    ob = torch.empty_like(qb)
-    for (t0, t1, cnt), bias in zip(plan.chunks, plan.chunk_bias):
-        cb = t1 - t0
-        keys = _chunk_keys(kbuf, kg, plan, t0, t1, cnt).permute(2, 0, 1, 3, 4).reshape(cb, b * kvh, -1, d)
-        vals = _chunk_keys(vbuf, vg, plan, t0, t1, cnt).permute(2, 0, 1, 3, 4).reshape(cb, b * kvh, -1, d)
-        qc = qb[:, :, t0:t1].permute(2, 0, 1, 3, 4).reshape(cb, b * kvh * group, B, d)
-        o = torch.nn.functional.scaled_dot_product_attention(
-            qc, keys, vals, attn_mask=bias.unsqueeze(1).to(q.dtype), scale=scale, enable_gqa=group > 1)
-        ob[:, :, t0:t1] = o.view(cb, b, kvh, group * B, d).permute(1, 2, 0, 3, 4)
-    return ob
+    B, T, L = plan.block, plan.blocks, (plan.back + 1) * plan.block
+    qp = torch.nn.functional.pad(q, (0, 0, 0, T * B - n)) if T * B != n else q
+    qb = qp.reshape(b * h, T, B, d).transpose(0, 1)  # [T, b*h, B, d]; a view for batch 1
+    t_neg = plan.early_bias.shape[0]
+    calls = [(0, t_neg, plan.early_bias.unsqueeze(1))] if t_neg else []
+    if t_neg < T:
+        calls.append((t_neg, T, plan.band_bias.view(1, 1, B, L)))
+    outs, lses = zip(*(op(qb[t0:t1], _flash_spans(k, plan, t0, t1), _flash_spans(v, plan, t0, t1),
+                          attn_mask=mask.to(q.dtype), scale=scale) for t0, t1, mask in calls))
+    # The op's output [T, b*h, B, d] lies in memory as [b*h, T, B, d] (like the queries), so joining
+    # along T after the transpose and the reshapes below are views or one plain copy.
+    out = _join([o.transpose(0, 1) for o in outs]).reshape(b, h, T * B, d)[:, :, :n]
+    lse = _join([x.transpose(0, 1) for x in lses]).reshape(b, h, T * B)[:, :, :n]
+    if plan.global_segments:
+        kg, vg = k.index_select(2, plan.global_idx), v.index_select(2, plan.global_idx)
+        for r0, r1, cnt, mask in plan.global_segments:
+            og, lg = op(q[:, :, r0:r1], kg[:, :, :cnt], vg[:, :, :cnt],
+                        attn_mask=None if mask is None else mask.to(q.dtype), scale=scale)
+            ll = lse[:, :, r0:r1]
+            # Softmax over local + global keys = the two partial results weighted by their mass.
+            out[:, :, r0:r1].lerp_(og, torch.sigmoid(lg - ll).unsqueeze(-1).to(out.dtype))
+            ll.copy_(torch.logaddexp(ll, lg))
+    return out, lse
 
 
 def _fold_local(buf: torch.Tensor, plan: _Plan, k_len: int) -> torch.Tensor:
@@ -305,20 +392,25 @@ def blocksparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spe
         spec: the pattern (``global_rows`` is ignored here, see ``attention.functional``).
         window: the local window to use (already resolved from the policy / override).
         scale: softmax scale, default ``head_dim ** -0.5``.
-        block: query block size (default: 128, or less for small windows).
+        block: query block size (default: ``INFERENCE_BLOCK`` for CPU inference, else ``DEFAULT_BLOCK``;
+            less for small windows).
     Returns:
         ``[batch, heads, q_len, head_dim]`` in the dtype of ``q``.
     """
     q_len, k_len, d = q.shape[2], k.shape[2], q.shape[3]
+    training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    flash = None if training or q.device.type != "cpu" else _flash_op()
     if block is None:
-        block = DEFAULT_BLOCK
+        block = DEFAULT_BLOCK if flash is None else INFERENCE_BLOCK
         while block > 16 and block > window:
             block //= 2
     rows = q.shape[0] * q.shape[1] * block
     plan = _plan(q_len, k_len - q_len, spec.sink_tokens, spec.global_every, spec.max_globals, window, block,
                  rows, q.device)
     scale = scale if scale is not None else 1.0 / math.sqrt(d)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    if training:
         return _BlockSparseAttention.apply(q, k, v, plan, scale)
-    ob, _ = _forward(q, k, v, plan, scale, need_lse=False)  # inference: no log-sum-exp, nothing saved
+    if flash is not None:
+        return _forward_flash(flash, q, k, v, plan, scale)[0]
+    ob, _ = _forward(q, k, v, plan, scale)
     return _unblocks(ob, plan, q.shape[1])

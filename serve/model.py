@@ -7,16 +7,13 @@ reading and writing :class:`serve.kv_cache.KVCache`. Two swap-in pieces do all t
 :meth:`DecoderModel.prefill` (one row, one chunk of the prompt) and :meth:`DecoderModel.decode_one_token`
 (one token for each row of a contiguous block of rows).
 
-Decode is bound by reading the weights once per step. Two things keep it close to that floor:
-
-* attention over the cache is two grouped matmuls (query heads folded onto their KV head, no repeat),
-  not SDPA, whose fused CPU kernel costs far more than the arithmetic for a single query;
-* on CPU, small decode batches read *fused, transposed* copies of the projections (q|k|v and
-  gate|up as one matrix each, stored ``[in, out]``): MKL's matrix-vector kernel streams that layout
-  markedly faster than the ``[out, in]`` one (SmolLM2-135M, 2 cores: the 49152×576 head in 5.4 vs
-  9.8 ms). Larger batches run the matrix-matrix kernel, which prefers the original layout, so both
-  are kept: ``gemv_rows=0`` turns the copies off and saves their memory (one more copy of the
-  projection and head weights).
+Decode is bound by reading the weights once per step. On CPU, small decode batches therefore read
+*fused, transposed* copies of the projections (q|k|v and gate|up as one matrix each, stored
+``[in, out]``): MKL's matrix-vector kernel streams that layout markedly faster than the ``[out, in]``
+one (SmolLM2-135M, 2 cores: the 49152×576 head in 5.4 vs 9.8 ms, all projections of the 30 layers in
+37 vs 46 ms). Larger batches run the matrix-matrix kernel, which prefers the original layout, so both
+are kept: ``gemv_rows=0`` turns the copies off and saves their memory (one more copy of the
+projection and head weights).
 """
 
 from __future__ import annotations
@@ -87,24 +84,6 @@ def _fuse(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
 def _mm(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ w_t (+ bias)`` for ``x`` ``[..., in]`` and a transposed weight ``[in, out]``."""
     return F.linear(x, w_t.t(), bias)
-
-
-def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
-                      scale: float) -> torch.Tensor:
-    """One query per row over cached keys, GQA by folding query heads onto their KV head.
-
-    Args:
-        q: ``[b, heads, 1, d]``; k, v: ``[b, kv_heads, slots, d]`` (strided cache views are fine);
-        bias: ``[b, 1, 1, slots]`` additive mask (0 visible, -inf hidden; every row sees its own key).
-    Returns:
-        ``[b, heads, 1, d]``.
-    """
-    b, h, _, d = q.shape
-    kv = k.shape[1]
-    qg = q.reshape(b, kv, h // kv, d)
-    scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(scale).add_(bias)  # [b, kv, g, slots]
-    out = torch.matmul(torch.softmax(scores, dim=-1), v)  # [b, kv, g, d]
-    return out.reshape(b, h, 1, d)
 
 
 class DecoderModel(nn.Module):
@@ -228,8 +207,7 @@ class DecoderModel(nn.Module):
         h = self.embed(tokens)[:, None]  # [b, 1, hidden]
         cos, sin = self.rotary(h, pos[:, None])
         ring_slot, pslot = cache.decode_slots(rows, pos)
-        visible = cache.visible(pos[:, None], rows, n_slots)  # [b, 1, 1, n_slots]
-        bias = torch.zeros(visible.shape, dtype=h.dtype, device=h.device).masked_fill_(~visible, float("-inf"))
+        mask = cache.visible(pos[:, None], rows, n_slots)  # [b, 1, 1, n_slots]
         gemv = self._gemv if b <= self.gemv_rows else None
         q_width, kv_width = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         for li, layer in enumerate(self.layers):
@@ -244,8 +222,9 @@ class DecoderModel(nn.Module):
             else:
                 q, k, v = self._qkv(attn, x, cos, sin)
             cache.write_decode(li, rows, ring_slot, pslot, k[:, :, 0], v[:, :, 0])
-            o = _decode_attention(q, cache.k[li, rows, :, :n_slots], cache.v[li, rows, :, :n_slots], bias,
-                                  attn.scaling)
+            o = F.scaled_dot_product_attention(q, cache.k[li, rows, :, :n_slots], cache.v[li, rows, :, :n_slots],
+                                               attn_mask=mask, scale=attn.scaling,
+                                               enable_gqa=self.n_kv != self.n_heads)
             if gemv is None:
                 h = self._finish_layer(layer, h, o)
                 continue
