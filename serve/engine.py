@@ -92,15 +92,15 @@ class Engine:
         prefill_chunk: prompt tokens per prefill forward (bounds activation memory for long prompts).
         compile: CUDA only: ``torch.compile`` the decode step (ignored on CPU).
         dense: force the dense cache even for a hybrid model (the full-attention baseline).
-        gemv_rows: decode steps of at most this many rows read fused, transposed weight copies (faster
-            matrix-vector products on CPU; one more copy of the weights in memory). Default 2 on CPU,
-            0 (off) elsewhere. See :mod:`serve.model`.
+        fast_weights: decode from fused copies of the projections in CPU-friendly layouts (faster
+            decode steps; two more copies of those weights in memory). Default: on for CPU, off
+            elsewhere. See :mod:`serve.model`.
     """
 
     def __init__(self, model_dir: str | Path | None = None, *, model=None, tokenizer=None,
                  device: str | torch.device | None = None, dtype: torch.dtype | None = None,
                  max_batch: int = 8, max_seq_len: int | None = None, prefill_chunk: int = 512,
-                 compile: bool = False, dense: bool = False, gemv_rows: int | None = None) -> None:
+                 compile: bool = False, dense: bool = False, fast_weights: bool | None = None) -> None:
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         if model is None:
@@ -112,7 +112,10 @@ class Engine:
             tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_dir)
         if tokenizer is None:
             raise ValueError("Engine(model=...) also needs tokenizer=")
-        self.model = DecoderModel(model.to(device=device, dtype=dtype), gemv_rows=gemv_rows)
+        self.model = DecoderModel(model.to(device=device, dtype=dtype), fast_weights=fast_weights)
+        if self.model.fast_weight_bytes():
+            logger.info("decode weight copies: %.2f GiB (Engine(fast_weights=False) skips them)",
+                        self.model.fast_weight_bytes() / 2**30)
         self.tokenizer = tokenizer
         self.device = device
         self.dense = dense or self.model.spec is None

@@ -7,13 +7,18 @@ reading and writing :class:`serve.kv_cache.KVCache`. Two swap-in pieces do all t
 :meth:`DecoderModel.prefill` (one row, one chunk of the prompt) and :meth:`DecoderModel.decode_one_token`
 (one token for each row of a contiguous block of rows).
 
-Decode is bound by reading the weights once per step. On CPU, small decode batches therefore read
-*fused, transposed* copies of the projections (q|k|v and gate|up as one matrix each, stored
-``[in, out]``): MKL's matrix-vector kernel streams that layout markedly faster than the ``[out, in]``
-one (SmolLM2-135M, 2 cores: the 49152×576 head in 5.4 vs 9.8 ms, all projections of the 30 layers in
-37 vs 46 ms). Larger batches run the matrix-matrix kernel, which prefers the original layout, so both
-are kept: ``gemv_rows=0`` turns the copies off and saves their memory (one more copy of the
-projection and head weights).
+Decode is bound by reading the weights once per step, and on CPU the layout of those weights decides
+how fast they stream. With ``fast_weights`` (the CPU default) each layer's projections are fused
+(q|k|v and gate|up become one matrix each, as do o and down alone) and kept in two decode layouts:
+
+* ``[in, out]`` (transposed) for single-row steps: MKL's matrix-vector kernel streams it markedly
+  faster than the ``[out, in]`` layout of ``nn.Linear`` (SmolLM2-135M, 2 cores: all projections of the
+  30 layers plus the head in 41 vs 58 ms);
+* oneDNN's own layout for batched steps, whose small-batch matrix-matrix kernel beats MKL's (the same
+  stack at 8 rows: 73 vs 93 ms).
+
+Prefill keeps the model's own weights. The copies cost two more copies of the projection and head
+weights; ``fast_weights=False`` decodes with the model's weights and holds nothing extra.
 """
 
 from __future__ import annotations
@@ -57,33 +62,44 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + rot * sin
 
 
-class _GemvWeights:
-    """Transposed, fused copies of one layer's projections for matrix-vector decode steps.
+class _Fused:
+    """Linears that share their input, fused into one, in the two decode layouts (module docstring).
 
-    ``qkv``: ``[hidden, (heads + 2 * kv_heads) * head_dim]``; ``gate_up``: ``[hidden, 2 * inter]``;
-    ``o``: ``[heads * head_dim, hidden]``; ``down``: ``[inter, hidden]``; biases fused alike (or None).
+    ``w_t``: ``[in, sum(out)]`` contiguous; ``w_packed``: the same ``[sum(out), in]`` weight as a oneDNN
+    tensor (None where oneDNN is unavailable); ``bias``: fused, or None when no part has one.
     """
+
+    def __init__(self, linears: list[nn.Linear]) -> None:
+        w = torch.cat([m.weight.detach() for m in linears], dim=0)  # [out, in]
+        self.bias: torch.Tensor | None = None
+        if any(m.bias is not None for m in linears):
+            self.bias = torch.cat([m.bias.detach() if m.bias is not None else w.new_zeros(m.out_features)
+                                   for m in linears])
+        self.w_t = w.t().contiguous()
+        packable = w.device.type == "cpu" and w.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+        self.w_packed = w.to_mkldnn() if packable else None
+        self.bias_packed = self.bias.to_mkldnn() if packable and self.bias is not None else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[rows, 1, in]`` -> ``[rows, 1, sum(out)]``."""
+        if x.shape[0] == 1 or self.w_packed is None:
+            return F.linear(x, self.w_t.t(), self.bias)
+        return torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), self.w_packed, self.bias_packed).to_dense()
+
+    def nbytes(self) -> int:
+        n = self.w_t.numel() + (self.w_packed.numel() if self.w_packed is not None else 0)
+        return n * self.w_t.element_size()
+
+
+class _LayerWeights:
+    """One decoder layer's fused projections."""
 
     def __init__(self, layer: nn.Module) -> None:
         attn, mlp = layer.self_attn, layer.mlp
-        self.qkv, self.qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.o, self.o_bias = _fuse([attn.o_proj])
-        self.gate_up, self.gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj])
-        self.down, self.down_bias = _fuse([mlp.down_proj])
-
-
-def _fuse(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``([in, sum(out)]`` contiguous weight, fused bias or None) of linears sharing their input."""
-    w = torch.cat([m.weight.detach() for m in linears], dim=0).t().contiguous()
-    if all(m.bias is None for m in linears):
-        return w, None
-    bias = [m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears]
-    return w, torch.cat(bias)
-
-
-def _mm(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ w_t (+ bias)`` for ``x`` ``[..., in]`` and a transposed weight ``[in, out]``."""
-    return F.linear(x, w_t.t(), bias)
+        self.qkv = _Fused([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.o = _Fused([attn.o_proj])
+        self.gate_up = _Fused([mlp.gate_proj, mlp.up_proj])
+        self.down = _Fused([mlp.down_proj])
 
 
 class DecoderModel(nn.Module):
@@ -91,11 +107,11 @@ class DecoderModel(nn.Module):
 
     Args:
         hf_model: the model; its modules are used in place (weights are not copied, except below).
-        gemv_rows: decode steps of at most this many rows use the fused transposed weight copies
-            (CPU only; 0 disables them and their memory). See the module docstring.
+        fast_weights: decode from fused copies of the projections in CPU-friendly layouts (default:
+            on for CPU, off elsewhere); they cost two more copies of those weights. Module docstring.
     """
 
-    def __init__(self, hf_model: nn.Module, *, gemv_rows: int | None = None) -> None:
+    def __init__(self, hf_model: nn.Module, *, fast_weights: bool | None = None) -> None:
         super().__init__()
         config = hf_model.config
         _check_supported(config)
@@ -111,14 +127,21 @@ class DecoderModel(nn.Module):
         self.norm = inner.norm
         self.rotary = inner.rotary_emb
         self.lm_head = hf_model.lm_head
-        on_cpu = self.lm_head.weight.device.type == "cpu"
-        self.gemv_rows = (2 if on_cpu else 0) if gemv_rows is None else gemv_rows
-        self._gemv: list[_GemvWeights] = []
-        self._head_t: torch.Tensor | None = None
-        if self.gemv_rows > 0:
+        if fast_weights is None:
+            fast_weights = self.lm_head.weight.device.type == "cpu"
+        self._fast: list[_LayerWeights] = []
+        self._fast_head: _Fused | None = None
+        if fast_weights:
             with torch.no_grad():
-                self._gemv = [_GemvWeights(layer) for layer in self.layers]
-                self._head_t, self._head_bias = _fuse([self.lm_head])
+                self._fast = [_LayerWeights(layer) for layer in self.layers]
+                self._fast_head = _Fused([self.lm_head])
+
+    def fast_weight_bytes(self) -> int:
+        """Memory held by the decode weight copies (0 with ``fast_weights=False``)."""
+        if self._fast_head is None:
+            return 0
+        parts = [self._fast_head] + [f for w in self._fast for f in (w.qkv, w.o, w.gate_up, w.down)]
+        return sum(f.nbytes() for f in parts)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -208,14 +231,13 @@ class DecoderModel(nn.Module):
         cos, sin = self.rotary(h, pos[:, None])
         ring_slot, pslot = cache.decode_slots(rows, pos)
         mask = cache.visible(pos[:, None], rows, n_slots)  # [b, 1, 1, n_slots]
-        gemv = self._gemv if b <= self.gemv_rows else None
         q_width, kv_width = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         for li, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
-            if gemv is not None:
-                w = gemv[li]
-                q, k, v = _mm(x, w.qkv, w.qkv_bias).split([q_width, kv_width, kv_width], dim=-1)
+            if self._fast:
+                w = self._fast[li]
+                q, k, v = w.qkv(x).split([q_width, kv_width, kv_width], dim=-1)
                 q = _rope(q.view(b, 1, self.n_heads, self.head_dim).transpose(1, 2), cos, sin)
                 k = _rope(k.view(b, 1, self.n_kv, self.head_dim).transpose(1, 2), cos, sin)
                 v = v.view(b, 1, self.n_kv, self.head_dim).transpose(1, 2)
@@ -225,13 +247,12 @@ class DecoderModel(nn.Module):
             o = F.scaled_dot_product_attention(q, cache.k[li, rows, :, :n_slots], cache.v[li, rows, :, :n_slots],
                                                attn_mask=mask, scale=attn.scaling,
                                                enable_gqa=self.n_kv != self.n_heads)
-            if gemv is None:
+            if not self._fast:
                 h = self._finish_layer(layer, h, o)
                 continue
-            h = h + _mm(o.transpose(1, 2).reshape(b, 1, -1), w.o, w.o_bias)
-            gate, up = _mm(layer.post_attention_layernorm(h), w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
-            h = h + _mm(layer.mlp.act_fn(gate) * up, w.down, w.down_bias)
-        h = self.norm(h[:, 0])
-        if gemv is not None:
-            return _mm(h, self._head_t, self._head_bias).float()
-        return self.lm_head(h).float()
+            h = h + w.o(o.transpose(1, 2).reshape(b, 1, -1))
+            gate, up = w.gate_up(layer.post_attention_layernorm(h)).chunk(2, dim=-1)
+            h = h + w.down(layer.mlp.act_fn(gate) * up)
+        h = self.norm(h)
+        head = self.lm_head if self._fast_head is None else self._fast_head
+        return head(h)[:, 0].float()

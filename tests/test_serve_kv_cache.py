@@ -46,45 +46,52 @@ def cached_logits(dm: DecoderModel, ids: torch.Tensor, prompt: int, chunk: int, 
     return torch.stack(out)
 
 
-# gemv_rows=0: every decode step uses the HF modules' own weights; 3: all steps (3 rows) read the fused,
-# transposed copies (qwen2 adds q/k/v biases to the fused path).
-@pytest.mark.parametrize("gemv_rows", [0, 3])
+# Decode weights: the HF modules' own (fast=False), or the fused copies, transposed for 1-row steps and
+# oneDNN-packed for 3-row steps (qwen2 adds q/k/v biases to the fused path).
+WEIGHTS = {"model": (False, 3), "fast 1 row": (True, 1), "fast 3 rows": (True, 3)}
+
+
+@pytest.mark.parametrize("weights", list(WEIGHTS))
 @pytest.mark.parametrize("name", list(SPECS))
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_bounded_cache_equals_full_recompute_with_hybrid_mask(arch, name, gemv_rows):
+def test_bounded_cache_equals_full_recompute_with_hybrid_mask(arch, name, weights):
     spec = SPECS[name]
+    fast, rows = WEIGHTS[weights]
     model = tiny_model(arch, seed=1)
     model.config.hybrid_attention = spec.to_dict()
-    dm = DecoderModel(model, gemv_rows=gemv_rows)
+    dm = DecoderModel(model, fast_weights=fast)
     ids = torch.randint(3, 320, (70,), generator=torch.Generator().manual_seed(0))
     ref = reference_logits(model, ids, spec)
     for prompt, chunk in [(13, 5), (30, 64), (1, 1)]:  # chunks shorter / longer than the window
-        got = cached_logits(dm, ids, prompt, chunk, dense=False)
+        got = cached_logits(dm, ids, prompt, chunk, dense=False, row=rows - 1, rows=rows)
         torch.testing.assert_close(got, ref[prompt - 1:-1], atol=1e-4, rtol=0)
     # The test can fail: the dense result is measurably different from the hybrid one.
     dense = reference_logits(model, ids, None)
     assert (dense[20:] - ref[20:]).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("gemv_rows", [0, 3])
-def test_dense_cache_equals_causal_forward(gemv_rows):
+@pytest.mark.parametrize("weights", list(WEIGHTS))
+def test_dense_cache_equals_causal_forward(weights):
+    fast, rows = WEIGHTS[weights]
     model = tiny_model("mistral", seed=2)
-    dm = DecoderModel(model, gemv_rows=gemv_rows)
+    dm = DecoderModel(model, fast_weights=fast)
     ids = torch.randint(3, 320, (50,), generator=torch.Generator().manual_seed(1))
-    got = cached_logits(dm, ids, 17, 6, dense=True)
+    got = cached_logits(dm, ids, 17, 6, dense=True, row=rows - 1, rows=rows)
     torch.testing.assert_close(got, reference_logits(model, ids, None)[16:-1], atol=1e-4, rtol=0)
 
 
-def test_gemv_copies_are_fused_transposed_weights_and_can_be_turned_off():
+def test_fast_weights_are_fused_copies_and_can_be_turned_off():
     model = tiny_model("qwen2", seed=3)
     attn = model.model.layers[0].self_attn
-    w = DecoderModel(model, gemv_rows=2)._gemv[0]
-    assert w.qkv.shape == (attn.q_proj.in_features, attn.q_proj.out_features + 2 * attn.k_proj.out_features)
-    torch.testing.assert_close(w.qkv[:, :attn.q_proj.out_features], attn.q_proj.weight.t(), rtol=0, atol=0)
-    torch.testing.assert_close(w.qkv_bias[-attn.v_proj.out_features:], attn.v_proj.bias, rtol=0, atol=0)
-    assert w.o_bias is None
-    off = DecoderModel(model, gemv_rows=0)
-    assert off._gemv == [] and off._head_t is None
+    dm = DecoderModel(model, fast_weights=True)
+    qkv = dm._fast[0].qkv
+    assert qkv.w_t.shape == (attn.q_proj.in_features, attn.q_proj.out_features + 2 * attn.k_proj.out_features)
+    torch.testing.assert_close(qkv.w_t[:, :attn.q_proj.out_features], attn.q_proj.weight.t(), rtol=0, atol=0)
+    torch.testing.assert_close(qkv.bias[-attn.v_proj.out_features:], attn.v_proj.bias, rtol=0, atol=0)
+    assert dm._fast[0].o.bias is None
+    assert dm.fast_weight_bytes() > 0
+    off = DecoderModel(model, fast_weights=False)
+    assert off._fast == [] and off.fast_weight_bytes() == 0
 
 
 def test_bounded_memory_is_constant_in_length():
