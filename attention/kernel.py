@@ -11,12 +11,12 @@ Queries are cut into blocks of ``B`` rows. Block ``t`` needs two key sets:
 Work is ``n * (|G| + (m + 1) * B)`` instead of ``n**2 / 2``.
 
 Inference on CPU makes a handful of calls to torch's fused CPU flash-attention op, which also returns
-the log-sum-exp: one call for every block's local span at once (blocks in the batch dim, the spans an
-overlapping view of the buffer, one ``[B, (m+1)*B]`` band mask for all), then the sink/global keys
-for the rows that see any, in row segments where the visible count is constant (no mask), merged
-into the output by log-sum-exp. Few calls matter: on a shared 2-core machine every parallel region
-can wait a whole scheduler slice for the second core. A small block (``INFERENCE_BLOCK``) wastes
-fewer masked span columns, and the flash op does not care about block size.
+the log-sum-exp (see ``_forward_flash``): the first ~window rows densely, every other block's local
+span in one call (blocks in the batch dim, the spans an overlapping view of the keys, one
+``[B, (m+1)*B]`` band mask for all), then the sink/global keys, merged by log-sum-exp. Few calls and
+few large temporaries matter: on a shared 2-core machine every parallel region can wait a scheduler
+slice for the second core, and fresh pages cost ~2 us each. A small block (``INFERENCE_BLOCK``) wastes
+fewer masked span columns; the flash op tiles queries itself.
 
 Training (and other devices) processes blocks a few at a time (each chunk's keys are the visible
 globals followed by the block's span, with a precomputed additive mask) so that score tiles stay in
@@ -41,10 +41,13 @@ from attention.spec import HybridAttentionConfig
 
 NEG_INF = float("-inf")
 DEFAULT_BLOCK = 128  # training / chunked path: big enough for efficient matmuls
-# Inference (flash) path: span (m+1)*B is 576 keys instead of 640 for window 512. 32 measured the
-# same as 64 (the flash op tiles queries by 32), 128 is ~5% slower at 4K.
-INFERENCE_BLOCK = 64
-# Global-key row segments shorter than this are merged into one masked flash call.
+# Inference (flash) path: the span (m+1)*B is 544 keys instead of 640 for window 512. Measured at 4K:
+# 32 beats 64 by ~4% and 128 by ~12%; 16 is slower again (the flash op tiles queries by 32).
+INFERENCE_BLOCK = 32
+# Global keys, flash path: one masked call when the [rows, G] mask has at most this many elements
+# (4K: 0.47M; fewest calls), else mask-free row segments (8K: 1.04M; the mask's memory traffic
+# costs ~3% at 8K, ~8% at 16K) with runs of pieces shorter than MIN_GLOBAL_ROWS merged.
+GLOBAL_MASK_ELEMENTS = 1 << 19
 MIN_GLOBAL_ROWS = 256
 # Score elements per chunk of blocks: large enough to amortise Python overhead, small enough for L2/L3.
 CHUNK_ELEMENTS = 1 << 21
@@ -72,24 +75,49 @@ class _Plan:
         return tuple(torch.cat([self.global_bias(t0, t1, cnt), self.local_bias(t0, t1)], -1).contiguous()
                      for t0, t1, cnt in self.chunks)
 
+    @property
+    def early_rows(self) -> int:
+        """Flash path: the first query rows, whose local span would start before position 0."""
+        return min(self.q_len, max(0, self.back * self.block - self.q_offset))
+
+    @functools.cached_property
+    def early_mask(self) -> torch.Tensor | None:
+        """``[R, q_offset + R]`` additive mask of the ``R`` early rows over all earlier keys (flash path).
+
+        ``None`` where it is plain causal attention: no offset and every row within the window.
+        """
+        R, n_keys = self.early_rows, self.q_offset + self.early_rows
+        if self.q_offset == 0 and R <= self.window:
+            return None
+        dev = self.global_idx.device
+        i = self.q_offset + torch.arange(R, device=dev).unsqueeze(1)
+        j = torch.arange(n_keys, device=dev)
+        is_global = torch.zeros(n_keys, dtype=torch.bool, device=dev)
+        is_global[self.global_idx[self.global_idx < n_keys]] = True
+        ok = (j <= i) & ((i - j < self.window) | is_global)
+        return torch.zeros(ok.shape, device=dev).masked_fill_(~ok, NEG_INF)
+
     @functools.cached_property
     def global_segments(self) -> tuple[tuple[int, int, int, torch.Tensor | None], ...]:
-        """``(r0, r1, count, mask)``: query rows ``[r0, r1)`` see global keys ``G[:count]`` (flash path).
+        """``(r0, r1, count, mask)``: rows ``[r0, r1)`` past the early ones see global keys ``G[:count]``.
 
-        Global ``g`` becomes visible at row ``g + window - q_offset``. Between such rows the count is
-        constant and a segment needs no mask; runs of short pieces (the sink ramp, dense globals)
-        are merged into one call with a ``[r1 - r0, count]`` additive mask.
+        Flash path. Global ``g`` becomes visible at row ``g + window - q_offset``. Between such rows
+        the count is constant and a segment needs no mask; runs of short pieces (the sink ramp,
+        dense globals), or all pieces when the mask is small, are merged into one call with a
+        ``[r1 - r0, count]`` additive mask.
         """
         g = self.global_idx.tolist()
-        starts = [max(0, p + self.window - self.q_offset) for p in g]
+        starts = [max(self.early_rows, p + self.window - self.q_offset) for p in g]
         bounds = sorted({s for s in starts if s < self.q_len}) + [self.q_len]
         pieces = list(zip(bounds[:-1], bounds[1:]))
+        one_call = pieces and (self.q_len - pieces[0][0]) * len(g) <= GLOBAL_MASK_ELEMENTS
+        min_rows = self.q_len + 1 if one_call else MIN_GLOBAL_ROWS
         segs = []
         i = 0
         while i < len(pieces):
             j = i + 1
-            if pieces[i][1] - pieces[i][0] < MIN_GLOBAL_ROWS:
-                while j < len(pieces) and pieces[j][1] - pieces[j][0] < MIN_GLOBAL_ROWS:
+            if pieces[i][1] - pieces[i][0] < min_rows:
+                while j < len(pieces) and pieces[j][1] - pieces[j][0] < min_rows:
                     j += 1
             r0, r1 = pieces[i][0], pieces[j - 1][1]
             count = bisect.bisect_right(starts, r1 - 1)
@@ -308,67 +336,71 @@ def _flash_op():
     op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
     if op is None:
         return None
-    try:  # fewer KV than query heads reached the CPU op in torch 2.9
+    try:  # fewer KV than query heads reached the CPU op in torch 2.9; a private op may also change
         op(torch.zeros(1, 2, 1, 8), torch.zeros(1, 1, 1, 8), torch.zeros(1, 1, 1, 8))
-    except RuntimeError:
+    except (RuntimeError, TypeError):
         return None
     return op
 
 
-def _flash_spans(x: torch.Tensor, plan: _Plan, t0: int, t1: int) -> torch.Tensor:
-    """``[t1 - t0, b * kvh, L, d]`` overlapping view of the local spans of blocks ``t0..t1`` of ``x``.
+def _span_view(x: torch.Tensor, lo: int, count: int, block: int, span: int) -> torch.Tensor:
+    """``[count, b * kvh, span, d]`` overlapping view: span ``t`` is rows ``lo + t*block ..`` of ``x``.
 
-    A view straight into the keys where the spans lie inside them and batch and heads merge;
-    otherwise into a zero-padded copy of just the rows they cover.
+    Batch and KV heads merge into one dim (the flash op's heads). A view straight into ``x`` where
+    they can and the spans end inside it; otherwise into a zero-padded copy of the rows they cover
+    (a ragged last block reads past the last key, and only padded query rows see those zeros).
     """
     b, kvh, k_len, d = x.shape
-    B, L = plan.block, (plan.back + 1) * plan.block
-    lo = plan.key_start + t0 * B
-    hi = plan.key_start + (t1 + plan.back) * B
-    if lo < 0 or hi > k_len or x.stride(3) != 1 or (b > 1 and x.stride(0) != kvh * x.stride(1)):
-        x = torch.nn.functional.pad(x[:, :, max(0, lo):min(hi, k_len)], (0, 0, max(0, -lo), max(0, hi - k_len)))
+    hi = lo + (count - 1) * block + span
+    if hi > k_len or x.stride(3) != 1 or (b > 1 and x.stride(0) != kvh * x.stride(1)):
+        # pad keeps a permuted layout (transformers' [b, n, kvh, d] view): make it [b, kvh, n, d].
+        x = torch.nn.functional.pad(x[:, :, lo:min(hi, k_len)], (0, 0, 0, max(0, hi - k_len))).contiguous()
         lo = 0
     s = x.stride()
-    return x.as_strided((t1 - t0, b * kvh, L, d), (B * s[2], s[1], s[2], s[3]), x.storage_offset() + lo * s[2])
+    return x.as_strided((count, b * kvh, span, d), (block * s[2], s[1], s[2], s[3]), x.storage_offset() + lo * s[2])
 
 
-def _join(parts: list[torch.Tensor]) -> torch.Tensor:
-    return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
+def _forward_flash(op, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _Plan, scale: float) -> torch.Tensor:
+    """Inference output ``[b, h, q_len, d]`` through the fused CPU flash op, in few calls.
 
-
-def _forward_flash(op, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _Plan, scale: float
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Output ``[b, h, q_len, d]`` and fp32 log-sum-exp ``[b, h, q_len]`` through the fused CPU flash op.
-
-    Blocks go to the op's batch dim and (batch, head) to its head dim, so one ``[1, 1, B, L]`` band
-    mask serves every block but the first ``t_neg`` (their spans start before position 0, they get a
-    call of their own) and GQA maps query head ``j`` to KV head ``j // group`` as the op expects.
+    * The ``R`` early rows (their span would start before position 0) in one call over all earlier
+      keys: plain causal for a prefill, else with ``plan.early_mask``.
+    * The other rows in blocks of ``B``: blocks go to the op's batch dim and (batch, head) to its
+      head dim, so one ``[1, 1, B, L]`` band mask serves all blocks, the key spans are a view into
+      the keys, and GQA maps query head ``j`` to KV head ``j // group`` as the op expects.
+    * The sink/global keys outside the window, per ``plan.global_segments``, merged by log-sum-exp.
     """
+    q, k, v = (x if x.stride(3) == 1 else x.contiguous() for x in (q, k, v))  # the op reads rows whole
     b, h, n, d = q.shape
-    kvh = k.shape[1]
-    B, T, L = plan.block, plan.blocks, (plan.back + 1) * plan.block
-    qp = torch.nn.functional.pad(q, (0, 0, 0, T * B - n)) if T * B != n else q
-    qb = qp.reshape(b * h, T, B, d).transpose(0, 1)  # [T, b*h, B, d]; a view for batch 1
-    t_neg = plan.early_bias.shape[0]
-    calls = [(0, t_neg, plan.early_bias.unsqueeze(1))] if t_neg else []
-    if t_neg < T:
-        calls.append((t_neg, T, plan.band_bias.view(1, 1, B, L)))
-    outs, lses = zip(*(op(qb[t0:t1], _flash_spans(k, plan, t0, t1), _flash_spans(v, plan, t0, t1),
-                          attn_mask=mask.to(q.dtype), scale=scale) for t0, t1, mask in calls))
-    # The op's output [T, b*h, B, d] lies in memory as [b*h, T, B, d] (like the queries), so joining
-    # along T after the transpose and the reshapes below are views or one plain copy.
-    out = _join([o.transpose(0, 1) for o in outs]).reshape(b, h, T * B, d)[:, :, :n]
-    lse = _join([x.transpose(0, 1) for x in lses]).reshape(b, h, T * B)[:, :, :n]
+    B, L, R = plan.block, (plan.back + 1) * plan.block, plan.early_rows
+    parts = []
+    if R:
+        n_keys, mask = plan.q_offset + R, plan.early_mask
+        o, _ = op(q[:, :, :R], k[:, :, :n_keys], v[:, :, :n_keys], is_causal=mask is None,
+                  attn_mask=None if mask is None else mask.to(q.dtype), scale=scale)
+        parts.append(o.reshape(b * h, R, d))
+    if R < n:
+        T = -(-(n - R) // B)
+        qm = q[:, :, R:]
+        if T * B != n - R:
+            qm = torch.nn.functional.pad(qm, (0, 0, 0, T * B - (n - R)))
+        qb = qm.reshape(b * h, T, B, d).transpose(0, 1)  # [T, b*h, B, d]; a view for batch 1
+        lo = plan.q_offset + R - plan.back * B  # key position where the first block's span starts (>= 0)
+        o, lse = op(qb, _span_view(k, lo, T, B, L), _span_view(v, lo, T, B, L),
+                    attn_mask=plan.band_bias.view(1, 1, B, L).to(q.dtype), scale=scale)
+        # The op's output [T, b*h, B, d] lies in memory as [b*h, T, B, d] (like the queries): views.
+        parts.append(o.transpose(0, 1).reshape(b * h, T * B, d)[:, : n - R])
+        lse = lse.transpose(0, 1).reshape(b, h, T * B)
+    out = (parts[0] if len(parts) == 1 else torch.cat(parts, 1)).view(b, h, n, d)
     if plan.global_segments:
         kg, vg = k.index_select(2, plan.global_idx), v.index_select(2, plan.global_idx)
         for r0, r1, cnt, mask in plan.global_segments:
             og, lg = op(q[:, :, r0:r1], kg[:, :, :cnt], vg[:, :, :cnt],
                         attn_mask=None if mask is None else mask.to(q.dtype), scale=scale)
-            ll = lse[:, :, r0:r1]
             # Softmax over local + global keys = the two partial results weighted by their mass.
-            out[:, :, r0:r1].lerp_(og, torch.sigmoid(lg - ll).unsqueeze(-1).to(out.dtype))
-            ll.copy_(torch.logaddexp(ll, lg))
-    return out, lse
+            weight = torch.sigmoid(lg - lse[:, :, r0 - R:r1 - R]).unsqueeze(-1)
+            out[:, :, r0:r1].lerp_(og, weight.to(out.dtype))
+    return out
 
 
 def _fold_local(buf: torch.Tensor, plan: _Plan, k_len: int) -> torch.Tensor:
@@ -411,6 +443,6 @@ def blocksparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spe
     if training:
         return _BlockSparseAttention.apply(q, k, v, plan, scale)
     if flash is not None:
-        return _forward_flash(flash, q, k, v, plan, scale)[0]
+        return _forward_flash(flash, q, k, v, plan, scale)
     ob, _ = _forward(q, k, v, plan, scale)
     return _unblocks(ob, plan, q.shape[1])

@@ -111,12 +111,12 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats per measurement (best kept)")
     p.add_argument("--masked-max", type=int, default=8192, help="largest n for masked SDPA ([n, n] mask)")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
-    p.add_argument("--block", type=int, help="kernel query block size (default: the kernel's)")
+    p.add_argument("--block", type=int, help="kernel query block size, both paths (default: the kernel's)")
     p.add_argument("--quick", action="store_true", help="2K and 4K op only, no model")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     if a.block:
-        kernel_mod.DEFAULT_BLOCK = a.block
+        kernel_mod.DEFAULT_BLOCK = kernel_mod.INFERENCE_BLOCK = a.block
     sizes = [2048, 4096] if a.quick else [int(s) for s in a.sizes.split(",") if s]
     prefill = [] if a.quick else [int(s) for s in a.prefill.split(",") if s]
 

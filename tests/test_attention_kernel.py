@@ -227,3 +227,55 @@ def test_work_per_query_does_not_grow_with_length():
         plan = kernel_mod._plan(n, 0, 128, 1024, None, 512, 128, 9 * 128, torch.device("cpu"))
         cols[n] = plan.global_idx.numel() + plan.band_bias.shape[1]
     assert cols[4096] == 128 + 3 + 640 and cols[16384] == 128 + 15 + 640
+
+
+@pytest.mark.skipif(kernel_mod._flash_op() is None, reason="torch lacks the CPU flash op with GQA (torch < 2.9)")
+@pytest.mark.parametrize("window", [24, 32])  # block 16 / 32: early rows masked (m*B > window) / plain causal
+@pytest.mark.parametrize("one_call", [True, False])
+def test_inference_flash_path_offsets_ragged_and_global_segments(monkeypatch, window, one_call):
+    # Shrink the thresholds so that short sequences take both global-key layouts: one masked call, and
+    # mask-free row segments with the sink ramp merged into a masked one.
+    monkeypatch.setattr(kernel_mod, "GLOBAL_MASK_ELEMENTS", 1 << 30 if one_call else 0)
+    monkeypatch.setattr(kernel_mod, "MIN_GLOBAL_ROWS", 16)
+    kernel_mod._plan.cache_clear()
+    spec = HybridAttentionConfig(sink_tokens=20, window=window, global_every=40)
+    block, k_len = (16 if window == 24 else 32), 203
+    seen = set()
+    try:
+        for q_len in (203, 190, 160, 17):  # offset 0 / inside the early rows / past them; ragged blocks
+            q, k, v = (t.detach() for t in qkv(2, 6, 2, q_len, k_len, seed=q_len))
+            with torch.no_grad():
+                out = kernel_mod.blocksparse_attention(q, k, v, spec, window, block=block)
+            assert (out.double() - naive(q, k, v, query_key_mask(q_len, k_len, spec))).abs().max().item() < 1e-5
+            plan = kernel_mod._plan(q_len, k_len - q_len, 20, 40, None, window, block, 6 * 2 * block, q.device)
+            segments = plan.global_segments
+            seen.add("one call" if len(segments) == 1 else "segments")
+            if len(segments) > 1:
+                seen.update("masked" if mask is not None else "mask-free" for *_, mask in segments)
+            if plan.early_rows:
+                seen.add("causal early" if plan.early_mask is None else "masked early")
+    finally:
+        kernel_mod._plan.cache_clear()
+    want = {"one call"} if one_call else {"one call", "segments", "masked", "mask-free"}
+    assert seen == want | {"masked early"} | ({"causal early"} if window == 32 else set())
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("q_len", [208, 160, 150])  # blocks of 16 aligned with / without offset, ragged
+def test_inference_with_transformers_layout(batch, q_len):
+    # Models hand over q/k/v as [b, seq, heads, d] transposed: batch and heads do not merge for b > 1.
+    spec = HybridAttentionConfig(sink_tokens=4, window=16, global_every=32)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(batch, n, h, 16, generator=g).transpose(1, 2) for n, h in ((q_len, 4), (208, 2), (208, 2)))
+    with torch.no_grad():
+        out = hybrid_attention(q, k, v, spec, backend="blocksparse")
+    assert (out.double() - naive(q, k, v, query_key_mask(q_len, 208, spec))).abs().max().item() < 1e-5
+
+
+def test_inference_without_the_flash_op_takes_the_chunked_path(monkeypatch):
+    monkeypatch.setattr(kernel_mod, "_flash_op", lambda: None)
+    spec = HybridAttentionConfig(sink_tokens=4, window=8, global_every=16)
+    q, k, v = (t.detach() for t in qkv(2, 6, 2, 131, 131))
+    with torch.no_grad():
+        out = hybrid_attention(q, k, v, spec, backend="blocksparse")
+    assert (out.double() - naive(q, k, v, hybrid_mask(131, spec))).abs().max().item() < 1e-5
