@@ -28,12 +28,13 @@ def make_accelerator(cfg: Any, project_dir: Path) -> Accelerator:
     mixed = cfg.mixed_precision
     if mixed == "auto":
         mixed = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
-    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1 or os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true"
+    launched_apart = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    distributed = launched_apart or os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true"
     handlers = [InitProcessGroupKwargs(backend="gloo")] if distributed and not torch.cuda.is_available() else []
     log_with = None if cfg.tracker == "none" else cfg.tracker
     accelerator = Accelerator(gradient_accumulation_steps=cfg.grad_accum, mixed_precision=mixed, log_with=log_with,
                               project_dir=str(project_dir), kwargs_handlers=handlers)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and accelerator.num_processes == 1:
+    if launched_apart and accelerator.num_processes == 1:
         raise ConfigError("several processes were launched but accelerate runs them apart; on CPU add "
                           "ACCELERATE_USE_CPU=true (see launch/README.md)")
     return accelerator

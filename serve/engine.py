@@ -113,9 +113,9 @@ class Engine:
         if tokenizer is None:
             raise ValueError("Engine(model=...) also needs tokenizer=")
         self.model = DecoderModel(model.to(device=device, dtype=dtype), fast_weights=fast_weights)
-        if self.model.fast_weight_bytes():
-            logger.info("decode weight copies: %.2f GiB (Engine(fast_weights=False) skips them)",
-                        self.model.fast_weight_bytes() / 2**30)
+        extra = self.model.fast_weight_bytes()
+        if extra:
+            logger.info("decode weight copies: %.2f GiB (Engine(fast_weights=False) skips them)", extra / 2**30)
         self.tokenizer = tokenizer
         self.device = device
         self.dense = dense or self.model.spec is None

@@ -169,6 +169,21 @@ class DecoderModel(nn.Module):
         h = h + layer.self_attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
+    def _qkv_fast(self, w: _LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """:meth:`_qkv` for decode (``x`` ``[b, 1, hidden]``) through the fused q|k|v copy."""
+        b = x.shape[0]
+        q_width, kv_width = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        q, k, v = w.qkv(x).split([q_width, kv_width, kv_width], dim=-1)
+        q = q.view(b, 1, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, 1, self.n_kv, self.head_dim).transpose(1, 2)
+        return _rope(q, cos, sin), _rope(k, cos, sin), v.view(b, 1, self.n_kv, self.head_dim).transpose(1, 2)
+
+    def _finish_layer_fast(self, w: _LayerWeights, layer: nn.Module, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """:meth:`_finish_layer` for decode through the fused o, gate|up and down copies."""
+        h = h + w.o(o.transpose(1, 2).reshape(h.shape[0], 1, -1))
+        gate, up = w.gate_up(layer.post_attention_layernorm(h)).chunk(2, dim=-1)
+        return h + w.down(layer.mlp.act_fn(gate) * up)
+
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(h)).float()
 
@@ -231,28 +246,16 @@ class DecoderModel(nn.Module):
         cos, sin = self.rotary(h, pos[:, None])
         ring_slot, pslot = cache.decode_slots(rows, pos)
         mask = cache.visible(pos[:, None], rows, n_slots)  # [b, 1, 1, n_slots]
-        q_width, kv_width = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         for li, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
-            if self._fast:
-                w = self._fast[li]
-                q, k, v = w.qkv(x).split([q_width, kv_width, kv_width], dim=-1)
-                q = _rope(q.view(b, 1, self.n_heads, self.head_dim).transpose(1, 2), cos, sin)
-                k = _rope(k.view(b, 1, self.n_kv, self.head_dim).transpose(1, 2), cos, sin)
-                v = v.view(b, 1, self.n_kv, self.head_dim).transpose(1, 2)
-            else:
-                q, k, v = self._qkv(attn, x, cos, sin)
+            fast = self._fast[li] if self._fast else None
+            q, k, v = self._qkv(attn, x, cos, sin) if fast is None else self._qkv_fast(fast, x, cos, sin)
             cache.write_decode(li, rows, ring_slot, pslot, k[:, :, 0], v[:, :, 0])
             o = F.scaled_dot_product_attention(q, cache.k[li, rows, :, :n_slots], cache.v[li, rows, :, :n_slots],
                                                attn_mask=mask, scale=attn.scaling,
                                                enable_gqa=self.n_kv != self.n_heads)
-            if not self._fast:
-                h = self._finish_layer(layer, h, o)
-                continue
-            h = h + w.o(o.transpose(1, 2).reshape(b, 1, -1))
-            gate, up = w.gate_up(layer.post_attention_layernorm(h)).chunk(2, dim=-1)
-            h = h + w.down(layer.mlp.act_fn(gate) * up)
+            h = self._finish_layer(layer, h, o) if fast is None else self._finish_layer_fast(fast, layer, h, o)
         h = self.norm(h)
         head = self.lm_head if self._fast_head is None else self._fast_head
         return head(h)[:, 0].float()
