@@ -93,7 +93,7 @@ class Engine:
         compile: CUDA only: ``torch.compile`` the decode step (ignored on CPU).
         dense: force the dense cache even for a hybrid model (the full-attention baseline).
         fast_weights: decode from fused copies of the projections in CPU-friendly layouts (faster
-            decode steps; two more copies of those weights in memory). Default: on for CPU, off
+            decode steps; one more copy of those weights in memory). Default: on for CPU, off
             elsewhere. See :mod:`serve.model`.
     """
 

@@ -46,8 +46,8 @@ def cached_logits(dm: DecoderModel, ids: torch.Tensor, prompt: int, chunk: int, 
     return torch.stack(out)
 
 
-# Decode weights: the HF modules' own (fast=False), or the fused copies, transposed for 1-row steps and
-# oneDNN-packed for 3-row steps (qwen2 adds q/k/v biases to the fused path).
+# Decode weights: the HF modules' own (fast=False), or the fused oneDNN-packed copies, stepping 1 row and
+# 3 rows (qwen2 adds q/k/v biases to the fused path).
 WEIGHTS = {"model": (False, 3), "fast 1 row": (True, 1), "fast 3 rows": (True, 3)}
 
 
@@ -80,13 +80,24 @@ def test_dense_cache_equals_causal_forward(weights):
     torch.testing.assert_close(got, reference_logits(model, ids, None)[16:-1], atol=1e-4, rtol=0)
 
 
-def test_fast_weights_are_fused_copies_and_can_be_turned_off():
+@pytest.mark.parametrize("onednn", [True, False], ids=["onednn", "plain"])
+def test_fast_weights_are_fused_copies_and_can_be_turned_off(monkeypatch, onednn):
+    import serve.model
+
+    if onednn and not serve.model._onednn_linear_available():
+        pytest.skip("this torch build has no oneDNN linear")
+    monkeypatch.setattr(serve.model, "_ONEDNN", onednn)
     model = tiny_model("qwen2", seed=3)
     attn = model.model.layers[0].self_attn
     dm = DecoderModel(model, fast_weights=True)
     qkv = dm._fast[0].qkv
-    assert qkv.w_t.shape == (attn.q_proj.in_features, attn.q_proj.out_features + 2 * attn.k_proj.out_features)
-    torch.testing.assert_close(qkv.w_t[:, :attn.q_proj.out_features], attn.q_proj.weight.t(), rtol=0, atol=0)
+    assert qkv.packed is onednn
+    assert qkv.out_features == attn.q_proj.out_features + 2 * attn.k_proj.out_features
+    x = torch.randn(3, 1, attn.q_proj.in_features)
+    with torch.inference_mode():
+        want = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
+        torch.testing.assert_close(qkv(x), want, rtol=0, atol=1e-5)
+        torch.testing.assert_close(qkv(x[:1]), want[:1], rtol=0, atol=1e-5)
     torch.testing.assert_close(qkv.bias[-attn.v_proj.out_features:], attn.v_proj.bias, rtol=0, atol=0)
     assert dm._fast[0].o.bias is None
     assert dm.fast_weight_bytes() > 0
