@@ -3,9 +3,15 @@
     python bench/retrofit_quality.py --model runs/retrofit-smollm2/final
     python bench/retrofit_quality.py --base smollm2-135m-instruct --sink 128 --window 512 --global-every 1024
 
-Held-out text: the built-in corpus's held-out docstrings (files never trained on), joined with EOS
-and packed into sequences of the longest length (8K by default). Every shorter length scores the
-same tokens, cut into shorter blocks, so the columns differ only in context length and attention.
+Held-out text (``--text``), cut into sequences of the longest length (8K by default); every shorter
+length scores the same tokens in shorter blocks, so the columns differ only in context length and
+attention:
+
+* ``docstrings`` (default): the built-in corpus's held-out docstrings (files never trained on),
+  joined with EOS and packed;
+* ``topics``: long single documents, the pages of the Python language reference that ship with the
+  interpreter (``pydoc_data.topics``; not docstrings, so never trained on). Each page is cut on its
+  own, no sequence crosses two pages; pages shorter than the longest length are skipped.
 
 * dense: the base model (``--base``), untouched;
 * hybrid before: the base model retrofitted with the spec of ``--model`` (or ``--sink/--window/
@@ -29,11 +35,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 
-def heldout_sequences(tokenizer, length: int, max_sequences: int | None) -> torch.Tensor:
-    """``[n, length]`` tokens of the held-out docstrings, joined with EOS."""
-    from distill.data import pack, stdlib_docs
+def heldout_sequences(tokenizer, length: int, max_sequences: int | None, text: str = "docstrings") -> torch.Tensor:
+    """``[n, length]`` tokens of the held-out text (module docstring)."""
+    if text == "topics":
+        from pydoc_data.topics import topics
 
-    seqs = pack(stdlib_docs("eval"), tokenizer, length)
+        blocks = []
+        for page in topics.values():
+            ids = tokenizer(page)["input_ids"]
+            n = len(ids) // length * length
+            if n:
+                blocks.append(torch.tensor(ids[:n]).view(-1, length))
+        seqs = torch.cat(blocks) if blocks else torch.empty(0, length, dtype=torch.long)
+    else:
+        from distill.data import pack, stdlib_docs
+
+        seqs = pack(stdlib_docs("eval"), tokenizer, length)
     return seqs[:max_sequences] if max_sequences else seqs
 
 
@@ -52,6 +69,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--model", help="retrofitted HF dir (recipes/retrofit.py's final/); omit to skip 'after'")
     p.add_argument("--base", default="smollm2-135m-instruct", help="the dense model the retrofit started from")
     p.add_argument("--lengths", default="2048,4096,8192", help="comma-separated context lengths")
+    p.add_argument("--text", choices=("docstrings", "topics"), default="docstrings",
+                   help="held-out text: packed docstrings, or long single pages of the language reference")
     p.add_argument("--max-sequences", type=int, default=None, help="score at most N sequences of the longest length")
     p.add_argument("--sink", type=int, default=128, help="spec without --model: sink tokens")
     p.add_argument("--window", type=int, default=512, help="spec without --model: window")
@@ -79,7 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
     # Reused numbers were scored on sequences of their longest length: pack the same ones.
     pack_len = max(lengths + ([int(n) for n in prev["perplexity"]] if prev else []))
     tokenizer = load_tokenizer(args.base)
-    tokens = heldout_sequences(tokenizer, pack_len, args.max_sequences)
+    tokens = heldout_sequences(tokenizer, pack_len, args.max_sequences, args.text)
     if tokens.shape[0] == 0:
         raise SystemExit(f"error: the held-out text is shorter than {pack_len} tokens; lower --lengths")
     if any(pack_len % n for n in lengths):
@@ -89,7 +108,8 @@ def main(argv: list[str] | None = None) -> dict:
     seconds: dict[str, float] = {}
     runs = [("dense", False), ("hybrid_before", True)]
     if prev is not None:
-        if (prev["base"], prev["spec"], prev["tokens_per_length"]) != (args.base, spec.to_dict(), tokens.numel()) \
+        if (prev["base"], prev["spec"], prev["tokens_per_length"], prev.get("text", "docstrings")) \
+                != (args.base, spec.to_dict(), tokens.numel(), args.text) \
                 or not set(map(str, lengths)) <= set(prev["perplexity"]):
             raise SystemExit(f"error: {args.reuse} was measured with another base, spec, lengths or tokens; "
                              "rerun without --reuse")
@@ -122,7 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
             if name in row:
                 row[f"gap_{name.split('_')[1]}"] = row[name] / row["dense"] - 1
 
-    print(f"held-out perplexity, {tokens.numel():,} tokens per length ({tokens.shape[0]} x {pack_len}); "
+    print(f"held-out perplexity ({args.text}), {tokens.numel():,} tokens per length ({tokens.shape[0]} x {pack_len}); "
           f"spec: sink {spec.sink_tokens}, window {spec.window}, global_every {spec.global_every}")
     print(f"{'length':>7} {'dense':>9} {'hybrid before':>14} {'gap':>7} {'hybrid after':>13} {'gap':>7}")
     for n, row in rows.items():
@@ -133,6 +153,7 @@ def main(argv: list[str] | None = None) -> dict:
     gap = rows[target_len].get("gap_after", rows[target_len]["gap_before"])
     result = {
         "bench": "retrofit_quality", "model": args.model, "base": args.base, "spec": spec.to_dict(),
+        "text": args.text,
         "tokens_per_length": tokens.numel(), "perplexity": {str(n): r for n, r in rows.items()},
         "target": {"length": target_len, "max_gap": args.target, "gap": gap, "met": gap <= args.target,
                    "measured_on": "hybrid_after" if args.model else "hybrid_before"},
