@@ -331,7 +331,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _Plan, sca
 
 
 @functools.cache
-def _flash_op():
+def cpu_flash_op():
     """torch's fused CPU flash-attention op (it returns the log-sum-exp), or None where missing or without GQA."""
     op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
     if op is None:
@@ -431,7 +431,7 @@ def blocksparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spe
     """
     q_len, k_len, d = q.shape[2], k.shape[2], q.shape[3]
     training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    flash = None if training or q.device.type != "cpu" else _flash_op()
+    flash = None if training or q.device.type != "cpu" else cpu_flash_op()
     if block is None:
         block = DEFAULT_BLOCK if flash is None else INFERENCE_BLOCK
         while block > 16 and block > window:

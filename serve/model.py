@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attention.kernel import cpu_flash_op
 from attention.masks import allowed
 from attention.spec import CONFIG_KEY, HybridAttentionConfig
 from serve.kv_cache import KVCache
@@ -206,6 +207,28 @@ class DecoderModel(nn.Module):
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(h)).float()
 
+    @staticmethod
+    def _dense_chunk_attention(flash, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, old_k: torch.Tensor,
+                               old_v: torch.Tensor, scale: float) -> torch.Tensor:
+        """Causal attention of a prefill chunk over the keys before it plus its own, for a dense cache.
+
+        A boolean mask over all those keys would keep the fused CPU kernel from skipping the masked
+        half of the chunk's own keys (an 8K prompt in 512-token chunks: a quarter slower than one
+        causal call). Instead: one causal call over the chunk's keys and, when keys came before, one
+        unmasked call over those, merged by log-sum-exp.
+
+        Args:
+            q: ``[1, heads, t, d]``; k, v: ``[1, kv_heads, t, d]``; old_k, old_v: ``[1, kv_heads, n_old, d]``.
+        Returns:
+            ``[1, heads, t, d]``.
+        """
+        o, lse = flash(q, k, v, is_causal=True, scale=scale)
+        if old_k.shape[2]:
+            o_old, lse_old = flash(q, old_k, old_v, scale=scale)
+            # softmax over both key sets = the partial results weighted by their share of the mass
+            o = o.lerp(o_old, torch.sigmoid(lse_old - lse).unsqueeze(-1).to(o.dtype))
+        return o
+
     @torch.inference_mode()
     def prefill(self, cache: KVCache, row: int, ids: torch.Tensor, start: int) -> torch.Tensor:
         """Run one chunk of one row's prompt through the model and store its keys/values.
@@ -222,27 +245,27 @@ class DecoderModel(nn.Module):
         cos, sin = self.rotary(h, pos[None])
         # Keys already cached (positions < start), then the chunk itself under the hybrid/causal rule.
         n_old = cache.used_slots(start - 1) if start > 0 else 0
-        w = int(cache.window[row])
-        i, j = pos[:, None], pos[None, :]
-        chunk_mask = j <= i
-        if cache.bounded:
-            chunk_mask = allowed(pos, pos, cache.spec, w)
-        mask = chunk_mask
-        if n_old:
-            old = cache.visible(pos[None], slice(row, row + 1), n_old)[0, 0]  # [t, n_old]
-            mask = torch.cat([old, chunk_mask], dim=-1)
-        mask = mask[None, None]
+        flash = cpu_flash_op() if not cache.bounded and h.device.type == "cpu" else None
+        mask = None
+        if flash is None:
+            i, j = pos[:, None], pos[None, :]
+            mask = allowed(pos, pos, cache.spec, int(cache.window[row])) if cache.bounded else j <= i
+            if n_old:
+                old = cache.visible(pos[None], slice(row, row + 1), n_old)[0, 0]  # [t, n_old]
+                mask = torch.cat([old, mask], dim=-1)
+            mask = mask[None, None]
         idx, slot = cache.prefill_slots(row, pos)
         for li, layer in enumerate(self.layers):
             x = layer.input_layernorm(h)
             q, k, v = self._qkv(layer.self_attn, x, cos, sin)
-            if n_old:
-                kk = torch.cat([cache.k[li, row, :, :n_old][None], k], dim=2)
-                vv = torch.cat([cache.v[li, row, :, :n_old][None], v], dim=2)
+            scale = layer.self_attn.scaling
+            old_k, old_v = cache.k[li, row, :, :n_old][None], cache.v[li, row, :, :n_old][None]
+            if flash is not None:
+                o = self._dense_chunk_attention(flash, q, k, v, old_k, old_v, scale)
             else:
-                kk, vv = k, v
-            o = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, scale=layer.self_attn.scaling,
-                                               enable_gqa=self.n_kv != self.n_heads)
+                kk, vv = (torch.cat([old_k, k], dim=2), torch.cat([old_v, v], dim=2)) if n_old else (k, v)
+                o = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, scale=scale,
+                                                   enable_gqa=self.n_kv != self.n_heads)
             cache.write_prefill(li, row, idx, slot, k[0], v[0])
             h = self._finish_layer(layer, h, o)
         cache.commit_prefill(row, pos, idx, slot)

@@ -229,7 +229,7 @@ def test_work_per_query_does_not_grow_with_length():
     assert cols[4096] == 128 + 3 + 640 and cols[16384] == 128 + 15 + 640
 
 
-@pytest.mark.skipif(kernel_mod._flash_op() is None, reason="torch lacks the CPU flash op with GQA (torch < 2.9)")
+@pytest.mark.skipif(kernel_mod.cpu_flash_op() is None, reason="torch lacks the CPU flash op with GQA (torch < 2.9)")
 @pytest.mark.parametrize("window", [24, 32])  # block 16 / 32: early rows masked (m*B > window) / plain causal
 @pytest.mark.parametrize("one_call", [True, False])
 def test_inference_flash_path_offsets_ragged_and_global_segments(monkeypatch, window, one_call):
@@ -273,7 +273,7 @@ def test_inference_with_transformers_layout(batch, q_len):
 
 
 def test_inference_without_the_flash_op_takes_the_chunked_path(monkeypatch):
-    monkeypatch.setattr(kernel_mod, "_flash_op", lambda: None)
+    monkeypatch.setattr(kernel_mod, "cpu_flash_op", lambda: None)
     spec = HybridAttentionConfig(sink_tokens=4, window=8, global_every=16)
     q, k, v = (t.detach() for t in qkv(2, 6, 2, 131, 131))
     with torch.no_grad():
