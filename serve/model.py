@@ -212,10 +212,10 @@ class DecoderModel(nn.Module):
                                old_v: torch.Tensor, scale: float) -> torch.Tensor:
         """Causal attention of a prefill chunk over the keys before it plus its own, for a dense cache.
 
-        A boolean mask over all those keys would keep the fused CPU kernel from skipping the masked
-        half of the chunk's own keys (an 8K prompt in 512-token chunks: a quarter slower than one
-        causal call). Instead: one causal call over the chunk's keys and, when keys came before, one
-        unmasked call over those, merged by log-sum-exp.
+        A boolean mask over all those keys slows the fused CPU kernel down (the last 512-token chunk of
+        an 8K prompt, one layer, 2 cores: 105 ms with the mask, 82 ms without). Instead: one causal
+        call over the chunk's own keys and, when keys came before, one unmasked call over those,
+        merged by log-sum-exp.
 
         Args:
             q: ``[1, heads, t, d]``; k, v: ``[1, kv_heads, t, d]``; old_k, old_v: ``[1, kv_heads, n_old, d]``.
