@@ -343,6 +343,21 @@ def cpu_flash_op():
     return op
 
 
+def merge_partial_attention(out: torch.Tensor, lse: torch.Tensor, other: torch.Tensor, other_lse: torch.Tensor
+                            ) -> torch.Tensor:
+    """In place, ``out`` becomes the attention over two disjoint key sets from each set's own result.
+
+    Softmax over both sets = the two partial outputs weighted by their share of the probability mass.
+
+    Args:
+        out, other: ``[b, h, q, d]`` attention over each key set; lse, other_lse: ``[b, h, q]``
+            their log-sum-exp.
+    Returns:
+        ``out``.
+    """
+    return out.lerp_(other, torch.sigmoid(other_lse - lse).unsqueeze(-1).to(out.dtype))
+
+
 def _span_view(x: torch.Tensor, lo: int, count: int, block: int, span: int) -> torch.Tensor:
     """``[count, b * kvh, span, d]`` overlapping view: span ``t`` is rows ``lo + t*block ..`` of ``x``.
 
@@ -397,9 +412,7 @@ def _forward_flash(op, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: 
         for r0, r1, cnt, mask in plan.global_segments:
             og, lg = op(q[:, :, r0:r1], kg[:, :, :cnt], vg[:, :, :cnt],
                         attn_mask=None if mask is None else mask.to(q.dtype), scale=scale)
-            # Softmax over local + global keys = the two partial results weighted by their mass.
-            weight = torch.sigmoid(lg - lse[:, :, r0 - R:r1 - R]).unsqueeze(-1)
-            out[:, :, r0:r1].lerp_(og, weight.to(out.dtype))
+            merge_partial_attention(out[:, :, r0:r1], lse[:, :, r0 - R:r1 - R], og, lg)
     return out
 
 

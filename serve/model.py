@@ -24,11 +24,13 @@ through ``F.linear``.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attention.kernel import cpu_flash_op
+from attention.kernel import cpu_flash_op, merge_partial_attention
 from attention.masks import allowed
 from attention.spec import CONFIG_KEY, HybridAttentionConfig
 from serve.kv_cache import KVCache
@@ -64,6 +66,7 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + rot * sin
 
 
+@functools.cache
 def _onednn_linear_available() -> bool:
     """Whether this build has oneDNN's prepacked linear (``torch.ops.mkldnn._linear_pointwise``)."""
     try:
@@ -75,7 +78,6 @@ def _onednn_linear_available() -> bool:
 
 
 _PACK_ROWS = 8  # the row count oneDNN tunes the layout for; measured as good from 1 to 64 rows
-_ONEDNN: bool | None = None  # probed once, on the first fused weight
 
 
 class _Fused:
@@ -87,18 +89,12 @@ class _Fused:
     """
 
     def __init__(self, linears: list[nn.Linear]) -> None:
-        global _ONEDNN
         w = torch.cat([m.weight.detach() for m in linears], dim=0)  # [out, in]
-        self.out_features = w.shape[0]
         self.bias: torch.Tensor | None = None
         if any(m.bias is not None for m in linears):
             self.bias = torch.cat([m.bias.detach() if m.bias is not None else w.new_zeros(m.out_features)
                                    for m in linears])
-        self.packed = w.device.type == "cpu" and w.dtype == torch.float32
-        if self.packed:
-            if _ONEDNN is None:
-                _ONEDNN = _onednn_linear_available()
-            self.packed = _ONEDNN
+        self.packed = w.device.type == "cpu" and w.dtype == torch.float32 and _onednn_linear_available()
         self.weight = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS) if self.packed else w
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -106,6 +102,10 @@ class _Fused:
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
 
     def nbytes(self) -> int:
         return self.weight.numel() * self.weight.element_size()
@@ -224,9 +224,7 @@ class DecoderModel(nn.Module):
         """
         o, lse = flash(q, k, v, is_causal=True, scale=scale)
         if old_k.shape[2]:
-            o_old, lse_old = flash(q, old_k, old_v, scale=scale)
-            # softmax over both key sets = the partial results weighted by their share of the mass
-            o = o.lerp(o_old, torch.sigmoid(lse_old - lse).unsqueeze(-1).to(o.dtype))
+            merge_partial_attention(o, lse, *flash(q, old_k, old_v, scale=scale))
         return o
 
     @torch.inference_mode()

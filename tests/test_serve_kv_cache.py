@@ -93,7 +93,7 @@ def test_fast_weights_are_fused_copies_and_can_be_turned_off(monkeypatch, onednn
 
     if onednn and not serve.model._onednn_linear_available():
         pytest.skip("this torch build has no oneDNN linear")
-    monkeypatch.setattr(serve.model, "_ONEDNN", onednn)
+    monkeypatch.setattr(serve.model, "_onednn_linear_available", lambda: onednn)
     model = tiny_model("qwen2", seed=3)
     attn = model.model.layers[0].self_attn
     dm = DecoderModel(model, fast_weights=True)
