@@ -87,7 +87,7 @@ def _fwd_bwd(f, q, k, v):
 def prefill_bench(lengths: list[int], repeats: int) -> dict[int, dict[str, float]]:
     from transformers import AutoModelForCausalLM
 
-    from distill.pretrained import smollm2_dir
+    from core.models import smollm2_dir
 
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir(), dtype=torch.float32).eval()
     dense = AutoModelForCausalLM.from_pretrained(smollm2_dir(), dtype=torch.float32).eval()

@@ -101,7 +101,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from distill.pretrained import smollm2_dir
+    from core.models import smollm2_dir
 
     path = smollm2_dir()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()

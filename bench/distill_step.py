@@ -41,9 +41,9 @@ def worker(variant: str, seq: int, batch: int, steps: int, threads: int) -> dict
     import torch
     import torch.nn.functional as F
 
+    from core.models import load_causal_lm, smollm2_dir
     from distill import losses
     from distill.model import DistillModel, LossConfig
-    from distill.pretrained import load_causal_lm, smollm2_dir
     from distill.student import derive_student
 
     torch.set_num_threads(threads)

@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
 
     import attention
-    from distill.pretrained import load_causal_lm, load_tokenizer
+    from core.models import load_causal_lm, load_tokenizer
 
     lengths = sorted(int(x) for x in args.lengths.split(","))
     if args.model:

@@ -91,7 +91,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     path = args.model
     if path is None:
-        from tests.tiny import save_tiny
+        from core.tiny import save_tiny
 
         path = save_tiny(tempfile.mkdtemp(prefix="serve-load-"), arch="llama", layers=4, hidden=128)
     engine = Engine(path, max_batch=args.max_batch, max_seq_len=1024)

@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from distill.config import ConfigError
+from core.config import ConfigError
 
 COMPLETE = "COMPLETE"
 _STEP = re.compile(r"^step-(\d+)$")

@@ -1,11 +1,6 @@
 """Training text: the built-in offline corpus, user datasets, packing, and a resumable order.
 
-The built-in corpus is the docstrings of the Python standard library installed with the
-interpreter that runs the recipe. Why this one: it is real English prose written by people
-(explanations, caveats, examples), it is present on every machine that can run the toolkit so it
-needs no download, its licence (PSF) allows the use, and it is large enough (about 1 MB of text,
-~250K SmolLM2 tokens) for a demo. Held-out text comes from different *files* than training text
-(a stable hash of the file's path decides), so evaluation never sees a training docstring.
+The built-in corpus (``core.corpus``) is the docstrings of the Python standard library.
 
 User data goes through ``datasets``: local ``.jsonl`` / ``.json`` / ``.txt`` / ``.parquet`` files or
 directories, or a hub name when online. Records with a ``messages`` list (chat format) are
@@ -17,58 +12,18 @@ so every micro-batch holds the same number of tokens and gradient accumulation i
 
 from __future__ import annotations
 
-import ast
-import functools
-import hashlib
-import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from distill.config import ConfigError
-
-BUILTIN = "builtin:stdlib-docs"
-_MIN_DOC_CHARS = 300
+from core.config import ConfigError
+from core.corpus import BUILTIN, heldout, stdlib_docs  # noqa: F401 - re-exported for recipes
 
 
 class DataError(ConfigError):
     """A dataset problem; the message names the fix."""
-
-
-def _heldout(key: str, fraction: float) -> bool:
-    h = int(hashlib.sha1(key.encode()).hexdigest()[:8], 16)
-    return (h % 10_000) < fraction * 10_000
-
-
-def stdlib_docs(split: str, heldout_fraction: float = 0.1) -> list[str]:
-    """Docstrings (≥ 300 chars) of the standard library's modules, classes and functions."""
-    return list(_stdlib_docs(split, heldout_fraction))
-
-
-@functools.lru_cache(maxsize=4)
-def _stdlib_docs(split: str, heldout_fraction: float) -> tuple[str, ...]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"site-packages", "test", "tests", "idlelib", "__pycache__"}
-    docs = []
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root)
-        if skip & set(rel.parts):
-            continue
-        if _heldout(str(rel), heldout_fraction) != (split == "eval"):
-            continue
-        try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-        nodes = [tree, *(n for n in ast.walk(tree) if isinstance(n, (ast.ClassDef, ast.FunctionDef,
-                                                                      ast.AsyncFunctionDef)))]
-        for node in nodes:
-            doc = ast.get_docstring(node)
-            if doc and len(doc) >= _MIN_DOC_CHARS:
-                docs.append(doc)
-    return tuple(docs)
 
 
 def _load_records(source: str, split: str | None):
@@ -143,7 +98,7 @@ def build_data(tokenizer, *, dataset: str, seq_len: int, eval_blocks: int, text_
             held = pack(texts_from(eval_dataset, tokenizer, text_field=text_field), tokenizer, seq_len)
         else:
             # Split by document, not by block, so no document straddles train and eval.
-            is_eval = [_heldout(f"{i}:{t[:64]}", eval_fraction) for i, t in enumerate(texts)]
+            is_eval = [heldout(f"{i}:{t[:64]}", eval_fraction) for i, t in enumerate(texts)]
             train = pack([t for t, e in zip(texts, is_eval) if not e], tokenizer, seq_len)
             held = pack([t for t, e in zip(texts, is_eval) if e], tokenizer, seq_len)
     if max_train_blocks is not None:

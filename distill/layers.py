@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from distill.config import ConfigError
+from core.config import ConfigError
 
 
 class LayerMapError(ConfigError):

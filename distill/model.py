@@ -23,12 +23,12 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from attention.integration import SUPPORTED_MODEL_TYPES
+from core.config import ConfigError
 from distill import losses
-from distill.config import ConfigError
 from distill.layers import parse_layer_pairs
 from distill.student import kept_layers
 
-SUPPORTED = ("llama", "mistral", "qwen2")
 KD_KINDS = ("forward_kl", "reverse_kl", "jsd", "tvd")
 # nmse: per-token MSE divided by the teacher state's mean square. Residual streams of real LMs carry a few
 # huge "massive activation" features (hundreds in SmolLM2), so raw MSE is in the thousands and
@@ -102,7 +102,7 @@ def _base_model(model: PreTrainedModel) -> nn.Module:
     base = getattr(model, "model", None)
     if base is None or not hasattr(base, "layers"):
         raise DistillSetupError(
-            f"{type(model).__name__} is not supported; use a decoder-only model of type {', '.join(SUPPORTED)}"
+            f"{type(model).__name__} is not supported; use a decoder-only model of type {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     return base
 
@@ -110,9 +110,9 @@ def _base_model(model: PreTrainedModel) -> nn.Module:
 def check_pair(student: PreTrainedModel, teacher: PreTrainedModel, tokenizer_size: int | None = None) -> int:
     """Validate the pairing; returns the vocabulary size the logits term compares over."""
     for role, m in (("student", student), ("teacher", teacher)):
-        if m.config.model_type not in SUPPORTED:
+        if m.config.model_type not in SUPPORTED_MODEL_TYPES:
             raise DistillSetupError(
-                f"{role} architecture '{m.config.model_type}' is unsupported; use one of {', '.join(SUPPORTED)}"
+                f"{role} architecture '{m.config.model_type}' is unsupported; use one of {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
     vs, vt = student.config.vocab_size, teacher.config.vocab_size
     if vs == vt:

@@ -7,10 +7,10 @@ from typing import Any
 
 import torch
 
-from distill.config import ConfigError
-from distill.pretrained import ModelSourceError, load_causal_lm, load_tokenizer, resolve_model_path
+from core.config import ConfigError
+from core.models import ModelSourceError, load_causal_lm, load_tokenizer, resolve_model_path
+from core.tiny import TINY, tiny_teacher, tiny_teacher_tokenizer
 from distill.student import derive_student
-from distill.tiny import TINY, tiny_teacher, tiny_tokenizer
 
 
 def load_pair(cfg: Any) -> tuple[torch.nn.Module | None, torch.nn.Module, Any]:
@@ -31,7 +31,7 @@ def load_pair(cfg: Any) -> tuple[torch.nn.Module | None, torch.nn.Module, Any]:
                 tokenizer.pad_token = tokenizer.eos_token
             return None, student, tokenizer
         if cfg.teacher == TINY:
-            teacher, tokenizer = tiny_teacher(cfg.seed), tiny_tokenizer()
+            teacher, tokenizer = tiny_teacher(cfg.seed), tiny_teacher_tokenizer()
         else:
             teacher = load_causal_lm(cfg.teacher)
             tokenizer = load_tokenizer(cfg.tokenizer or cfg.teacher)
@@ -58,7 +58,7 @@ def teacher_dir(cfg: Any, out: Path) -> Path:
         path = out / "teacher"
         if not (path / "config.json").is_file():
             tiny_teacher(cfg.seed).save_pretrained(path)
-            tiny_tokenizer().save_pretrained(path)
+            tiny_teacher_tokenizer().save_pretrained(path)
         return path
     return Path(resolve_model_path(cfg.teacher))
 

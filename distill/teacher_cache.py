@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from distill.config import ConfigError
+from core.config import ConfigError
 
 META = "meta.json"
 

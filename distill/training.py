@@ -15,7 +15,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs
 
-from distill.config import ConfigError
+from core.config import ConfigError
 
 
 def make_accelerator(cfg: Any, project_dir: Path) -> Accelerator:

@@ -82,10 +82,18 @@ from pathlib import Path
 
 import numpy as np
 
-from distill.config import ConfigError, field
+from core.config import ConfigError, field
+from core.models import DTYPES
 from eval.bertscore import MAX_TOKENS, BertScore, ScorerMissingError
 from eval.fingerprint import DigestMemo, json_hash
-from eval.generation import GenerationRun, GenerationSettings, check_model_dir, generate_outputs, load_model
+from eval.generation import (
+    GenerationRun,
+    GenerationSettings,
+    check_model_dir,
+    generate_outputs,
+    load_model,
+    load_tokenizer,
+)
 from eval.metrics import LMStats, text_windows, window_stats
 from eval.prompt_set import GateInputError, Prompt, default_prompts_path, load_prompts, load_references
 from eval.report import histogram, write_markdown, write_samples
@@ -116,7 +124,7 @@ class GateConfig:
     top_p: float = field(1.0, help="nucleus sampling mass (with do_sample)")
     seed: int = field(0, help="seed for sampling and the bootstrap")
     chat: bool = field(False, help="apply the tokenizer's chat template (a prompt's 'chat' field overrides)")
-    dtype: str = field("auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16 or float16")
+    dtype: str = field("auto", help="auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16")
     device: str = field("auto", help="auto, cpu, cuda or cuda:N")
     cache_dir: str | None = field(None, help="generation cache directory; default: <out>/cache")
     heldout: str | None = field(None, help="UTF-8 text file for perplexity / bits per byte (optional)")
@@ -146,8 +154,8 @@ class GateConfig:
             raise ConfigError(f"confidence={self.confidence} must be in [0.5, 1); e.g. 0.95")
         if self.do_sample and (self.temperature <= 0 or not 0 < self.top_p <= 1):
             raise ConfigError("with do_sample, temperature must be > 0 and top_p in (0, 1]")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ConfigError(f"dtype '{self.dtype}' is not one of auto, float32, bfloat16, float16")
+        if self.dtype not in ("auto", *DTYPES):
+            raise ConfigError(f"dtype '{self.dtype}' is not one of auto, {', '.join(DTYPES)}")
         if not 1 <= self.scorer_layer <= 6:
             raise ConfigError(f"scorer_layer={self.scorer_layer} must be in 1..6 (the scorer has 6 layers)")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
@@ -225,8 +233,6 @@ def _verdict(cfg: GateConfig, diff: Interval, threshold: float, n: int, new_belo
 
 
 def _same_vocab(a: Path, b: Path) -> bool:
-    from eval.generation import load_tokenizer
-
     return load_tokenizer(a).get_vocab() == load_tokenizer(b).get_vocab()
 
 
@@ -261,9 +267,9 @@ def _lm_metrics(cfg: GateConfig, models: dict[str, Path], prompts: list[Prompt],
     if not _same_vocab(models["candidate"], models[ref_role]):
         return {"skipped": f"candidate and {ref_role} tokenizers differ (no shared vocabulary)"}
     settings = cfg.generation_settings().resolved()
-    cand, tok = load_model(models["candidate"], settings.device, "float32" if settings.device == "cpu" else
+    cand, tok = load_model(models["candidate"], settings.device, "fp32" if settings.device == "cpu" else
                            settings.dtype)
-    ref, _ = load_model(models[ref_role], settings.device, "float32" if settings.device == "cpu" else settings.dtype)
+    ref, _ = load_model(models[ref_role], settings.device, "fp32" if settings.device == "cpu" else settings.dtype)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     if cfg.heldout:
         text, source = Path(cfg.heldout).read_text(encoding="utf-8"), f"heldout:{Path(cfg.heldout).name}"
@@ -283,7 +289,7 @@ def _lm_metrics(cfg: GateConfig, models: dict[str, Path], prompts: list[Prompt],
             del ref
             gc.collect()
             base, _ = load_model(models["baseline"], settings.device,
-                                 "float32" if settings.device == "cpu" else settings.dtype)
+                                 "fp32" if settings.device == "cpu" else settings.dtype)
             b_stats, _ = window_stats(base, windows, nbytes, None, batch_size=4, pad_id=pad, progress="lm baseline")
             del base
         for m in ("loss", "perplexity", "bits_per_byte"):

@@ -23,10 +23,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from core.models import DTYPES, ModelSourceError, load_causal_lm, resolve_model_path
 from eval.fingerprint import DigestMemo, directory_fingerprint, json_hash
 from eval.prompt_set import GateInputError, ModelLoadError, Prompt
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -37,7 +36,7 @@ class GenerationSettings:
     top_p: float = 1.0
     seed: int = 0
     batch_size: int = 16
-    dtype: str = "auto"  # auto = bfloat16 on CUDA, float32 on CPU (bf16 matmul is slow on CPUs)
+    dtype: str = "auto"  # auto = bf16 on CUDA, fp32 on CPU (bf16 matmul is slow on CPUs)
     device: str = "auto"
 
     def resolved(self) -> GenerationSettings:
@@ -46,7 +45,7 @@ class GenerationSettings:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         dtype = self.dtype
         if dtype == "auto":
-            dtype = "bfloat16" if device.startswith("cuda") else "float32"
+            dtype = "bf16" if device.startswith("cuda") else "fp32"
         return GenerationSettings(**{**asdict(self), "device": device, "dtype": dtype})
 
     def cache_view(self) -> dict:
@@ -75,8 +74,6 @@ class GenerationRun:
 
 def check_model_dir(model: str | Path) -> Path:
     """Resolve a model name/dir to a local HF directory or raise a one-line :class:`GateInputError`."""
-    from distill.pretrained import ModelSourceError, resolve_model_path
-
     try:
         path = Path(resolve_model_path(str(model)))
     except ModelSourceError as err:
@@ -97,11 +94,10 @@ def load_tokenizer(model_dir: Path):
 
 
 def load_model(model_dir: Path, device: str, dtype: str):
-    from transformers import AutoModelForCausalLM
-
+    """The model as it is served (hybrid attention when its config carries a spec) and its tokenizer."""
     tok = load_tokenizer(model_dir)
     try:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[dtype])
+        model = load_causal_lm(str(model_dir), dtype=DTYPES[dtype])
     except Exception as err:  # noqa: BLE001
         raise ModelLoadError(f"cannot load the model in {model_dir} ({type(err).__name__}: "
                              f"{str(err).splitlines()[0] if str(err) else ''}); check its weights and config") from None

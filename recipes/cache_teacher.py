@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from distill.config import ConfigError, field, parse_config, run_cli, save_config  # noqa: E402
+from core.config import ConfigError, field, parse_config, run_cli, save_config  # noqa: E402
 from distill.data import BUILTIN, build_data, eval_batches  # noqa: E402
 from distill.teacher_cache import META, bytes_per_token, fingerprint, topk_logprobs, write_shard  # noqa: E402
 from eval.metrics import evaluate_lm  # noqa: E402

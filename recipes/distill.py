@@ -28,8 +28,8 @@ from accelerate.logging import get_logger  # noqa: E402
 from accelerate.utils import set_seed  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
+from core.config import ConfigError, field, parse_config, run_cli, save_config  # noqa: E402
 from distill import checkpoint as ckpt  # noqa: E402
-from distill.config import ConfigError, field, parse_config, run_cli, save_config  # noqa: E402
 from distill.data import BUILTIN, BlockOrder, build_data, eval_batches  # noqa: E402
 from distill.model import KD_KINDS, DistillModel, LossConfig, loss_config_from  # noqa: E402
 from distill.plots import plot_training  # noqa: E402

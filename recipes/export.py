@@ -23,8 +23,8 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import torch  # noqa: E402
 
-from distill import export as ex  # noqa: E402
-from distill.config import ConfigError, field, parse_config, run_cli  # noqa: E402
+from core.config import ConfigError, field, parse_config, run_cli  # noqa: E402
+from serve import export as ex  # noqa: E402
 
 
 @dataclass

@@ -42,8 +42,8 @@ from tqdm.auto import tqdm  # noqa: E402
 
 from attention.errors import HybridAttentionError  # noqa: E402
 from attention.spec import HybridAttentionConfig  # noqa: E402
+from core.config import ConfigError, field, parse_config, run_cli, save_config  # noqa: E402
 from distill import checkpoint as ckpt  # noqa: E402
-from distill.config import ConfigError, field, parse_config, run_cli, save_config  # noqa: E402
 from distill.data import BUILTIN, BlockOrder, build_data, eval_batches  # noqa: E402
 from distill.model import KD_KINDS, LossConfig, loss_config_from  # noqa: E402
 from distill.training import check_output_dir, make_accelerator, reduce_stats, warmup_cosine  # noqa: E402
@@ -174,12 +174,12 @@ class RetrofitConfig:
 
 def load_models(cfg: RetrofitConfig) -> tuple[torch.nn.Module, torch.nn.Module, Any]:
     """``(model, dense_teacher, tokenizer)``: two copies of the same pretrained weights, fp32."""
-    from distill.pretrained import ModelSourceError, load_causal_lm, load_tokenizer
-    from distill.tiny import TINY, tiny_teacher, tiny_tokenizer
+    from core.models import ModelSourceError, load_causal_lm, load_tokenizer
+    from core.tiny import TINY, tiny_teacher, tiny_teacher_tokenizer
 
     try:
         if cfg.teacher == TINY:
-            model, tokenizer = tiny_teacher(cfg.seed), tiny_tokenizer()
+            model, tokenizer = tiny_teacher(cfg.seed), tiny_teacher_tokenizer()
         else:
             model = load_causal_lm(cfg.teacher)
             tokenizer = load_tokenizer(cfg.tokenizer or cfg.teacher)

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from core.models import load_causal_lm, load_tokenizer
 from serve.kv_cache import KVCache
 from serve.model import DecoderModel
 from serve.sampling import SamplingParams, sample
@@ -106,10 +107,10 @@ class Engine:
         if model is None:
             if model_dir is None:
                 raise ValueError("Engine needs model_dir or model=")
-            from transformers import AutoModelForCausalLM, AutoTokenizer
-
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
-            tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_dir)
+            # dense=True: the engine runs the saved hybrid spec with its own kernels and caches
+            # (serve.model reads it from the config), not through transformers' attention.
+            model = load_causal_lm(str(model_dir), dtype=dtype, dense=True, attn_implementation="sdpa")
+            tokenizer = tokenizer or load_tokenizer(str(model_dir))
         if tokenizer is None:
             raise ValueError("Engine(model=...) also needs tokenizer=")
         self.model = DecoderModel(model.to(device=device, dtype=dtype), fast_weights=fast_weights)

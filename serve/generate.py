@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                 top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))
-        from distill.pretrained import resolve_model_path
+        from core.models import resolve_model_path
         from serve.engine import Engine
 
         engine = Engine(resolve_model_path(args.model), device=args.device, max_batch=1,

@@ -30,12 +30,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attention.integration import SUPPORTED_MODEL_TYPES
 from attention.kernel import cpu_flash_op, merge_partial_attention
 from attention.masks import allowed
 from attention.spec import CONFIG_KEY, HybridAttentionConfig
 from serve.kv_cache import KVCache
-
-SUPPORTED = ("llama", "mistral", "qwen2")
 
 
 def hybrid_spec(config) -> HybridAttentionConfig | None:
@@ -48,8 +47,8 @@ def hybrid_spec(config) -> HybridAttentionConfig | None:
 
 def _check_supported(config) -> None:
     mt = getattr(config, "model_type", None)
-    if mt not in SUPPORTED:
-        raise ValueError(f"model_type {mt!r} is not supported by the serving engine; supported: {', '.join(SUPPORTED)}")
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type {mt!r} is not supported by the serving engine; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     sliding = getattr(config, "sliding_window", None) if mt == "mistral" else None
     if mt == "qwen2" and getattr(config, "use_sliding_window", False):
         sliding = config.sliding_window

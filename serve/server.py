@@ -349,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     import uvicorn
 
-    from distill.pretrained import resolve_model_path
+    from core.models import resolve_model_path
 
     try:
         path = resolve_model_path(args.model)

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 import attention
 from attention import CONFIG_KEY, HybridAttentionConfig
-from tests.tiny import tiny_model
+from core.tiny import tiny_model
 
 ARCHS = ["llama", "mistral", "qwen2"]
 SMALL = HybridAttentionConfig(sink_tokens=2, window=6, global_every=10)

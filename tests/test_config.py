@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from distill.config import ConfigError, parse_config, save_config
+from core.config import ConfigError, parse_config, save_config
 from recipes.distill import DistillConfig
 
 CONFIGS = sorted(Path("recipes/configs").glob("*.yaml"))

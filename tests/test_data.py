@@ -3,8 +3,8 @@ import json
 import pytest
 import torch
 
+from core.tiny import tiny_tokenizer
 from distill.data import BUILTIN, BlockOrder, DataError, build_data, pack, stdlib_docs, texts_from
-from tests.tiny import tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

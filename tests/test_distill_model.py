@@ -2,11 +2,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from core.tiny import tiny_model
 from distill import losses
 from distill.layers import LayerMapError, derived_pairs, parse_layer_pairs, relative_pairs
 from distill.model import DistillModel, DistillSetupError, LossConfig
 from distill.student import derive_student, spread_layers
-from tests.tiny import tiny_model
 
 
 def pair(**kw):

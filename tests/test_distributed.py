@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from core.tiny import tiny_model
 from distill.distributed import (
     gather_params,
     is_zero3,
@@ -28,7 +29,6 @@ from distill.distributed import (
     unwrap_teacher,
     zero_stage,
 )
-from tests.tiny import tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "launch"
@@ -107,7 +107,7 @@ PROBE = textwrap.dedent('''
 
     sys.path.insert(0, os.environ["PROBE_ROOT"])
     from distill.distributed import gather_params, is_zero3, prepare_teacher, unwrap_teacher
-    from tests.tiny import tiny_config
+    from core.tiny import tiny_config
 
     out = sys.argv[1]
     acc = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])

@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from core.tiny import save_tiny
 from eval.bertscore import BertScore
 from eval.gate import GateConfig, main, run_gate
 from eval.prompt_set import default_prompts_path
-from tests.tiny import save_tiny
 
 N_PROMPTS = 32
 FAST = dict(max_new_tokens=8, batch_size=N_PROMPTS, resamples=2000)

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from core.tiny import tiny_model, tiny_tokenizer
 from eval.metrics import LMStats, evaluate_text, text_windows, window_stats
-from tests.tiny import tiny_model, tiny_tokenizer
 
 TEXT = "the quick brown fox jumps over the lazy dog. héllo wörld ✓ naïve café. distill the teacher! " * 4
 

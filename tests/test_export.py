@@ -15,10 +15,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from distill import export as ex
-from distill.config import ConfigError, parse_config
+from core.config import ConfigError, parse_config
+from core.tiny import save_tiny, tiny_model, tiny_tokenizer
 from recipes.export import ExportConfig, export
-from tests.tiny import save_tiny, tiny_model, tiny_tokenizer
+from serve import export as ex
 
 REPO = Path(__file__).resolve().parent.parent
 HYBRID = {"sink_tokens": 4, "window": 8, "global_every": 16, "max_globals": 2}
@@ -77,6 +77,7 @@ def make_checkpoint(ckpt: Path, model, step: int, drop: tuple[str, ...] = ()) ->
     write_student_dir(model, ckpt / "student")
     (ckpt / "config.yaml").write_text(yaml.safe_dump(RUN_CONFIG))
     (ckpt / "trainer_state.json").write_text(json.dumps({"step": step}))
+    (ckpt / "COMPLETE").write_text("")
 
 
 @pytest.fixture
@@ -90,7 +91,7 @@ def run_dir(tmp_path: Path) -> tuple[Path, dict[int, torch.nn.Module]]:
         models[step] = tiny_model(seed=step)
         make_checkpoint(run / "checkpoints" / f"step-{step}", models[step], step)
     (run / "checkpoints" / ".tmp-step-9").mkdir()  # an interrupted save is not a checkpoint
-    (run / "checkpoints" / "step-8").mkdir()  # nor is a torn copy without COMPLETE / trainer_state.json
+    (run / "checkpoints" / "step-8").mkdir()  # nor is a torn copy without COMPLETE
     (run / "config.yaml").write_text(yaml.safe_dump(RUN_CONFIG))
     (run / "summary.json").write_text(json.dumps(SUMMARY))
     (run / "gate").mkdir()
@@ -408,7 +409,7 @@ def test_cli_exports_a_run_and_rejects_bad_input(run_dir) -> None:
 
 _ZERO_SAVE = """
 import os, sys, torch, deepspeed, deepspeed.comm.torch
-from tests.tiny import tiny_model
+from core.tiny import tiny_model
 ckpt, stage = sys.argv[1], int(sys.argv[2])
 
 class TeacherStudent(torch.nn.Module):  # the shape of the training module: student + projectors

@@ -137,7 +137,7 @@ def test_fp32_has_no_master_copy():
 # --- activations against what autograd saves -----------------------------------------------------
 
 def _saved_bytes_one_layer(seq: int, batch: int = 2) -> int:
-    from tests.tiny import tiny_model
+    from core.tiny import tiny_model
 
     torch.manual_seed(0)
     model = tiny_model(layers=1, hidden=64, heads=4, kv_heads=2, attn_implementation="sdpa").train()

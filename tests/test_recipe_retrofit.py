@@ -13,8 +13,8 @@ from transformers import AutoModelForCausalLM
 
 import attention
 from attention.spec import CONFIG_KEY, HybridAttentionConfig
-from distill.config import ConfigError, parse_config
-from distill.tiny import tiny_teacher
+from core.config import ConfigError, parse_config
+from core.tiny import tiny_teacher
 from recipes.retrofit import RetrofitConfig, training_window
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,10 +95,10 @@ def test_summary_reports_what_was_saved(tiny_run):
             ["history"]] == [16] * 4
     # hybrid_after is the perplexity of final/ loaded back as hybrid; dense that of the untouched model.
     cfg = parse_config(RetrofitConfig, TINY)
-    from distill.tiny import tiny_tokenizer
+    from core.tiny import tiny_teacher_tokenizer
     from eval.metrics import evaluate_lm
 
-    blocks = heldout_blocks(cfg, tiny_tokenizer(), 256)
+    blocks = heldout_blocks(cfg, tiny_teacher_tokenizer(), 256)
     batches = [{"input_ids": blocks[i:i + 2]} for i in range(0, len(blocks), 2)]
     hybrid = evaluate_lm(attention.load(out / "final"), batches).perplexity
     dense = evaluate_lm(tiny_teacher(0), batches).perplexity

@@ -10,10 +10,10 @@ import torch
 
 from attention.masks import hybrid_mask
 from attention.spec import HybridAttentionConfig
+from core.tiny import save_tiny, tiny_model, tiny_tokenizer
 from serve.engine import Engine
 from serve.sampling import SamplingParams
 from serve.text import IncrementalDetokenizer, TextStream
-from tests.tiny import save_tiny, tiny_model, tiny_tokenizer
 
 
 def no_eos(model):

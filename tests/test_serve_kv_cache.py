@@ -7,8 +7,8 @@ import torch
 
 from attention.masks import hybrid_mask
 from attention.spec import HybridAttentionConfig
+from core.tiny import tiny_model
 from serve.model import DecoderModel
-from tests.tiny import tiny_model
 
 SPECS = {
     "sink+window+globals": HybridAttentionConfig(sink_tokens=3, window=8, global_every=5, max_globals=4),

@@ -13,9 +13,9 @@ import httpx
 import pytest
 import torch
 
+from core.tiny import save_tiny
 from serve.engine import Engine
 from serve.server import ServerThread, create_app
-from tests.tiny import save_tiny
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +168,7 @@ def _free_port() -> int:
 @pytest.mark.slow
 def test_server_cli_serves_a_hybrid_model(tmp_path):
     from attention.spec import HybridAttentionConfig
-    from tests.tiny import tiny_model, tiny_tokenizer
+    from core.tiny import tiny_model, tiny_tokenizer
 
     model = tiny_model("llama")
     model.config.hybrid_attention = HybridAttentionConfig(sink_tokens=2, window=8, global_every=0).to_dict()

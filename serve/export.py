@@ -34,9 +34,10 @@ import torch
 import yaml
 
 from attention.spec import CONFIG_KEY, HybridAttentionConfig
-from distill.config import ConfigError
+from core.config import ConfigError
+from core.models import DTYPES, load_causal_lm
+from distill.checkpoint import complete_checkpoints
 
-DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 
 # Attention backends every transformers install knows. Anything else in a config.json (a custom
@@ -136,20 +137,8 @@ def is_checkpoint_dir(path: Path) -> bool:
 
 
 def list_checkpoints(run_dir: Path) -> dict[int, Path]:
-    """``{step: path}`` for the whole ``checkpoints/step-N`` folders.
-
-    The trainer writes ``COMPLETE`` and ``trainer_state.json`` last, before the rename; a folder with
-    neither is a torn copy and temp folders (``.tmp-step-N``) don't match the name.
-    """
-    root = run_dir / "checkpoints"
-    if not root.is_dir():
-        return {}
-    found = {}
-    for sub in root.iterdir():
-        m = _STEP_DIR.match(sub.name)
-        if m and sub.is_dir() and ((sub / "COMPLETE").is_file() or (sub / "trainer_state.json").is_file()):
-            found[int(m.group(1))] = sub
-    return dict(sorted(found.items()))
+    """``{step: path}`` of the whole ``checkpoints/step-N`` folders (the trainer's one rule)."""
+    return {int(p.name.split("-")[1]): p for p in complete_checkpoints(run_dir)}
 
 
 def is_run_dir(path: Path) -> bool:
@@ -339,13 +328,13 @@ def _load_config(config_dir: Path) -> Any:
 
 def _load_weights(src: Source, dtype: torch.dtype | None) -> tuple[Any, torch.dtype]:
     """The bare ``*ForCausalLM`` of a non-LoRA source, cast to ``dtype`` (None: keep the stored one)."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import GenerationConfig
 
     if src.kind == "hf":
         # Eager attention on load: the source config may name a kernel that is only registered at
         # training time; the name is not written back, so the export loads anywhere.
-        model = AutoModelForCausalLM.from_pretrained(str(src.path), dtype="auto" if dtype is None else dtype,
-                                                     attn_implementation="eager")
+        model = load_causal_lm(str(src.path), dtype="auto" if dtype is None else dtype, dense=True,
+                               attn_implementation="eager")
         stored = _read_json(src.path / "config.json").get("dtype") or _read_json(
             src.path / "config.json").get("torch_dtype")
         source_dtype = getattr(torch, stored, model.dtype) if isinstance(stored, str) else model.dtype

