@@ -56,9 +56,10 @@ def worker(variant: str, seq: int, batch: int, steps: int, threads: int) -> dict
     ids = torch.randint(3, teacher.config.vocab_size, (batch, seq))
     s_layer, t_layer = 9, 29  # the last kept layer ↔ the teacher's last layer
     h_s_layer, h_t_layer = 3, 23  # derived pair for the hidden term
-    cfg = LossConfig(kd_weight=1.0, temperature=2.0, ce_weight=1.0, hidden_weight=1.0, hidden_kind="mse",
-                     hidden_layers=[f"{h_s_layer}:{h_t_layer}"], attn_weight=1.0,
-                     attn_layers=[f"{s_layer}:{t_layer}"], attn_num_queries=64, kd_chunk_size=1024)
+    cfg = LossConfig(kd_weight=1.0, kd_kind="forward_kl", temperature=2.0, beta=0.5, kd_chunk_size=1024,
+                     ce_weight=1.0, focal_weight=0.0, focal_alpha=0.25, focal_gamma=2.0, hidden_weight=1.0,
+                     hidden_layers=[f"{h_s_layer}:{h_t_layer}"], hidden_kind="mse", attn_weight=1.0,
+                     attn_layers=[f"{s_layer}:{t_layer}"], attn_num_queries=64)
     opt = torch.optim.AdamW(student.parameters(), lr=1e-5)
     model = DistillModel(student, teacher, cfg) if variant == "ours" else None
 

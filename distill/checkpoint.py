@@ -11,13 +11,13 @@ recipe config) and ``trainer_state.json`` (step, loss history, initial metrics).
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 from pathlib import Path
 from typing import Any
 
 from core.config import ConfigError
+from core.fsio import replace_dir
 
 COMPLETE = "COMPLETE"
 _STEP = re.compile(r"^step-(\d+)$")
@@ -82,10 +82,7 @@ def finalize(output_dir: str | Path, step: int, state: dict[str, Any], keep_last
     tmp = tmp_dir(output_dir, step)
     (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
     (tmp / COMPLETE).write_text("")
-    final = checkpoint_root(output_dir) / f"step-{step}"
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    final = replace_dir(tmp, checkpoint_root(output_dir) / f"step-{step}")  # fsyncs, then renames
     ckpts = complete_checkpoints(output_dir)
     for old in ckpts[: max(0, len(ckpts) - keep_last)]:
         shutil.rmtree(old, ignore_errors=True)
@@ -93,10 +90,10 @@ def finalize(output_dir: str | Path, step: int, state: dict[str, Any], keep_last
 
 
 def clean_partial(output_dir: str | Path) -> None:
-    """Remove temporary folders left by a killed run (never a complete checkpoint)."""
+    """Remove temporary folders left by a killed run (never a complete ``step-N`` checkpoint)."""
     root = checkpoint_root(output_dir)
     if root.is_dir():
-        for p in root.glob(".tmp-step-*"):
+        for p in [*root.glob(".tmp-step-*"), *root.glob(".old-step-*")]:
             shutil.rmtree(p, ignore_errors=True)
 
 

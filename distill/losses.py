@@ -29,6 +29,8 @@ from torch import Tensor, nn
 
 from distill._chunked import KINDS, ChunkedKD
 
+KD_KINDS = KINDS  # the divergences every KD path accepts (one list, defined by the fused kernel)
+
 __all__ = [
     "KINDS",
     "kd_loss",
@@ -408,6 +410,60 @@ def attention_map_loss(student_q: Tensor, student_k: Tensor, teacher_q: Tensor, 
 
 
 # --------------------------------------------------------------------------- modules
+
+
+def normalized_mse(student_h: Tensor, teacher_h: Tensor, mask: Tensor) -> Tensor:
+    """Mean over counted tokens of ``mean((s - t)²) / mean(t²)`` per token, in fp32.
+
+    Residual streams of real LMs carry a few huge "massive activation" features (hundreds in
+    SmolLM2), so raw MSE is in the thousands and swamps every other term; normalizing each token by
+    its own teacher state makes it scale-free and keeps the term a plain token mean, so gradient
+    accumulation stays exact (a batch-level normalizer would not). Shapes: ``[batch, seq, d]`` and
+    ``mask`` ``[batch, seq]``; no counted token gives 0 with a graph.
+    """
+    t = teacher_h.float()
+    per_token = (student_h.float() - t).pow(2).mean(-1) / t.pow(2).mean(-1).clamp(min=1e-12)
+    m = mask.bool()
+    return (per_token * m).sum() / m.sum().clamp(min=1)
+
+
+def topk_kd_loss(student_logits: Tensor, teacher_index: Tensor, teacher_logprobs: Tensor,
+                 mask: Tensor | None = None, *, temperature: float = 1.0) -> Tensor:
+    """Forward KL over the teacher's top-k tokens plus one tail bucket, × T².
+
+    The teacher's distribution is known only on its top-k tokens (a teacher cache); the rest of
+    the vocabulary is one bucket holding the remaining mass, on both sides.
+
+    Args:
+        student_logits: ``[batch, seq, vocab]``.
+        teacher_index: ``[batch, seq, k]`` token ids of the teacher's top-k.
+        teacher_logprobs: ``[batch, seq, k]`` their log-probabilities at T = 1.
+        mask: ``[batch, seq]`` bool, True = counts.
+    Returns:
+        Mean over counted tokens (0 with a graph when none count).
+    """
+    t = temperature
+    logq = F.log_softmax(student_logits.float() / t, dim=-1)
+    q_top = logq.gather(-1, teacher_index)
+    # Student tail: log of the mass outside the teacher's top-k, computed without cancellation. The
+    # fill is the most negative finite value, not -inf, so a top-k that covers the whole vocabulary
+    # gives a finite (and unused) tail with finite gradients.
+    q_tail = logq.scatter(-1, teacher_index, torch.finfo(logq.dtype).min).logsumexp(-1, keepdim=True)
+    p_top = teacher_logprobs.float()
+    # Teacher tail; a top-k holding all but fp32 rounding of the mass (< 1e-6) has an empty tail.
+    top_mass = p_top.exp().sum(-1, keepdim=True)
+    p_tail = torch.where(top_mass > 1 - 1e-6, torch.full_like(top_mass, float("-inf")),
+                         torch.log1p(-top_mass.clamp(max=1 - 1e-6)))
+    logp = torch.cat([p_top, p_tail], -1) / t
+    logp = logp - logp.logsumexp(-1, keepdim=True)
+    logq_b = torch.cat([q_top, q_tail], -1)
+    p = logp.exp()
+    logp = torch.where(p > 0, logp, torch.zeros_like(logp))  # 0 · log 0 counts as 0
+    kl = (p * (logp - logq_b)).sum(-1) * t * t
+    if mask is None:
+        return kl.mean()
+    m = mask.bool()
+    return (kl * m).sum() / m.sum().clamp(min=1)
 
 
 class KDLoss(nn.Module):

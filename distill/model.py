@@ -13,10 +13,9 @@ are ever stored; the student's logits are formed only when a CE or focal term ne
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -27,9 +26,9 @@ from attention.integration import SUPPORTED_MODEL_TYPES
 from core.config import ConfigError
 from distill import losses
 from distill.layers import parse_layer_pairs
+from distill.losses import KD_KINDS
 from distill.student import kept_layers
 
-KD_KINDS = ("forward_kl", "reverse_kl", "jsd", "tvd")
 # nmse: per-token MSE divided by the teacher state's mean square. Residual streams of real LMs carry a few
 # huge "massive activation" features (hundreds in SmolLM2), so raw MSE is in the thousands and
 # swamps every other term; the normalized form is scale-free and comparable to KD.
@@ -42,23 +41,27 @@ class DistillSetupError(ConfigError):
 
 @dataclass
 class LossConfig:
-    """Weights and settings of every term; a weight of 0 switches a term off (ablations)."""
+    """Weights and settings of every term; a weight of 0 switches a term off (ablations).
 
-    kd_weight: float = 1.0
-    kd_kind: str = "forward_kl"
-    temperature: float = 2.0
-    beta: float = 0.5
-    kd_chunk_size: int | None = 1024  # None: full logits through kd_loss (reference path)
-    ce_weight: float = 0.0
-    focal_weight: float = 0.0
-    focal_alpha: float = 0.25
-    focal_gamma: float = 2.0
-    hidden_weight: float = 0.0
-    hidden_layers: list[str] = field(default_factory=lambda: ["relative"])
-    hidden_kind: str = "nmse"
-    attn_weight: float = 0.0
-    attn_layers: list[str] = field(default_factory=list)
-    attn_num_queries: int = 64
+    No defaults on purpose: a recipe builds it explicitly from its own config, the one place where
+    each setting has a default.
+    """
+
+    kd_weight: float
+    kd_kind: str
+    temperature: float
+    beta: float
+    kd_chunk_size: int | None  # None: full logits through kd_loss (reference path)
+    ce_weight: float
+    focal_weight: float
+    focal_alpha: float
+    focal_gamma: float
+    hidden_weight: float
+    hidden_layers: list[str]
+    hidden_kind: str
+    attn_weight: float
+    attn_layers: list[str]
+    attn_num_queries: int
 
     def __post_init__(self) -> None:
         if self.kd_kind not in KD_KINDS:
@@ -192,6 +195,17 @@ def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def _kd_path(cfg: LossConfig, cached_teacher: bool) -> str:
+    """How the logits term is computed, decided once: none, cached, full, chunked or chunked+ce."""
+    if cfg.kd_weight == 0:
+        return "none"
+    if cached_teacher:
+        return "cached"
+    if cfg.kd_chunk_size is None:
+        return "full"
+    return "chunked+ce" if cfg.ce_weight > 0 else "chunked"
+
+
 class DistillModel(nn.Module):
     """A trainable student, its projectors, and a frozen teacher hidden from the module tree.
 
@@ -216,6 +230,7 @@ class DistillModel(nn.Module):
         self.attn_pairs: list[tuple[int, int]] = []
         self.vocab = student.config.vocab_size
         self.cached_teacher = cached_teacher
+        self.kd_path = _kd_path(loss_config, cached_teacher)
         _base_model(student)
         if teacher is None:
             if cached_teacher and (loss_config.hidden_weight > 0 or loss_config.attn_weight > 0):
@@ -261,8 +276,8 @@ class DistillModel(nn.Module):
             input_ids: ``[batch, seq]``.
             attention_mask: ``[batch, seq]``, 1 = real token; padding never counts in any term.
             labels: ``[batch, seq]`` next-token targets aligned with ``input_ids`` (the usual HF
-                convention: position t predicts ``labels[t+1]``); ``-100`` is ignored. Defaults to
-                ``input_ids`` with padding ignored.
+                convention: position t predicts ``labels[t+1]``); ``-100`` is ignored (e.g. prompt
+                tokens of chat records). Defaults to ``input_ids`` with padding ignored.
             teacher_topk: cached teacher ``([batch, seq, k] token ids, [batch, seq, k] log-probs)``
                 at each position, for ``cached_teacher`` models.
         """
@@ -274,91 +289,22 @@ class DistillModel(nn.Module):
         valid = target != -100
         if attention_mask is not None:
             valid = valid & attention_mask[:, :-1].bool()
+        token_mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         zero = next(self.student.parameters()).new_zeros(())
-        kd = ce = focal = hidden = attn = zero
 
         if self._student_taps is not None:
             self._student_taps.clear()
         h_s = self.student.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-        head_s = self.student.get_output_embeddings()
-
-        if self.cached_teacher and cfg.kd_weight > 0:
-            from distill.teacher_cache import topk_kd_loss
-
-            if teacher_topk is None:
-                raise DistillSetupError("this model distills from a teacher cache: pass teacher_topk=")
-            idx, logp = teacher_topk
-            kd = topk_kd_loss(head_s(h_s[:, :-1])[..., : self.vocab], idx[:, :-1], logp[:, :-1], valid,
-                              temperature=cfg.temperature)
-
-        # CE rides along in the chunked KD pass when it can: one head pass instead of two.
-        fuse_ce = (cfg.ce_weight > 0 and cfg.kd_weight > 0 and cfg.kd_chunk_size is not None
-                   and not self.cached_teacher and self._teacher is not None)
-        fused = None
-        if (cfg.ce_weight > 0 and not fuse_ce) or cfg.focal_weight > 0:
-            logits = head_s(h_s[:, :-1])
-            if cfg.ce_weight > 0 and not fuse_ce:
-                ce = losses.ce_loss(logits, target.masked_fill(~valid, -100))
-            if cfg.focal_weight > 0:
-                focal = losses.focal_loss(logits, target.masked_fill(~valid, -100),
-                                          alpha=cfg.focal_alpha, gamma=cfg.focal_gamma)
-            del logits
-
-        if cfg.needs_teacher and not self.cached_teacher:
-            # A DeepSpeed inference engine wraps the model; its submodules keep the ZeRO-3 hooks.
-            teacher = getattr(self._teacher, "module", self._teacher)
-            self._teacher_taps.clear()
-            with torch.no_grad():
-                h_t = teacher.model(input_ids=input_ids, attention_mask=attention_mask,
-                                    use_cache=False).last_hidden_state
-            if cfg.kd_weight > 0:
-                if cfg.kd_chunk_size is None:
-                    # Reference path; also the ZeRO-3 path, where head weights exist only inside the
-                    # head's own forward, so logits must come from calling the modules.
-                    lg_s = head_s(h_s[:, :-1])[..., : self.vocab]
-                    with torch.no_grad():
-                        lg_t = teacher.get_output_embeddings()(h_t[:, :-1])[..., : self.vocab]
-                    kd = losses.kd_loss(lg_s, lg_t, valid, kind=cfg.kd_kind, temperature=cfg.temperature,
-                                        beta=cfg.beta)
-                    del lg_s, lg_t
-                elif fuse_ce:
-                    w_t = teacher.get_output_embeddings().weight[: self.vocab]
-                    w_s = head_s.weight[: self.vocab]
-                    fused, kd, ce = losses.chunked_kd_ce_loss(
-                        h_s[:, :-1], w_s, h_t[:, :-1].detach(), w_t.detach(), target.clamp(min=0), valid,
-                        ce_weight=cfg.ce_weight / cfg.kd_weight, kind=cfg.kd_kind, temperature=cfg.temperature,
-                        beta=cfg.beta, chunk_size=cfg.kd_chunk_size)
-                else:
-                    w_t = teacher.get_output_embeddings().weight[: self.vocab]
-                    w_s = head_s.weight[: self.vocab]
-                    kd = losses.chunked_kd_loss(h_s[:, :-1], w_s, h_t[:, :-1].detach(), w_t.detach(), valid,
-                                                kind=cfg.kd_kind, temperature=cfg.temperature, beta=cfg.beta,
-                                                chunk_size=cfg.kd_chunk_size)
-            token_mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None \
-                else attention_mask.bool()
-            if self.hidden_pairs:
-                terms = []
-                for s, t in self.hidden_pairs:
-                    h_t = self._teacher_taps.hidden[t].detach()
-                    h_s = self.projectors[f"s{s}_t{t}"](self._student_taps.hidden[s])
-                    if cfg.hidden_kind == "nmse":
-                        terms.append(normalized_mse(h_s, h_t, token_mask))
-                    else:
-                        terms.append(losses.hidden_loss(h_s, h_t, token_mask, kind=cfg.hidden_kind))
-                hidden = torch.stack(terms).mean()
-            if self.attn_pairs:
-                hd_s, hd_t = _head_dim(self.student.config), _head_dim(teacher.config)
-                terms = []
-                for s, t in self.attn_pairs:
-                    q_s, k_s = self._student_taps.qk(s, hd_s)
-                    with torch.no_grad():
-                        q_t, k_t = self._teacher_taps.qk(t, hd_t)
-                    terms.append(losses.attention_map_loss(q_s, k_s, q_t, k_t, token_mask,
-                                                           num_queries=cfg.attn_num_queries))
-                attn = torch.stack(terms).mean()
-            self._teacher_taps.clear()
-        if self._student_taps is not None:
-            self._student_taps.clear()
+        h_t = self._teacher_states(input_ids, attention_mask) if self._live_teacher else None
+        kd, fused, fused_ce = self._kd(h_s, h_t, target, valid, teacher_topk)
+        ce, focal = self._ce_focal(h_s, target, valid, skip_ce=fused is not None)
+        if fused_ce is not None:
+            ce = fused_ce
+        hidden = self._hidden_term(token_mask) if self.hidden_pairs else zero
+        attn = self._attn_term(token_mask) if self.attn_pairs else zero
+        for taps in (self._student_taps, getattr(self, "_teacher_taps", None)):
+            if taps is not None:
+                taps.clear()
 
         if fused is not None:  # kd_weight * (kd + ce_weight / kd_weight * ce), with one graph
             total = cfg.kd_weight * fused
@@ -368,26 +314,98 @@ class DistillModel(nn.Module):
         return DistillOutput(loss=total, kd=kd, ce=ce, focal=focal, hidden=hidden, attn=attn,
                              tokens=int(valid.sum()))
 
+    # ---- the pieces of a step -----------------------------------------------------------------
+    @property
+    def _live_teacher(self) -> bool:
+        return self.loss_config.needs_teacher and not self.cached_teacher
+
+    def _teacher_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """``[batch, seq, d_t]`` last hidden states of the frozen teacher (its taps fill on the way)."""
+        self._teacher_taps.clear()
+        with torch.no_grad():
+            return self._teacher_module().model(input_ids=input_ids, attention_mask=attention_mask,
+                                                use_cache=False).last_hidden_state
+
+    def _teacher_module(self) -> nn.Module:
+        # A DeepSpeed inference engine wraps the model; its submodules keep the ZeRO-3 hooks.
+        return getattr(self._teacher, "module", self._teacher)
+
+    def _ce_focal(self, h_s: torch.Tensor, target: torch.Tensor, valid: torch.Tensor, skip_ce: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """CE and focal terms from one pass of the student head (CE skipped when the KD pass fused it)."""
+        cfg = self.loss_config
+        zero = h_s.new_zeros(())
+        want_ce = cfg.ce_weight > 0 and not skip_ce
+        if not want_ce and cfg.focal_weight == 0:
+            return zero, zero
+        logits = self.student.get_output_embeddings()(h_s[:, :-1])
+        labels = target.masked_fill(~valid, -100)
+        ce = losses.ce_loss(logits, labels) if want_ce else zero
+        focal = (losses.focal_loss(logits, labels, alpha=cfg.focal_alpha, gamma=cfg.focal_gamma)
+                 if cfg.focal_weight > 0 else zero)
+        return ce, focal
+
+    def _kd(self, h_s: torch.Tensor, h_t: torch.Tensor | None, target: torch.Tensor, valid: torch.Tensor,
+            teacher_topk: tuple[torch.Tensor, torch.Tensor] | None
+            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """``(kd, fused_total or None, fused_ce or None)`` through the path chosen at construction."""
+        cfg = self.loss_config
+        zero = h_s.new_zeros(())
+        head_s = self.student.get_output_embeddings()
+        path = self.kd_path
+        if path == "none":
+            return zero, None, None
+        if path == "cached":
+            if teacher_topk is None:
+                raise DistillSetupError("this model distills from a teacher cache: pass teacher_topk=")
+            idx, logp = teacher_topk
+            kd = losses.topk_kd_loss(head_s(h_s[:, :-1])[..., : self.vocab], idx[:, :-1], logp[:, :-1], valid,
+                                     temperature=cfg.temperature)
+            return kd, None, None
+        head_t = self._teacher_module().get_output_embeddings()
+        if path == "full":
+            # Reference path; also the ZeRO-3 path, where head weights exist only inside the head's
+            # own forward, so logits must come from calling the modules.
+            lg_s = head_s(h_s[:, :-1])[..., : self.vocab]
+            with torch.no_grad():
+                lg_t = head_t(h_t[:, :-1])[..., : self.vocab]
+            return losses.kd_loss(lg_s, lg_t, valid, kind=cfg.kd_kind, temperature=cfg.temperature,
+                                  beta=cfg.beta), None, None
+        w_s, w_t = head_s.weight[: self.vocab], head_t.weight[: self.vocab].detach()
+        if path == "chunked+ce":  # CE rides along in the chunked KD pass: one head pass instead of two
+            fused, kd, ce = losses.chunked_kd_ce_loss(
+                h_s[:, :-1], w_s, h_t[:, :-1].detach(), w_t, target.clamp(min=0), valid,
+                ce_weight=cfg.ce_weight / cfg.kd_weight, kind=cfg.kd_kind, temperature=cfg.temperature,
+                beta=cfg.beta, chunk_size=cfg.kd_chunk_size)
+            return kd, fused, ce
+        kd = losses.chunked_kd_loss(h_s[:, :-1], w_s, h_t[:, :-1].detach(), w_t, valid, kind=cfg.kd_kind,
+                                    temperature=cfg.temperature, beta=cfg.beta, chunk_size=cfg.kd_chunk_size)
+        return kd, None, None
+
+    def _hidden_term(self, token_mask: torch.Tensor) -> torch.Tensor:
+        """Mean over layer pairs of the hidden-state distance (through the projectors)."""
+        kind = self.loss_config.hidden_kind
+        terms = []
+        for s, t in self.hidden_pairs:
+            h_t = self._teacher_taps.hidden[t].detach()
+            h_s = self.projectors[f"s{s}_t{t}"](self._student_taps.hidden[s])
+            terms.append(losses.normalized_mse(h_s, h_t, token_mask) if kind == "nmse"
+                         else losses.hidden_loss(h_s, h_t, token_mask, kind=kind))
+        return torch.stack(terms).mean()
+
+    def _attn_term(self, token_mask: torch.Tensor) -> torch.Tensor:
+        """Mean over layer pairs of the attention-map distance on sampled query rows."""
+        hd_s, hd_t = _head_dim(self.student.config), _head_dim(self._teacher_module().config)
+        terms = []
+        for s, t in self.attn_pairs:
+            q_s, k_s = self._student_taps.qk(s, hd_s)
+            with torch.no_grad():
+                q_t, k_t = self._teacher_taps.qk(t, hd_t)
+            terms.append(losses.attention_map_loss(q_s, k_s, q_t, k_t, token_mask,
+                                                   num_queries=self.loss_config.attn_num_queries))
+        return torch.stack(terms).mean()
+
     def remove_hooks(self) -> None:
         for taps in (self._student_taps, getattr(self, "_teacher_taps", None)):
             if taps is not None:
                 taps.remove()
-
-
-def normalized_mse(student_h: torch.Tensor, teacher_h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean over counted tokens of ``mean((s - t)²) / mean(t²)`` per token, in fp32.
-
-    Normalizing each token by its own teacher state keeps the term a plain token mean, so gradient
-    accumulation stays exact (a batch-level normalizer would not). Shapes: ``[batch, seq, d]`` and
-    ``mask`` ``[batch, seq]``; no counted token gives 0 with a graph.
-    """
-    t = teacher_h.float()
-    per_token = (student_h.float() - t).pow(2).mean(-1) / t.pow(2).mean(-1).clamp(min=1e-12)
-    m = mask.bool()
-    return (per_token * m).sum() / m.sum().clamp(min=1)
-
-
-def loss_config_from(obj) -> LossConfig:
-    """Pick :class:`LossConfig` fields out of a recipe config with the same names."""
-    names = {f.name for f in dataclasses.fields(LossConfig)}
-    return LossConfig(**{n: getattr(obj, n) for n in names if hasattr(obj, n)})

@@ -78,32 +78,3 @@ class TeacherCache:
     def lookup(self, blocks: torch.Tensor, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
         """``[micro]`` block indices → ``([micro, seq, k] int64 ids, [micro, seq, k] fp32 log-probs)``."""
         return self.index[blocks].to(device, torch.long), self.logprobs[blocks].to(device, torch.float32)
-
-
-def topk_kd_loss(student_logits: torch.Tensor, teacher_index: torch.Tensor, teacher_logprobs: torch.Tensor,
-                 mask: torch.Tensor | None = None, *, temperature: float = 1.0) -> torch.Tensor:
-    """Forward KL over the teacher's top-k tokens plus one tail bucket, × T².
-
-    Args:
-        student_logits: ``[batch, seq, vocab]``.
-        teacher_index: ``[batch, seq, k]`` token ids of the teacher's top-k.
-        teacher_logprobs: ``[batch, seq, k]`` their log-probabilities at T = 1.
-        mask: ``[batch, seq]`` bool, True = counts.
-    Returns:
-        Mean over counted tokens (0 with a graph when none count).
-    """
-    t = temperature
-    logq = F.log_softmax(student_logits.float() / t, dim=-1)
-    q_top = logq.gather(-1, teacher_index)
-    # Student tail: log of the mass outside the teacher's top-k, computed without cancellation.
-    q_tail = logq.scatter(-1, teacher_index, float("-inf")).logsumexp(-1, keepdim=True)
-    p_top = teacher_logprobs.float()
-    p_tail = torch.log1p(-p_top.exp().sum(-1, keepdim=True).clamp(max=1 - 1e-6))
-    logp = torch.cat([p_top, p_tail], -1) / t
-    logp = logp - logp.logsumexp(-1, keepdim=True)
-    logq_b = torch.cat([q_top, q_tail], -1)
-    kl = (logp.exp() * (logp - logq_b)).sum(-1) * t * t
-    if mask is None:
-        return kl.mean()
-    m = mask.bool()
-    return (kl * m).sum() / m.sum().clamp(min=1)

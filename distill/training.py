@@ -1,13 +1,28 @@
-"""Small pieces every training recipe shares: the accelerator, the run folder check, the schedule.
+"""The pieces of a training loop that every recipe shares, so that no two copies drift apart.
 
-The recipes keep their loops in plain view; these helpers only hold the parts that must behave the
-same in every recipe (how a CPU run picks its process-group backend, when a run folder is refused).
+A recipe keeps its loop in plain view (config → data → models → loop → save) and calls these for
+the parts that must behave the same everywhere:
+
+* :func:`start_run` / :func:`finish_run`: parse the config, claim the run folder, build the
+  accelerator; at the end run the release gate and write ``summary.json``.
+* :class:`Run`: resume (with the saved config compared to the new one), checkpoints written by
+  every rank between barriers and renamed only when whole, the per-step record (history, progress
+  bar, trackers, divergence check) and the summary files.
+* :func:`train_step`: one optimizer step over a step's micro-batches (accumulation, clipping,
+  the loss terms averaged over processes).
+* :func:`evaluate`: the one held-out evaluation loop (perplexity, agreement and KL to a reference).
+* :func:`save_hf_dir`: a model as an HF directory, atomically and durably.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import os
+import shutil
+import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +30,19 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs
 
-from core.config import ConfigError
+from core.config import ConfigError, parse_config, save_config
+from core.fsio import atomic_write_text, replace_dir
+from distill import checkpoint as ckpt
+from distill.data import eval_batches
+from eval.metrics import LMStats, batch_stats
 
+TRACKERS = ("none", "tensorboard", "wandb")
+PRECISIONS = ("no", "bf16", "fp16", "auto")
+
+
+# --------------------------------------------------------------------------------------------
+# Run setup and teardown
+# --------------------------------------------------------------------------------------------
 
 def make_accelerator(cfg: Any, project_dir: Path) -> Accelerator:
     """An ``Accelerator`` from a recipe config (``mixed_precision``, ``grad_accum``, ``tracker``).
@@ -50,15 +76,33 @@ def check_output_dir(cfg: Any) -> Path:
     return out
 
 
-def reduce_stats(accelerator: Accelerator, stats: Any) -> Any:
-    """Sum an ``eval.metrics.LMStats`` over processes (every rank gets the total)."""
-    from eval.metrics import LMStats
+def start_run(config_cls: type, argv: list[str] | None = None) -> tuple[Any, Accelerator, Path]:
+    """``(cfg, accelerator, output_dir)``: the config parsed and checked, the run folder claimed."""
+    cfg = parse_config(config_cls, argv)
+    out = check_output_dir(cfg)
+    accelerator = make_accelerator(cfg, out)
+    if cfg.overwrite and accelerator.is_main_process and out.exists():
+        shutil.rmtree(out)
+    accelerator.wait_for_everyone()
+    return cfg, accelerator, out
 
-    totals = torch.tensor([stats.nll_sum, stats.tokens, stats.agree, stats.kl_sum, stats.ref_tokens],
-                          dtype=torch.float64, device=accelerator.device)
-    nll, tok, agree, kl, ref_tok = accelerator.reduce(totals, reduction="sum").tolist()
-    return LMStats(nll_sum=nll, tokens=int(tok), agree=int(agree), kl_sum=kl, ref_tokens=int(ref_tok))
 
+def finish_run(cfg: Any, accelerator: Accelerator, out: Path, summary: dict[str, Any],
+               print_summary: Callable[[dict[str, Any], Path], None]) -> None:
+    """Run the release gate when ``cfg.gate`` asks, then write ``summary.json`` and print the summary."""
+    if cfg.gate and accelerator.is_main_process:
+        from distill.sources import gate_against_teacher
+
+        summary["gate"] = gate_against_teacher(cfg, out)
+    if accelerator.is_main_process:
+        atomic_write_text(out / "summary.json", json.dumps(summary, indent=1))
+        print_summary(summary, out)
+    accelerator.wait_for_everyone()
+
+
+# --------------------------------------------------------------------------------------------
+# Optimizer step, schedule, evaluation
+# --------------------------------------------------------------------------------------------
 
 def warmup_cosine(warmup_steps: int, max_steps: int, min_lr_ratio: float):
     """LR multiplier: linear warmup, then cosine decay to ``min_lr_ratio`` at ``max_steps``."""
@@ -68,3 +112,220 @@ def warmup_cosine(warmup_steps: int, max_steps: int, min_lr_ratio: float):
         progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
         return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
     return f
+
+
+def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer, scheduler, params: list,
+               micro_batches: Iterable[Any], forward: Callable[[Any], Any], *, grad_accum: int,
+               max_grad_norm: float, keep: Iterable[str] | None = None) -> dict[str, float]:
+    """One optimizer step over ``micro_batches``; the loss terms, averaged over micro-batches and ranks.
+
+    ``forward(micro_batch)`` returns a :class:`distill.model.DistillOutput`; ``keep`` names the terms
+    reported (default: every non-zero one) besides ``loss``.
+    """
+    sums: dict[str, float] = {}
+    for micro in micro_batches:
+        with accelerator.accumulate(model):
+            output = forward(micro)
+            loss = output.loss
+            accelerator.backward(loss)
+            if accelerator.sync_gradients and max_grad_norm > 0:
+                accelerator.clip_grad_norm_(params, max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+        terms = output.terms()
+        if keep is not None:
+            terms = {k: v for k, v in terms.items() if k in keep}
+        terms["loss"] = float(loss.detach())
+        for k, v in terms.items():
+            sums[k] = sums.get(k, 0.0) + v / grad_accum
+    reduced = accelerator.reduce(torch.tensor(list(sums.values()), device=accelerator.device), reduction="mean")
+    return {k: float(v) for k, v in zip(sums, reduced.tolist())}
+
+
+def reduce_stats(accelerator: Accelerator, stats: LMStats) -> LMStats:
+    """Sum an :class:`eval.metrics.LMStats` over processes (every rank gets the total)."""
+    totals = torch.tensor([stats.nll_sum, stats.tokens, stats.agree, stats.kl_sum, stats.ref_tokens],
+                          dtype=torch.float64, device=accelerator.device)
+    nll, tok, agree, kl, ref_tok = accelerator.reduce(totals, reduction="sum").tolist()
+    return LMStats(nll_sum=nll, tokens=int(tok), agree=int(agree), kl_sum=kl, ref_tokens=int(ref_tok))
+
+
+@torch.no_grad()
+def evaluate(accelerator: Accelerator, model: torch.nn.Module, blocks: torch.Tensor, batch_size: int,
+             reference: torch.nn.Module | None = None) -> tuple[LMStats, LMStats | None]:
+    """Held-out stats of ``model`` (with top-1 agreement and KL to ``reference``) and of ``reference``.
+
+    ``blocks`` is ``[n, seq]`` token ids, split over processes; both results are summed over them.
+    The reference runs once per batch and only its statistics are kept, never its logits, so an
+    evaluation holds one batch of ``[batch, seq, vocab]`` at a time whatever the held-out size.
+    """
+    was = model.training
+    model.eval()
+    stats, ref_stats = LMStats(), (LMStats() if reference is not None else None)
+    for batch in eval_batches(blocks, batch_size, accelerator.process_index, accelerator.num_processes):
+        ids = batch["input_ids"].to(accelerator.device)
+        logits = model(input_ids=ids).logits
+        ref = reference(input_ids=ids).logits if reference is not None else None
+        if ref is not None:
+            ref_stats.add(batch_stats(ref, ids))
+        stats.add(batch_stats(logits, ids, None, ref))
+        del logits, ref
+    model.train(was)
+    return reduce_stats(accelerator, stats), (reduce_stats(accelerator, ref_stats) if ref_stats else None)
+
+
+def save_hf_dir(accelerator: Accelerator, model: torch.nn.Module, tokenizer, path: Path,
+                state_dict: dict[str, torch.Tensor] | None = None) -> None:
+    """Write ``model`` (+ tokenizer) as an HF directory: into a temp folder, fsynced, then renamed."""
+    if accelerator.is_main_process:
+        tmp = path.with_name(f".tmp-{path.name}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        replace_dir(tmp, path)
+    accelerator.wait_for_everyone()
+
+
+# --------------------------------------------------------------------------------------------
+# The run: resume, checkpoints, per-step records
+# --------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class TrainerState:
+    """What a checkpoint's ``trainer_state.json`` holds besides the accelerate state."""
+
+    step: int = 0
+    history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    evals: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    init: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+class Run:
+    """One run's folder on every rank: resume, checkpoints, the step record and the summary files.
+
+    ``tracker_project`` names the tracker project; ``progress`` the progress bar.
+    """
+
+    def __init__(self, cfg: Any, accelerator: Accelerator, *, tracker_project: str, progress: str) -> None:
+        self.cfg, self.accelerator = cfg, accelerator
+        self.out = Path(cfg.output_dir)
+        self.main = accelerator.is_main_process
+        self.state = TrainerState()
+        self.tracker_project, self.progress = tracker_project, progress
+        self.bar = None
+        self._t_loop = None
+        self.loop_seconds = 0.0
+        self.loop_tokens = 0
+
+    # ---- start -----------------------------------------------------------------------------
+    def resume(self) -> TrainerState:
+        """Load ``cfg.resume`` into the prepared objects (no-op without it); returns the trainer state."""
+        if self.cfg.resume is None:
+            return self.state
+        path = ckpt.resolve_resume(self.cfg.resume, self.out)
+        saved = ckpt.read_state(path)
+        try:
+            self.accelerator.load_state(str(path))
+        except Exception as err:  # noqa: BLE001 - a torn or foreign checkpoint
+            raise ckpt.CheckpointError(f"cannot load checkpoint {path} ({type(err).__name__}: {err}); resume from "
+                                       "an older step-N folder") from None
+        self.state = TrainerState(step=saved["step"], history=saved["history"], evals=saved["evals"],
+                                  init=saved["init"])
+        if self.main:
+            print(f"resumed from {path} at step {self.state.step}")
+        return self.state
+
+    def begin(self) -> None:
+        """Clear a killed run's temp folders, write the resolved config, start the trackers."""
+        if self.main:
+            ckpt.clean_partial(self.out)
+            self.out.mkdir(parents=True, exist_ok=True)
+            save_config(self.cfg, self.out / "config.yaml")
+        if self.cfg.tracker != "none":
+            self.accelerator.init_trackers(self.tracker_project, config={
+                k: v for k, v in dataclasses.asdict(self.cfg).items() if isinstance(v, (int, float, str, bool))})
+        self.accelerator.wait_for_everyone()
+
+    # ---- loop ------------------------------------------------------------------------------
+    def steps(self) -> range:
+        """The steps still to run; opens the progress bar and starts the loop clock."""
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=self.cfg.max_steps, initial=self.state.step, disable=not self.main,
+                        desc=self.progress, dynamic_ncols=True)
+        self._t_loop = time.perf_counter()
+        return range(self.state.step, self.cfg.max_steps)
+
+    def record(self, step: int, terms: dict[str, float], lr: float, tokens: int, **extra: Any) -> None:
+        """Book step ``step`` (0-based) that trained on ``tokens`` tokens; a non-finite loss stops the run."""
+        if not math.isfinite(terms["loss"]):
+            last = ckpt.latest_checkpoint(self.out)
+            raise ckpt.TrainingDiverged(
+                f"loss became {terms['loss']} at step {step + 1}; the last good checkpoint is "
+                f"{last or 'none'}: lower lr or enable clipping, then resume=latest")
+        self.loop_tokens += tokens
+        elapsed = time.perf_counter() - self._t_loop
+        self.state.step = step + 1
+        self.state.history.append({"step": step + 1, "lr": lr, **extra, **terms})
+        self.bar.update(1)
+        self.bar.set_postfix({k: f"{v:.3g}" for k, v in terms.items() if v} | extra
+                             | {"tok/s": f"{self.loop_tokens / max(elapsed, 1e-9):.0f}"})
+        if self.cfg.tracker != "none" and (step + 1) % self.cfg.log_every == 0:
+            self.accelerator.log(terms | {"lr": lr} | extra, step=step + 1)
+
+    def write(self, text: str) -> None:
+        if self.main:
+            (self.bar.write if self.bar is not None else print)(text)
+
+    def due(self, step: int, every: int) -> bool:
+        """Whether a cadence of ``every`` steps (0: never) falls on step ``step`` (0-based)."""
+        return bool(every) and (step + 1) % every == 0
+
+    def last(self, step: int) -> bool:
+        return step + 1 == self.cfg.max_steps
+
+    def save_checkpoint(self, step: int, write_extra: Callable[[Path], None]) -> None:
+        """Checkpoint after ``step`` steps: every rank writes its shard, then the main renames it whole.
+
+        ``write_extra(folder)`` (main process only) adds what export needs to rebuild the model.
+        """
+        tmp = ckpt.tmp_dir(self.out, step)
+        if self.main:  # every rank writes into it (DeepSpeed shards, RNG states): it must exist first
+            tmp.mkdir(parents=True, exist_ok=True)
+        self.accelerator.wait_for_everyone()
+        self.accelerator.save_state(str(tmp), safe_serialization=True)
+        self.accelerator.wait_for_everyone()  # every rank's shard is on disk before the rename
+        if self.main:
+            write_extra(tmp)
+            save_config(self.cfg, tmp / "config.yaml")
+            ckpt.finalize(self.out, step, dataclasses.asdict(self.state), self.cfg.keep_checkpoints)
+        self.accelerator.wait_for_everyone()
+
+    def maybe_exit(self, step: int) -> None:
+        """Testing: die like a killed process after ``debug_exit_at_step`` (no cleanup, no final save)."""
+        if self.cfg.debug_exit_at_step is not None and step + 1 == self.cfg.debug_exit_at_step:
+            os._exit(137)
+
+    def end_loop(self) -> None:
+        """Close the bar; the loop's own wall time is what ``tokens_per_s`` is measured over."""
+        if self._t_loop is not None:
+            self.loop_seconds = time.perf_counter() - self._t_loop
+        if self.bar is not None:
+            self.bar.close()
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.loop_tokens / max(self.loop_seconds, 1e-9)
+
+    # ---- end -------------------------------------------------------------------------------
+    def write_records(self, summary: dict[str, Any], title: str) -> None:
+        """``summary.json`` and ``loss.png`` (main process), then end the trackers."""
+        from distill.plots import plot_training
+
+        if self.main:
+            atomic_write_text(self.out / "summary.json", json.dumps(summary, indent=1))
+            plot_training(self.state.history, self.state.evals, self.out / "loss.png", title=title)
+        self.accelerator.wait_for_everyone()
+        if self.cfg.tracker != "none":
+            self.accelerator.end_training()

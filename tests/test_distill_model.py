@@ -9,6 +9,14 @@ from distill.model import DistillModel, DistillSetupError, LossConfig
 from distill.student import derive_student, spread_layers
 
 
+def loss_config(**overrides) -> LossConfig:
+    """LossConfig has no defaults of its own; these are the tests' explicit baseline."""
+    base = dict(kd_weight=1.0, kd_kind="forward_kl", temperature=2.0, beta=0.5, kd_chunk_size=1024, ce_weight=0.0,
+                focal_weight=0.0, focal_alpha=0.25, focal_gamma=2.0, hidden_weight=0.0, hidden_layers=["relative"],
+                hidden_kind="nmse", attn_weight=0.0, attn_layers=[], attn_num_queries=64)
+    return LossConfig(**(base | overrides))
+
+
 def pair(**kw):
     teacher = tiny_model(layers=4, seed=0, **kw)
     student = derive_student(teacher, [0, 3])
@@ -22,7 +30,7 @@ def ids(batch=2, seq=12, seed=1):
 
 def test_teacher_hidden_from_state_dict_and_optimizer():
     teacher, student = pair()
-    m = DistillModel(student, teacher, LossConfig(hidden_weight=1.0, hidden_layers=["relative"]))
+    m = DistillModel(student, teacher, loss_config(hidden_weight=1.0, hidden_layers=["relative"]))
     keys = list(m.state_dict())
     assert keys and all(k.startswith(("student.", "projectors.")) for k in keys)
     teacher_ids = {id(p) for p in teacher.parameters()}
@@ -33,7 +41,7 @@ def test_teacher_hidden_from_state_dict_and_optimizer():
 def test_projector_when_widths_differ_and_is_saved():
     teacher = tiny_model(layers=4, hidden=64, heads=4, kv_heads=2)
     student = tiny_model(layers=2, hidden=32, heads=2, kv_heads=1, seed=3)
-    m = DistillModel(student, teacher, LossConfig(hidden_weight=1.0, hidden_layers=["relative"], kd_weight=0.0))
+    m = DistillModel(student, teacher, loss_config(hidden_weight=1.0, hidden_layers=["relative"], kd_weight=0.0))
     assert m.hidden_pairs == [(0, 1), (1, 3)]
     assert m.projectors["s0_t1"].weight.shape == (64, 32)
     assert "projectors.s0_t1.weight" in m.state_dict()
@@ -46,7 +54,7 @@ def test_forward_terms_equal_direct_computation():
     teacher = tiny_model(layers=4, seed=0)
     student = derive_student(teacher, [0, 2, 3])
     # HF's last hidden state is after the final norm: compare layers before the last one.
-    cfg = LossConfig(kd_weight=1.0, temperature=2.0, ce_weight=0.5, focal_weight=0.3, hidden_weight=0.7,
+    cfg = loss_config(kd_weight=1.0, temperature=2.0, ce_weight=0.5, focal_weight=0.3, hidden_weight=0.7,
                      hidden_layers=["0:1", "1:2"], hidden_kind="mse", attn_weight=0.2, attn_layers=["2:3"], attn_num_queries=64,
                      kd_chunk_size=5)
     m = DistillModel(student, teacher, cfg)
@@ -73,7 +81,7 @@ def test_captured_attention_maps_match_eager_attention():
     """q/k captured by hooks give the same probabilities as the eager attention layer."""
     teacher, student = pair()
     teacher.config._attn_implementation = "eager"
-    m = DistillModel(student, teacher, LossConfig(kd_weight=0.0, attn_weight=1.0, attn_layers=["1:3"]))
+    m = DistillModel(student, teacher, loss_config(kd_weight=0.0, attn_weight=1.0, attn_layers=["1:3"]))
     x = ids(batch=1, seq=10)
     with torch.no_grad():
         m(x)  # fills nothing persistent; run the taps directly below
@@ -94,7 +102,7 @@ def test_chunked_and_full_kd_paths_agree_with_gradients():
     values = []
     for chunk in (None, 7):
         student.zero_grad()
-        m = DistillModel(student, teacher, LossConfig(kd_weight=1.0, kd_chunk_size=chunk, temperature=1.5))
+        m = DistillModel(student, teacher, loss_config(kd_weight=1.0, kd_chunk_size=chunk, temperature=1.5))
         out = m(x)
         out.loss.backward()
         values.append(out.loss.detach())
@@ -106,7 +114,7 @@ def test_chunked_and_full_kd_paths_agree_with_gradients():
 
 def test_padding_never_counts():
     teacher, student = pair()
-    m = DistillModel(student, teacher, LossConfig(kd_weight=1.0, ce_weight=1.0, hidden_weight=1.0,
+    m = DistillModel(student, teacher, loss_config(kd_weight=1.0, ce_weight=1.0, hidden_weight=1.0,
                                                   hidden_layers=["derived"]))
     x = ids(batch=1, seq=8)
     padded = torch.cat([x, torch.zeros(1, 4, dtype=torch.long)], 1)
@@ -149,21 +157,21 @@ def test_setup_errors_name_the_fix():
     teacher = tiny_model(layers=2, vocab=320)
     other = tiny_model(layers=2, vocab=400)
     with pytest.raises(DistillSetupError, match="vocab_size 400 != student vocab_size 320"):
-        DistillModel(teacher, other, LossConfig())
+        DistillModel(teacher, other, loss_config())
     with pytest.warns(UserWarning, match="padding"):
-        m = DistillModel(teacher, other, LossConfig(), tokenizer_size=300)
+        m = DistillModel(teacher, other, loss_config(), tokenizer_size=300)
     assert m.vocab == 320
     m(ids()).loss.backward()
     with pytest.raises(DistillSetupError, match="need a teacher"):
-        DistillModel(teacher, None, LossConfig(kd_weight=1.0))
+        DistillModel(teacher, None, loss_config(kd_weight=1.0))
     with pytest.raises(DistillSetupError, match="every loss weight is 0"):
-        LossConfig(kd_weight=0.0)
+        loss_config(kd_weight=0.0)
 
 
 def test_normalized_hidden_mse_is_scale_free():
     teacher = tiny_model(layers=4, seed=0)
     student = derive_student(teacher, [0, 2, 3])
-    m = DistillModel(student, teacher, LossConfig(kd_weight=0.0, hidden_weight=1.0, hidden_layers=["0:1"],
+    m = DistillModel(student, teacher, loss_config(kd_weight=0.0, hidden_weight=1.0, hidden_layers=["0:1"],
                                                   hidden_kind="nmse"))
     x = ids()
     s = student(x, output_hidden_states=True).hidden_states[1]

@@ -18,7 +18,9 @@ from distill.losses import (
     focal_loss,
     hidden_loss,
     kd_loss,
+    normalized_mse,
     sample_query_positions,
+    topk_kd_loss,
 )
 
 # --------------------------------------------------------------------------- naive references
@@ -548,3 +550,64 @@ def test_fused_kd_ce_equals_separate_terms(kind, temperature):
     torch.testing.assert_close(ce, ref_ce.detach(), rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(gh, rh, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(gw, rw, rtol=1e-9, atol=1e-12)
+
+
+# --------------------------------------------------------------------------- top-k cache KD, normalized MSE
+
+
+def naive_topk_kd(z: torch.Tensor, idx: list[int], teacher_logp: list[float], t: float) -> torch.Tensor:
+    """One token: both sides collapsed to the teacher's top-k tokens + one tail bucket, KL(p‖q) × T²."""
+    p = [math.exp(v) for v in teacher_logp]
+    p_bucket = torch.tensor(p + [1.0 - sum(p)], dtype=torch.float64)
+    p_t = torch.softmax(p_bucket.log() / t, -1)  # the teacher's bucket distribution at temperature t
+    q = torch.softmax(z / t, -1)
+    q_top = torch.stack([q[i] for i in idx])
+    q_bucket = torch.cat([q_top, (1.0 - q_top.sum()).reshape(1)])
+    return (p_t * (p_t.log() - q_bucket.log())).sum() * t * t
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_topk_kd_matches_naive_values_and_grads(temperature):
+    g = torch.Generator().manual_seed(0)
+    b, n, v, k = 2, 3, 11, 4
+    z = torch.randn(b, n, v, generator=g, dtype=torch.float64, requires_grad=True)
+    teacher = torch.log_softmax(torch.randn(b, n, v, generator=g, dtype=torch.float64) * 2, -1)
+    logp, idx = teacher.topk(k, -1)
+    mask = torch.tensor([[True, True, False], [True, False, True]])
+    got = topk_kd_loss(z, idx, logp, mask, temperature=temperature)
+    z_ref = z.detach().clone().requires_grad_(True)
+    rows = [naive_topk_kd(z_ref[i, j], idx[i, j].tolist(), logp[i, j].tolist(), temperature)
+            for i in range(b) for j in range(n) if mask[i, j]]
+    want = torch.stack(rows).mean()
+    assert got.item() == pytest.approx(want.item(), rel=1e-5, abs=1e-7)
+    got.backward()
+    want.backward()
+    assert torch.allclose(z.grad.double(), z_ref.grad, atol=1e-6)
+    assert z.grad[0, 2].abs().max() == 0  # masked tokens get no gradient
+
+
+def test_topk_kd_with_the_whole_vocabulary_is_full_kd():
+    g = torch.Generator().manual_seed(1)
+    z = torch.randn(2, 5, 7, generator=g, dtype=torch.float64)
+    t_logits = torch.randn(2, 5, 7, generator=g, dtype=torch.float64)
+    logp, idx = torch.log_softmax(t_logits, -1).topk(7, -1)
+    full = kd_loss(z, t_logits, kind="forward_kl", temperature=1.0)
+    assert topk_kd_loss(z, idx, logp).item() == pytest.approx(full.item(), abs=1e-4)
+    empty = topk_kd_loss(z.requires_grad_(True), idx, logp, torch.zeros(2, 5, dtype=torch.bool))
+    assert empty.item() == 0.0 and empty.requires_grad
+
+
+def test_normalized_mse_matches_naive_and_is_scale_free():
+    g = torch.Generator().manual_seed(2)
+    s = torch.randn(2, 4, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    t = torch.randn(2, 4, 6, generator=g, dtype=torch.float64) * 50
+    mask = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1]], dtype=torch.bool)
+    rows = [((s[i, j] - t[i, j]) ** 2).mean() / (t[i, j] ** 2).mean()
+            for i in range(2) for j in range(4) if mask[i, j]]
+    want = torch.stack(rows).mean()
+    got = normalized_mse(s, t, mask)
+    assert got.item() == pytest.approx(want.item(), rel=1e-6)
+    (g1,) = torch.autograd.grad(got, s)
+    (g2,) = torch.autograd.grad(want, s)
+    assert torch.allclose(g1.double(), g2, atol=1e-9)
+    assert normalized_mse(s * 10, t * 10, mask).item() == pytest.approx(got.item(), rel=1e-6)

@@ -1,0 +1,76 @@
+"""Durable file writes: what a run says it wrote is on disk, whole, even if the machine dies next.
+
+A rename is atomic but not durable until its directory is fsynced, and a file's bytes are not on
+disk until the file is. Every checkpoint, final model, export, summary and config goes through these
+helpers: write under a temporary name, fsync the files, rename, fsync the parent. An existing target
+is replaced first and deleted after (never deleted before its replacement is in place).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make the entries of directory ``path`` (creations, renames) durable."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # platforms without directory fds: nothing more can be done
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: str | os.PathLike) -> None:
+    """fsync every file and directory under ``root`` (and ``root`` itself)."""
+    root = Path(root)
+    for dirpath, _dirnames, filenames in os.walk(root):
+        for name in filenames:
+            p = os.path.join(dirpath, name)
+            if os.path.islink(p):
+                continue
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+        fsync_dir(dirpath)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` so that a reader sees the old file or the whole new one, never a mix."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def replace_dir(tmp: str | os.PathLike, target: str | os.PathLike) -> Path:
+    """Move the finished folder ``tmp`` to ``target`` durably; an old ``target`` goes only afterwards.
+
+    The old folder is first renamed aside, so at every instant either the old or the new folder
+    exists under a name a reader trusts (the aside name starts with a dot, like every temp name).
+    """
+    tmp, target = Path(tmp), Path(target)
+    fsync_tree(tmp)
+    old = None
+    if target.exists():
+        old = target.with_name(f".old-{target.name}-{uuid.uuid4().hex[:8]}")
+        os.replace(target, old)
+    os.replace(tmp, target)
+    fsync_dir(target.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return target
