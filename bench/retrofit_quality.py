@@ -60,7 +60,7 @@ def perplexity(model, tokens: torch.Tensor, length: int) -> tuple[float, float]:
 
     blocks = tokens.reshape(-1, length)
     t0 = time.time()
-    stats = evaluate_lm(model, ({"input_ids": blocks[i:i + 1]} for i in range(blocks.shape[0])))
+    stats, _ = evaluate_lm(model, ({"input_ids": blocks[i:i + 1]} for i in range(blocks.shape[0])))
     return stats.perplexity, time.time() - t0
 
 

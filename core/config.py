@@ -24,6 +24,8 @@ from typing import Any, TypeVar
 
 import yaml
 
+from core.fsio import atomic_write_text
+
 T = TypeVar("T")
 
 
@@ -204,8 +206,8 @@ def to_dict(config: Any) -> dict[str, Any]:
 
 
 def save_config(config: Any, path: str | Path) -> None:
-    """Write the resolved config as YAML (loadable again with ``--config``)."""
-    Path(path).write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+    """Write the resolved config as YAML (loadable again with ``--config``), atomically and durably."""
+    atomic_write_text(path, yaml.safe_dump(to_dict(config), sort_keys=False))
 
 
 def help_text(cls: type) -> str:

@@ -34,7 +34,7 @@ from core.config import ConfigError, parse_config, save_config
 from core.fsio import atomic_write_text, replace_dir
 from distill import checkpoint as ckpt
 from distill.data import eval_batches
-from eval.metrics import LMStats, batch_stats
+from eval.metrics import LMStats, evaluate_lm
 
 TRACKERS = ("none", "tensorboard", "wandb")
 PRECISIONS = ("no", "bf16", "fp16", "auto")
@@ -151,27 +151,11 @@ def reduce_stats(accelerator: Accelerator, stats: LMStats) -> LMStats:
     return LMStats(nll_sum=nll, tokens=int(tok), agree=int(agree), kl_sum=kl, ref_tokens=int(ref_tok))
 
 
-@torch.no_grad()
 def evaluate(accelerator: Accelerator, model: torch.nn.Module, blocks: torch.Tensor, batch_size: int,
              reference: torch.nn.Module | None = None) -> tuple[LMStats, LMStats | None]:
-    """Held-out stats of ``model`` (with top-1 agreement and KL to ``reference``) and of ``reference``.
-
-    ``blocks`` is ``[n, seq]`` token ids, split over processes; both results are summed over them.
-    The reference runs once per batch and only its statistics are kept, never its logits, so an
-    evaluation holds one batch of ``[batch, seq, vocab]`` at a time whatever the held-out size.
-    """
-    was = model.training
-    model.eval()
-    stats, ref_stats = LMStats(), (LMStats() if reference is not None else None)
-    for batch in eval_batches(blocks, batch_size, accelerator.process_index, accelerator.num_processes):
-        ids = batch["input_ids"].to(accelerator.device)
-        logits = model(input_ids=ids).logits
-        ref = reference(input_ids=ids).logits if reference is not None else None
-        if ref is not None:
-            ref_stats.add(batch_stats(ref, ids))
-        stats.add(batch_stats(logits, ids, None, ref))
-        del logits, ref
-    model.train(was)
+    """:func:`eval.metrics.evaluate_lm` over this rank's share of ``blocks`` ``[n, seq]``, summed over ranks."""
+    batches = eval_batches(blocks, batch_size, accelerator.process_index, accelerator.num_processes)
+    stats, ref_stats = evaluate_lm(model, batches, reference, device=accelerator.device)
     return reduce_stats(accelerator, stats), (reduce_stats(accelerator, ref_stats) if ref_stats else None)
 
 

@@ -322,21 +322,10 @@ def _model_entry(run: GenerationRun) -> dict:
 # -- entry points --------------------------------------------------------------------------------
 
 
-def run_gate(cfg: GateConfig, scorer: BertScore | None = None) -> GateResult:
-    """Run the whole gate and write the report; raises :class:`GateInputError` on broken input.
-
-    ``scorer`` reuses an already loaded :class:`BertScore` (its layer must match the config; its
-    rescale baseline is reset from ``cfg.rescale``).
-    """
-    t_start = time.perf_counter()
-    timings: dict[str, float] = {}
-    prompts_path, prompts, refs, models = _load_inputs(cfg)
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else out / "cache"
-    memo = DigestMemo(cache_dir / "file-digests.json")
-    settings = cfg.generation_settings()
-
+def _generate_all(cfg: GateConfig, models: dict[str, Path], prompts: list[Prompt], refs: list[str] | None,
+                  settings: GenerationSettings, cache_dir: Path, memo: DigestMemo, timings: dict[str, float]
+                  ) -> tuple[dict[str, GenerationRun], list[str], str, str]:
+    """Generations of every model, and what they are scored against: ``(runs, refs, mode, note)``."""
     runs: dict[str, GenerationRun] = {}
     for role in ("candidate", "baseline"):
         runs[role] = generate_outputs(models[role], prompts, settings, cache_dir, cfg.chat, memo, desc=role)
@@ -358,8 +347,12 @@ def run_gate(cfg: GateConfig, scorer: BertScore | None = None) -> GateResult:
                 "baseline scores 1.0 and the gate bounds how far the candidate moved (threshold max_drift), "
                 "not whether it got worse")
     memo.save()
+    return runs, refs, mode, note
 
-    t = time.perf_counter()
+
+def _prepare_scorer(cfg: GateConfig, scorer: BertScore | None, prompts: list[Prompt], prompts_path: Path,
+                    memo: DigestMemo) -> BertScore:
+    """The BERTScore scorer (a given one is reused when its layer matches) with its rescale baseline."""
     if scorer is None:
         scorer = BertScore(layer=cfg.scorer_layer, batch_size=cfg.scorer_batch_size, memo=memo,
                            device=None if cfg.device == "auto" else cfg.device.split(":")[0])
@@ -374,6 +367,29 @@ def run_gate(cfg: GateConfig, scorer: BertScore | None = None) -> GateResult:
         lines = Path(cfg.rescale).read_text(encoding="utf-8").splitlines()
         scorer.set_baseline_from_texts(lines, source=f"text:{Path(cfg.rescale).name}", seed=cfg.seed)
     memo.save()
+    return scorer
+
+
+def run_gate(cfg: GateConfig, scorer: BertScore | None = None) -> GateResult:
+    """Run the whole gate and write the report; raises :class:`GateInputError` on broken input.
+
+    ``scorer`` reuses an already loaded :class:`BertScore` (its layer must match the config; its
+    rescale baseline is reset from ``cfg.rescale``).
+    """
+    t_start = time.perf_counter()
+    timings: dict[str, float] = {}
+    prompts_path, prompts, refs, models = _load_inputs(cfg)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else out / "cache"
+    memo = DigestMemo(cache_dir / "file-digests.json")
+    settings = cfg.generation_settings()
+
+    runs, refs, mode, note = _generate_all(cfg, models, prompts, refs, settings, cache_dir, memo, timings)
+    memo.save()
+
+    t = time.perf_counter()
+    scorer = _prepare_scorer(cfg, scorer, prompts, prompts_path, memo)
     timings["scorer_load"] = time.perf_counter() - t
     t = time.perf_counter()
     cand_f = scorer.f1(runs["candidate"].outputs, refs, progress="score candidate")

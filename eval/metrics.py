@@ -92,15 +92,19 @@ def batch_stats(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: t
 
 
 @torch.inference_mode()
+@torch.no_grad()
 def evaluate_lm(model: torch.nn.Module, batches: Iterable[dict[str, torch.Tensor]],
-                reference: torch.nn.Module | None = None, device: torch.device | str | None = None) -> LMStats:
-    """Perplexity (and agreement with ``reference`` when given) of ``model`` over ``batches``.
+                reference: torch.nn.Module | None = None, device: torch.device | str | None = None
+                ) -> tuple[LMStats, LMStats | None]:
+    """Stats of ``model`` over ``batches`` (with top-1 agreement and KL to ``reference``) and of ``reference``.
 
-    Each batch is a dict with ``input_ids`` ``[batch, seq]`` and optionally ``attention_mask``.
+    Each batch is a dict with ``input_ids`` ``[batch, seq]`` and optionally ``attention_mask``. The
+    reference runs once per batch and only statistics are kept, never logits, so memory holds one
+    batch of ``[batch, seq, vocab]`` whatever the number of batches.
     """
     was_training = model.training
     model.eval()
-    total = LMStats()
+    total, ref_total = LMStats(), (LMStats() if reference is not None else None)
     for batch in batches:
         ids = batch["input_ids"].to(device) if device is not None else batch["input_ids"]
         am = batch.get("attention_mask")
@@ -109,8 +113,11 @@ def evaluate_lm(model: torch.nn.Module, batches: Iterable[dict[str, torch.Tensor
         logits = model(input_ids=ids, attention_mask=am).logits
         ref = reference(input_ids=ids, attention_mask=am).logits if reference is not None else None
         total.add(batch_stats(logits, ids, am, ref))
+        if ref is not None:
+            ref_total.add(batch_stats(ref, ids, am))
+        del logits, ref
     model.train(was_training)
-    return total
+    return total, ref_total
 
 
 def text_windows(tokenizer, text: str, seq_len: int = 512) -> tuple[list[list[int]], list[int]]:

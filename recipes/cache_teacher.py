@@ -19,15 +19,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# Python puts a script's folder first on sys.path, and this folder holds distill.py, which would shadow
+# the `distill` package: keep the folder off sys.path so imports come from the installed packages.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-import torch  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
+import torch
+from tqdm.auto import tqdm
 
-from core.config import ConfigError, field, parse_config, run_cli, save_config  # noqa: E402
-from distill.data import BUILTIN, build_data, eval_batches  # noqa: E402
-from distill.teacher_cache import META, bytes_per_token, fingerprint, topk_logprobs, write_shard  # noqa: E402
-from eval.metrics import evaluate_lm  # noqa: E402
+from core.config import ConfigError, field, parse_config, run_cli, save_config
+from distill.data import BUILTIN, build_data, eval_batches
+from distill.teacher_cache import META, bytes_per_token, fingerprint, topk_logprobs, write_shard
+from eval.metrics import evaluate_lm
 
 
 @dataclass
@@ -85,7 +87,7 @@ def main() -> None:
                     val.append(v)
                     bar.update(blocks.numel())
                 write_shard(tmp / f"shard-{shard:05d}.safetensors", torch.cat(idx), torch.cat(val))
-            teacher_ppl = evaluate_lm(teacher, eval_batches(data.eval, cfg.batch_size)).perplexity
+            teacher_ppl = evaluate_lm(teacher, eval_batches(data.eval, cfg.batch_size))[0].perplexity
         meta = {"k": cfg.topk, "seq_len": cfg.seq_len, "blocks": n, "fingerprint": fingerprint(data.train),
                 "teacher": cfg.teacher, "dataset": cfg.dataset, "bytes_per_token": bytes_per_token(cfg.topk),
                 "teacher_ppl": teacher_ppl, "seconds": time.time() - t0}

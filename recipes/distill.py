@@ -11,33 +11,39 @@ module, checkpoints and data order live in ``distill/``; this file is the traini
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
-import shutil
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
+# Python puts a script's folder first on sys.path, and this folder holds distill.py, which would shadow
+# the `distill` package: keep the folder off sys.path so imports come from the installed packages.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-import torch  # noqa: E402
-from accelerate import Accelerator  # noqa: E402
-from accelerate.logging import get_logger  # noqa: E402
-from accelerate.utils import set_seed  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
+import torch
+from accelerate import Accelerator
+from accelerate.logging import get_logger
+from accelerate.utils import set_seed
 
-from core.config import ConfigError, field, parse_config, run_cli, save_config  # noqa: E402
-from distill import checkpoint as ckpt  # noqa: E402
-from distill.data import BUILTIN, BlockOrder, build_data, eval_batches  # noqa: E402
-from distill.model import KD_KINDS, DistillModel, LossConfig, loss_config_from  # noqa: E402
-from distill.plots import plot_training  # noqa: E402
-from distill.training import check_output_dir, make_accelerator, reduce_stats, warmup_cosine  # noqa: E402
-from eval.metrics import LMStats, batch_stats  # noqa: E402
+from core.config import ConfigError, field, run_cli
+from distill.data import BUILTIN, BlockOrder, build_data
+from distill.distributed import is_zero3, prepare_teacher
+from distill.model import KD_KINDS, DistillModel, LossConfig
+from distill.sources import load_pair
+from distill.teacher_cache import TeacherCache
+from distill.training import (
+    PRECISIONS,
+    TRACKERS,
+    Run,
+    evaluate,
+    finish_run,
+    save_hf_dir,
+    start_run,
+    train_step,
+    warmup_cosine,
+)
 
 logger = get_logger(__name__)
-TRACKERS = ("none", "tensorboard", "wandb")
 
 
 @dataclass
@@ -117,8 +123,8 @@ class DistillConfig:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.lr <= 0:
             raise ConfigError(f"lr must be > 0, got {self.lr}")
-        if self.mixed_precision not in ("no", "bf16", "fp16", "auto"):
-            raise ConfigError(f"mixed_precision '{self.mixed_precision}' is unknown; use no, bf16, fp16 or auto")
+        if self.mixed_precision not in PRECISIONS:
+            raise ConfigError(f"mixed_precision '{self.mixed_precision}' is unknown; use {', '.join(PRECISIONS)}")
         if self.tracker not in TRACKERS:
             raise ConfigError(f"tracker '{self.tracker}' is unknown; use one of {', '.join(TRACKERS)}")
         if self.resume is not None and self.overwrite:
@@ -132,55 +138,12 @@ class DistillConfig:
             raise ConfigError(str(err)) from None
 
     def losses(self) -> LossConfig:
-        return loss_config_from(self)
-
-
-# --------------------------------------------------------------------------------------------
-# Pieces of the loop that read better with a name
-# --------------------------------------------------------------------------------------------
-
-@torch.no_grad()
-def evaluate(accelerator: Accelerator, student, teacher, blocks: torch.Tensor, batch_size: int,
-             teacher_logits_cache: dict | None = None) -> tuple[LMStats, LMStats | None]:
-    """Held-out stats of ``student`` (with agreement/KL to ``teacher``) and of ``teacher`` itself.
-
-    Both come from one teacher pass; ``teacher_logits_cache`` keeps the teacher's logits between
-    calls (the held-out set and the teacher never change) when they are small enough.
-    """
-    was = student.training
-    student.eval()
-    stats, teacher_stats = LMStats(), (LMStats() if teacher is not None else None)
-    for i, batch in enumerate(eval_batches(blocks, batch_size, accelerator.process_index,
-                                           accelerator.num_processes)):
-        ids = batch["input_ids"].to(accelerator.device)
-        logits = student(input_ids=ids).logits
-        ref = None
-        if teacher is not None:
-            if teacher_logits_cache is not None and i in teacher_logits_cache:
-                ref = teacher_logits_cache[i]
-            else:
-                ref = teacher(input_ids=ids).logits
-                if teacher_logits_cache is not None and ref.numel() * 4 < 512 * 2**20:
-                    teacher_logits_cache[i] = ref
-            teacher_stats.add(batch_stats(ref, ids))
-        stats.add(batch_stats(logits, ids, None, ref))
-    student.train(was)
-    return reduce_stats(accelerator, stats), (reduce_stats(accelerator, teacher_stats) if teacher_stats else None)
-
-
-def save_student(accelerator: Accelerator, model: DistillModel, tokenizer, path: Path) -> None:
-    """Write an HF directory of the student alone (no projectors, no teacher), atomically."""
-    student = accelerator.unwrap_model(model).student
-    state = accelerator.get_state_dict(model)  # gathers ZeRO-3 shards; keys start with "student."
-    if accelerator.is_main_process:
-        tmp = path.with_name(f".tmp-{path.name}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        sd = {k[len("student."):]: v for k, v in state.items() if k.startswith("student.")}
-        student.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(tmp, path)
-    accelerator.wait_for_everyone()
+        return LossConfig(
+            kd_weight=self.kd_weight, kd_kind=self.kd_kind, temperature=self.temperature, beta=self.beta,
+            kd_chunk_size=self.kd_chunk_size, ce_weight=self.ce_weight, focal_weight=self.focal_weight,
+            focal_alpha=self.focal_alpha, focal_gamma=self.focal_gamma, hidden_weight=self.hidden_weight,
+            hidden_layers=self.hidden_layers, hidden_kind=self.hidden_kind, attn_weight=self.attn_weight,
+            attn_layers=self.attn_layers, attn_num_queries=self.attn_num_queries)
 
 
 # --------------------------------------------------------------------------------------------
@@ -189,13 +152,11 @@ def save_student(accelerator: Accelerator, model: DistillModel, tokenizer, path:
 
 def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: dict | None = None) -> dict:
     """Train one student; ``known_init`` reuses held-out metrics already measured on the same pair."""
-    out = Path(cfg.output_dir)
     main = accelerator.is_main_process
     set_seed(cfg.seed)
+    run = Run(cfg, accelerator, tracker_project="hybrid-distill", progress="distill")
 
     # ---- models -------------------------------------------------------------------------
-    from distill.sources import load_pair  # heavy imports after the config is known good
-
     teacher, student, tokenizer = load_pair(cfg)
     if cfg.seq_len > student.config.max_position_embeddings:
         raise ConfigError(f"seq_len {cfg.seq_len} exceeds the model's maximum of "
@@ -212,18 +173,12 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: 
     order = BlockOrder(data.train.shape[0], global_batch, cfg.seed)
 
     # ---- teacher–student module, optimizer, schedule -------------------------------------
-    from distill.distributed import is_zero3, prepare_teacher
-
     loss_cfg = cfg.losses()
     if is_zero3(accelerator) and loss_cfg.kd_chunk_size is not None:
         logger.warning("ZeRO-3 keeps head weights only inside the head's forward: using full-logits KD",
                        main_process_only=True)
         loss_cfg = dataclasses.replace(loss_cfg, kd_chunk_size=None)
-    cache = None
-    if cfg.teacher_cache:
-        from distill.teacher_cache import TeacherCache
-
-        cache = TeacherCache(cfg.teacher_cache, data.train)
+    cache = TeacherCache(cfg.teacher_cache, data.train) if cfg.teacher_cache else None
     model = DistillModel(student, None if cache else teacher, loss_cfg, tokenizer_size=len(tokenizer),
                          cached_teacher=cache is not None)
     plugin = accelerator.state.deepspeed_plugin
@@ -238,128 +193,84 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: 
         teacher = prepare_teacher(accelerator, teacher)
         if cache is None:
             accelerator.unwrap_model(model).set_teacher(teacher)
-
-    # ---- resume -------------------------------------------------------------------------
-    start_step, history, evals, init = 0, [], [], dict(known_init or {})
-    if init:
-        evals.append({"step": 0, "perplexity": init["student_ppl_init"], "top1_agreement": init["top1_agreement_init"],
-                      "kl_to_teacher": None, "teacher_perplexity": init.get("teacher_ppl")})
-    if cfg.resume is not None:
-        path = ckpt.resolve_resume(cfg.resume, out)
-        state = ckpt.read_state(path)
-        try:
-            accelerator.load_state(str(path))
-        except Exception as err:  # noqa: BLE001 - a torn or foreign checkpoint
-            raise ckpt.CheckpointError(f"cannot load checkpoint {path} ({type(err).__name__}: {err}); resume from "
-                                       "an older step-N folder") from None
-        start_step, history, evals, init = state["step"], state["history"], state["evals"], state["init"]
-        if main:
-            print(f"resumed from {path} at step {start_step}")
-    if main:
-        ckpt.clean_partial(out)
-        out.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, out / "config.yaml")
-    if cfg.tracker != "none":
-        accelerator.init_trackers("hybrid-distill", config={k: v for k, v in dataclasses.asdict(cfg).items()
-                                                            if isinstance(v, (int, float, str, bool))})
-
     unwrapped = accelerator.unwrap_model(model)
-    teacher_logits: dict = {}
-    if not init and cache is not None:
-        init["teacher_ppl"] = cache.meta.get("teacher_ppl")
-    if not init or "student_ppl_init" not in init:
-        t0 = time.time()
-        s, t = evaluate(accelerator, unwrapped.student, teacher, data.eval, cfg.micro_batch_size, teacher_logits)
-        if t is not None:
-            init["teacher_ppl"] = t.perplexity
-        init.update(student_ppl_init=s.perplexity, top1_agreement_init=s.top1_agreement)
-        evals.append({"step": 0, "perplexity": s.perplexity, "top1_agreement": s.top1_agreement,
-                      "kl_to_teacher": s.kl, "teacher_perplexity": init.get("teacher_ppl")})
-        if main:
-            print(f"held-out perplexity: teacher {init.get('teacher_ppl', float('nan')):.2f}, "
-                  f"student at init {s.perplexity:.2f} ({time.time() - t0:.0f}s)")
+
+    # ---- resume, then held-out metrics at init -------------------------------------------
+    state = run.resume()
+    run.begin()
+    if not state.init:
+        state.init = initial_metrics(cfg, accelerator, run, unwrapped.student, teacher, data.eval, cache, known_init)
+
+    def forward(micro):
+        index, blocks = micro
+        topk = cache.lookup(index, accelerator.device) if cache is not None else None
+        return model(input_ids=blocks.to(accelerator.device), teacher_topk=topk)
+
+    def write_student_files(folder: Path) -> None:  # what export needs to rebuild the student
+        unwrapped.student.config.save_pretrained(folder / "student")
+        unwrapped.student.generation_config.save_pretrained(folder / "student")
+        tokenizer.save_pretrained(folder / "student")
 
     # ---- loop ---------------------------------------------------------------------------
-    def save_checkpoint(step: int) -> None:
-        tmp = ckpt.tmp_dir(out, step)
-        if main:  # every rank writes into it (DeepSpeed shards, RNG states): it must exist first
-            tmp.mkdir(parents=True, exist_ok=True)
-        accelerator.wait_for_everyone()
-        accelerator.save_state(str(tmp), safe_serialization=False)
-        accelerator.wait_for_everyone()  # every rank's shard is on disk before the rename
-        if main:
-            unwrapped.student.config.save_pretrained(tmp / "student")
-            unwrapped.student.generation_config.save_pretrained(tmp / "student")
-            tokenizer.save_pretrained(tmp / "student")
-            save_config(cfg, tmp / "config.yaml")
-            ckpt.finalize(out, step, {"step": step, "history": history, "evals": evals, "init": init},
-                          cfg.keep_checkpoints)
-        accelerator.wait_for_everyone()
-
     model.train()
-    tokens_per_step = global_batch * cfg.seq_len
-    bar = tqdm(total=cfg.max_steps, initial=start_step, disable=not main, desc="distill", dynamic_ncols=True)
-    t_start, trained_tokens = time.time(), 0
-    for step in range(start_step, cfg.max_steps):
-        sums: dict[str, float] = {}
+    for step in run.steps():
         micro = order.micro_batches(data.train, step, accelerator.process_index, accelerator.num_processes,
                                     cfg.micro_batch_size)
-        for index, blocks in micro:
-            ids = blocks.to(accelerator.device)
-            topk = cache.lookup(index, accelerator.device) if cache is not None else None
-            with accelerator.accumulate(model):
-                output = model(input_ids=ids, teacher_topk=topk)
-                loss = output.loss
-                accelerator.backward(loss)
-                if accelerator.sync_gradients and cfg.max_grad_norm > 0:
-                    accelerator.clip_grad_norm_(params, cfg.max_grad_norm)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-            terms = output.terms()
-            terms["loss"] = float(loss.detach())
-            for k, v in terms.items():
-                sums[k] = sums.get(k, 0.0) + v / cfg.grad_accum
-        terms = {k: float(v) for k, v in zip(sums, accelerator.reduce(
-            torch.tensor(list(sums.values()), device=accelerator.device), reduction="mean").tolist())}
-        if not math.isfinite(terms["loss"]):
-            last = ckpt.latest_checkpoint(out)
-            raise ckpt.TrainingDiverged(
-                f"loss became {terms['loss']} at step {step + 1}; the last good checkpoint is "
-                f"{last or 'none'}: lower lr or enable clipping, then resume=latest")
-        trained_tokens += tokens_per_step
-        elapsed = time.time() - t_start
-        history.append({"step": step + 1, "lr": scheduler.get_last_lr()[0], **terms})
-        bar.update(1)
-        bar.set_postfix({k: f"{v:.3g}" for k, v in terms.items() if v} | {"tok/s": f"{trained_tokens / elapsed:.0f}"})
-        if cfg.tracker != "none" and (step + 1) % cfg.log_every == 0:
-            accelerator.log(terms | {"lr": history[-1]["lr"]}, step=step + 1)
-        done = step + 1 == cfg.max_steps
-        if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or done:
-            s, _ = evaluate(accelerator, unwrapped.student, teacher, data.eval, cfg.micro_batch_size,
-                            teacher_logits)
-            evals.append({"step": step + 1, "perplexity": s.perplexity, "top1_agreement": s.top1_agreement,
-                          "kl_to_teacher": s.kl, "teacher_perplexity": init.get("teacher_ppl")})
+        terms = train_step(accelerator, model, optimizer, scheduler, params, micro, forward,
+                           grad_accum=cfg.grad_accum, max_grad_norm=cfg.max_grad_norm)
+        run.record(step, terms, scheduler.get_last_lr()[0], tokens=global_batch * cfg.seq_len)
+        if run.due(step, cfg.eval_every) or run.last(step):
+            s, _ = evaluate(accelerator, unwrapped.student, data.eval, cfg.micro_batch_size,
+                            reference=None if cache else teacher)
+            state.evals.append({"step": step + 1, "perplexity": s.perplexity, "top1_agreement": s.top1_agreement,
+                                "kl_to_teacher": s.kl, "teacher_perplexity": state.init.get("teacher_ppl")})
             if cfg.tracker != "none":
                 accelerator.log({"eval/perplexity": s.perplexity, "eval/top1": s.top1_agreement}, step=step + 1)
-            if main:
-                bar.write(f"step {step + 1}: held-out perplexity {s.perplexity:.2f}, "
-                          f"top-1 agreement {s.top1_agreement:.3f}")
-        if (cfg.save_every and (step + 1) % cfg.save_every == 0) or done:
-            save_checkpoint(step + 1)
-        if cfg.debug_exit_at_step is not None and step + 1 == cfg.debug_exit_at_step:
-            os._exit(137)  # simulate a kill: no cleanup, no final save
-    bar.close()
-    tokens_per_s = trained_tokens / max(time.time() - t_start, 1e-9)
+            run.write(f"step {step + 1}: held-out perplexity {s.perplexity:.2f}, "
+                      f"top-1 agreement {s.top1_agreement:.3f}")
+        if run.due(step, cfg.save_every) or run.last(step):
+            run.save_checkpoint(step + 1, write_student_files)
+        run.maybe_exit(step)
+    run.end_loop()
 
     # ---- save ---------------------------------------------------------------------------
-    save_student(accelerator, model, tokenizer, out / "final")
-    final_eval = evals[-1] if evals else {}
-    summary = {
+    full_state = accelerator.get_state_dict(model)  # gathers ZeRO-3 shards; keys start with "student."
+    save_hf_dir(accelerator, unwrapped.student, tokenizer, Path(cfg.output_dir) / "final",
+                state_dict={k[len("student."):]: v for k, v in full_state.items() if k.startswith("student.")}
+                if main else None)
+    del full_state
+    summary = build_summary(cfg, accelerator, run, tokens_per_step=global_batch * cfg.seq_len)
+    run.write_records(summary, title=f"{cfg.teacher} → student ({Path(cfg.output_dir).name})")
+    return summary
+
+
+def initial_metrics(cfg: DistillConfig, accelerator: Accelerator, run: Run, student, teacher, heldout: torch.Tensor,
+                    cache: TeacherCache | None, known: dict | None) -> dict:
+    """Held-out perplexity of teacher and student before training (reused from ``known`` when given)."""
+    if known:
+        init = dict(known)
+        kl = None
+    else:
+        s, t = evaluate(accelerator, student, heldout, cfg.micro_batch_size, reference=teacher)
+        teacher_ppl = t.perplexity if t is not None else (cache.meta.get("teacher_ppl") if cache else None)
+        init = {"teacher_ppl": teacher_ppl, "student_ppl_init": s.perplexity, "top1_agreement_init": s.top1_agreement}
+        kl = s.kl
+        run.write(f"held-out perplexity: teacher {teacher_ppl or float('nan'):.2f}, student at init {s.perplexity:.2f}")
+    run.state.evals.append({"step": 0, "perplexity": init["student_ppl_init"], "top1_agreement": init["top1_agreement_init"],
+                            "kl_to_teacher": kl, "teacher_perplexity": init.get("teacher_ppl")})
+    return init
+
+
+def build_summary(cfg: DistillConfig, accelerator: Accelerator, run: Run, tokens_per_step: int) -> dict:
+    """What ``summary.json`` records of a finished run (``tokens_per_s`` is the loop's own)."""
+    state = run.state
+    final_eval, init, history = state.evals[-1], state.init, state.history
+    return {
         "steps": cfg.max_steps,
         "final_loss": history[-1]["loss"] if history else float("nan"),
         "final_terms": history[-1] if history else {},
-        "tokens_per_s": tokens_per_s,
+        "tokens_per_s": run.tokens_per_s,
+        "loop_seconds": run.loop_seconds,
         "teacher_ppl": init.get("teacher_ppl"),
         "student_ppl_init": init.get("student_ppl_init"),
         "student_ppl_final": final_eval.get("perplexity"),
@@ -371,15 +282,8 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: 
         "loss_weights": {k: getattr(cfg, k) for k in ("kd_weight", "ce_weight", "focal_weight", "hidden_weight",
                                                       "attn_weight")},
         "tokens_seen": cfg.max_steps * tokens_per_step,
-        "final_dir": str(out / "final"),
+        "final_dir": str(Path(cfg.output_dir) / "final"),
     }
-    if main:
-        (out / "summary.json").write_text(json.dumps(summary, indent=1))
-        plot_training(history, evals, out / "loss.png", title=f"{cfg.teacher} → student ({out.name})")
-    accelerator.wait_for_everyone()
-    if cfg.tracker != "none":
-        accelerator.end_training()
-    return summary
 
 
 def print_summary(summary: dict, out: Path) -> None:
@@ -402,13 +306,8 @@ def print_summary(summary: dict, out: Path) -> None:
     print("=" * 72)
 
 
-def main() -> None:
-    cfg = parse_config(DistillConfig)
-    out = check_output_dir(cfg)
-    accelerator = make_accelerator(cfg, out)
-    if cfg.overwrite and accelerator.is_main_process and out.exists():
-        shutil.rmtree(out)
-    accelerator.wait_for_everyone()
+def main(argv: list[str] | None = None) -> None:
+    cfg, accelerator, out = start_run(DistillConfig, argv)
     summary = training_function(cfg, accelerator)
 
     if cfg.compare_ce_only:
@@ -427,15 +326,7 @@ def main() -> None:
         summary["ppl_ratio_vs_ce_only"] = summary["student_ppl_final"] / ce["student_ppl_final"]
         summary["beats_ce_only"] = summary["student_ppl_final"] < ce["student_ppl_final"]
     summary["beats_init"] = (summary["student_ppl_final"] or math.inf) < (summary["student_ppl_init"] or 0)
-
-    if cfg.gate and accelerator.is_main_process:
-        from distill.sources import gate_against_teacher
-
-        summary["gate"] = gate_against_teacher(cfg, out)
-    if accelerator.is_main_process:
-        (out / "summary.json").write_text(json.dumps(summary, indent=1))
-        print_summary(summary, out)
-    accelerator.wait_for_everyone()
+    finish_run(cfg, accelerator, out, summary, print_summary)
 
 
 if __name__ == "__main__":

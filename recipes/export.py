@@ -18,13 +18,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# Python puts a script's folder first on sys.path, and this folder holds distill.py, which would shadow
+# the `distill` package: keep the folder off sys.path so imports come from the installed packages.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-import torch  # noqa: E402
+import torch
 
-from core.config import ConfigError, field, parse_config, run_cli  # noqa: E402
-from serve import export as ex  # noqa: E402
+from core.config import ConfigError, field, parse_config, run_cli
+from serve import export as ex
 
 
 @dataclass

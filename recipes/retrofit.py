@@ -20,37 +20,46 @@ Reads top to bottom: config → data → models → loop → save.
 
 from __future__ import annotations
 
+import contextlib
 import copy
-import dataclasses
-import json
 import math
-import os
-import shutil
 import sys
-import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
+# Python puts a script's folder first on sys.path, and this folder holds distill.py, which would shadow
+# the `distill` package: keep the folder off sys.path so imports come from the installed packages.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-import torch  # noqa: E402
-from accelerate import Accelerator  # noqa: E402
-from accelerate.logging import get_logger  # noqa: E402
-from accelerate.utils import set_seed  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
+import torch
+from accelerate import Accelerator
+from accelerate.logging import get_logger
+from accelerate.utils import set_seed
+from peft import LoraConfig, get_peft_model
 
-from attention.errors import HybridAttentionError  # noqa: E402
-from attention.spec import HybridAttentionConfig  # noqa: E402
-from core.config import ConfigError, field, parse_config, run_cli, save_config  # noqa: E402
-from distill import checkpoint as ckpt  # noqa: E402
-from distill.data import BUILTIN, BlockOrder, build_data, eval_batches  # noqa: E402
-from distill.model import KD_KINDS, LossConfig, loss_config_from  # noqa: E402
-from distill.training import check_output_dir, make_accelerator, reduce_stats, warmup_cosine  # noqa: E402
-from eval.metrics import LMStats, batch_stats  # noqa: E402
+import attention
+from attention.errors import HybridAttentionError
+from attention.spec import HybridAttentionConfig
+from core.config import ConfigError, field, run_cli
+from core.models import ModelSourceError, load_causal_lm, load_tokenizer
+from core.tiny import TINY, tiny_teacher, tiny_teacher_tokenizer
+from distill.data import BUILTIN, BlockOrder, build_data
+from distill.model import KD_KINDS, DistillModel, LossConfig
+from distill.training import (
+    PRECISIONS,
+    TRACKERS,
+    Run,
+    evaluate,
+    finish_run,
+    save_hf_dir,
+    start_run,
+    train_step,
+    warmup_cosine,
+)
 
 logger = get_logger(__name__)
-TRACKERS = ("none", "tensorboard", "wandb")
 ATTN_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJ = ("gate_proj", "up_proj", "down_proj")
 
@@ -137,8 +146,8 @@ class RetrofitConfig:
             raise ConfigError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
         if self.embedding_lr_ratio < 0:
             raise ConfigError(f"embedding_lr_ratio must be >= 0, got {self.embedding_lr_ratio}")
-        if self.mixed_precision not in ("no", "bf16", "fp16", "auto"):
-            raise ConfigError(f"mixed_precision '{self.mixed_precision}' is unknown; use no, bf16, fp16 or auto")
+        if self.mixed_precision not in PRECISIONS:
+            raise ConfigError(f"mixed_precision '{self.mixed_precision}' is unknown; use {', '.join(PRECISIONS)}")
         if self.tracker not in TRACKERS:
             raise ConfigError(f"tracker '{self.tracker}' is unknown; use one of {', '.join(TRACKERS)}")
         if self.resume is not None and self.overwrite:
@@ -162,7 +171,12 @@ class RetrofitConfig:
             raise ConfigError(str(err).splitlines()[0] if str(err) else "invalid hybrid attention keys") from None
 
     def losses(self) -> LossConfig:
-        return loss_config_from(self)
+        """Self-distillation from the dense model: logits KD and optional CE; no other term."""
+        return LossConfig(
+            kd_weight=self.kd_weight, kd_kind=self.kd_kind, temperature=self.temperature, beta=self.beta,
+            kd_chunk_size=self.kd_chunk_size, ce_weight=self.ce_weight, focal_weight=0.0, focal_alpha=0.25,
+            focal_gamma=2.0, hidden_weight=0.0, hidden_layers=[], hidden_kind="nmse", attn_weight=0.0,
+            attn_layers=[], attn_num_queries=0)
 
     def eval_lengths(self) -> list[int]:
         return sorted({self.seq_len, *self.eval_seq_lens})
@@ -174,14 +188,11 @@ class RetrofitConfig:
 
 def load_models(cfg: RetrofitConfig) -> tuple[torch.nn.Module, torch.nn.Module, Any]:
     """``(model, dense_teacher, tokenizer)``: two copies of the same pretrained weights, fp32."""
-    from core.models import ModelSourceError, load_causal_lm, load_tokenizer
-    from core.tiny import TINY, tiny_teacher, tiny_teacher_tokenizer
-
     try:
         if cfg.teacher == TINY:
             model, tokenizer = tiny_teacher(cfg.seed), tiny_teacher_tokenizer()
         else:
-            model = load_causal_lm(cfg.teacher)
+            model = load_causal_lm(cfg.teacher, dense=True)
             tokenizer = load_tokenizer(cfg.tokenizer or cfg.teacher)
     except (ModelSourceError, OSError) as err:
         raise ConfigError(str(err).splitlines()[0]) from None
@@ -198,8 +209,6 @@ def add_adapters(model: torch.nn.Module, cfg: RetrofitConfig):
     ``modules_to_save``: that would keep a second copy of each and, for tied embeddings, untie the
     head. Trained in place, ``merge_and_unload`` needs nothing more to ship them.
     """
-    from peft import LoraConfig, get_peft_model
-
     targets = list(ATTN_PROJ) + (list(MLP_PROJ) if cfg.lora_mlp else [])
     peft_model = get_peft_model(model, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha,
                                                   lora_dropout=cfg.lora_dropout, target_modules=targets,
@@ -220,10 +229,6 @@ def enable_gradient_checkpointing(model: torch.nn.Module, step_window: dict[str,
     use the spec's window and the gradients would belong to another mask. ``context_fn`` is called
     at forward time, so it captures the step's window then.
     """
-    import contextlib
-
-    import attention
-
     def context_fn():
         return contextlib.nullcontext(), attention.use_window(step_window["window"])
 
@@ -263,22 +268,6 @@ def training_window(spec: HybridAttentionConfig, seq_len: int, seed: int, step: 
     return entries[int(torch.randint(len(entries), (1,), generator=g))]
 
 
-@torch.no_grad()
-def evaluate(accelerator: Accelerator, model, blocks: torch.Tensor, batch_size: int, reference=None) -> LMStats:
-    """Held-out perplexity of ``model`` (and its agreement/KL with ``reference``), summed over processes."""
-    was = model.training
-    model.eval()
-    stats = LMStats()
-    for batch in eval_batches(blocks, batch_size, accelerator.process_index, accelerator.num_processes):
-        ids = batch["input_ids"].to(accelerator.device)
-        logits = model(input_ids=ids).logits
-        ref = reference(input_ids=ids).logits if reference is not None else None
-        stats.add(batch_stats(logits, ids, None, ref))
-        del logits, ref
-    model.train(was)
-    return reduce_stats(accelerator, stats)
-
-
 def heldout_blocks(cfg: RetrofitConfig, tokenizer, length: int) -> torch.Tensor:
     """``[n, length]`` held-out blocks (the same documents at every length, packed differently)."""
     data = build_data(tokenizer, dataset=cfg.dataset, eval_dataset=cfg.eval_dataset, seq_len=length,
@@ -286,30 +275,14 @@ def heldout_blocks(cfg: RetrofitConfig, tokenizer, length: int) -> torch.Tensor:
     return data.eval
 
 
-def save_merged(accelerator: Accelerator, model: torch.nn.Module, tokenizer, path: Path) -> None:
-    """Write the merged model as an HF directory (its config carries the hybrid spec), atomically."""
-    if accelerator.is_main_process:
-        tmp = path.with_name(f".tmp-{path.name}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(tmp, path)
-    accelerator.wait_for_everyone()
-
-
 # --------------------------------------------------------------------------------------------
 # The training function
 # --------------------------------------------------------------------------------------------
 
 def training_function(cfg: RetrofitConfig, accelerator: Accelerator) -> dict:
-    import attention
-    from distill.model import DistillModel
-
-    out = Path(cfg.output_dir)
-    main = accelerator.is_main_process
     set_seed(cfg.seed)
     spec = cfg.spec()
+    run = Run(cfg, accelerator, tracker_project="hybrid-distill-retrofit", progress="retrofit")
 
     # ---- models -------------------------------------------------------------------------
     model, teacher, tokenizer = load_models(cfg)
@@ -353,138 +326,101 @@ def training_function(cfg: RetrofitConfig, accelerator: Accelerator) -> dict:
     teacher = teacher.to(accelerator.device)
     trainable = sum(p.numel() for p in params)
 
-    # ---- resume -------------------------------------------------------------------------
-    start_step, history, evals, init = 0, [], [], {}
-    if cfg.resume is not None:
-        path = ckpt.resolve_resume(cfg.resume, out)
-        state = ckpt.read_state(path)
-        try:
-            accelerator.load_state(str(path))
-        except Exception as err:  # noqa: BLE001 - a torn or foreign checkpoint
-            raise ckpt.CheckpointError(f"cannot load checkpoint {path} ({type(err).__name__}: {err}); resume from "
-                                       "an older step-N folder") from None
-        start_step, history, evals, init = state["step"], state["history"], state["evals"], state["init"]
-        if main:
-            print(f"resumed from {path} at step {start_step}")
-    if main:
-        ckpt.clean_partial(out)
-        out.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, out / "config.yaml")
-    if cfg.tracker != "none":
-        accelerator.init_trackers("hybrid-distill-retrofit", config={
-            k: v for k, v in dataclasses.asdict(cfg).items() if isinstance(v, (int, float, str, bool))})
+    # ---- resume, then dense and hybrid-before perplexity ----------------------------------
+    state = run.resume()
+    run.begin()
+    if not state.init:
+        state.init = initial_perplexity(cfg, accelerator, run, model, teacher, heldout)
+        run.write(f"({trainable:,} trainable parameters)")
+    dense_ppl = state.init["dense"][str(cfg.seq_len)]
 
-    if not init:
-        # Dense and hybrid-before at every held-out length; the LoRA B matrices start at zero, so
-        # the model here is exactly "retrofit, no fine-tune".
-        t0 = time.time()
-        init = {"dense": {}, "hybrid_before": {}}
-        for length, blocks in sorted(heldout.items()):
-            init["dense"][str(length)] = evaluate(accelerator, teacher, blocks, cfg.micro_batch_size).perplexity
-            init["hybrid_before"][str(length)] = evaluate(accelerator, model, blocks, cfg.micro_batch_size).perplexity
-        if main:
-            for length in sorted(heldout):
-                print(f"held-out perplexity at {length}: dense {init['dense'][str(length)]:.3f}, hybrid before "
-                      f"fine-tune {init['hybrid_before'][str(length)]:.3f}")
-            print(f"({time.time() - t0:.0f}s; {trainable:,} trainable parameters)")
+    def forward(micro):
+        _, blocks = micro
+        with attention.use_window(window):  # checkpoint recomputes get the window via step_window
+            return distill_model(input_ids=blocks[:, :length].to(accelerator.device))
+
+    def write_model_files(folder: Path) -> None:  # what export needs to rebuild the model
+        model.config.save_pretrained(folder / "student")
+        tokenizer.save_pretrained(folder / "student")
 
     # ---- loop ---------------------------------------------------------------------------
-    def save_checkpoint(step: int) -> None:
-        tmp = ckpt.tmp_dir(out, step)
-        accelerator.save_state(str(tmp), safe_serialization=False)
-        if main:
-            model.config.save_pretrained(tmp / "student")
-            tokenizer.save_pretrained(tmp / "student")
-            save_config(cfg, tmp / "config.yaml")
-            ckpt.finalize(out, step, {"step": step, "history": history, "evals": evals, "init": init},
-                          cfg.keep_checkpoints)
-        accelerator.wait_for_everyone()
-
     distill_model.train()
-    bar = tqdm(total=cfg.max_steps, initial=start_step, disable=not main, desc="retrofit", dynamic_ncols=True)
-    t_start, trained_tokens = time.time(), 0
-    for step in range(start_step, cfg.max_steps):
+    for step in run.steps():
         window, length = training_window(spec, cfg.seq_len, cfg.seed, step)
         step_window["window"] = window
-        sums: dict[str, float] = {}
         micro = order.micro_batches(data.train, step, accelerator.process_index, accelerator.num_processes,
                                     cfg.micro_batch_size)
-        for _, blocks in micro:
-            ids = blocks[:, :length].to(accelerator.device)
-            with accelerator.accumulate(distill_model):
-                with attention.use_window(window):
-                    output = distill_model(input_ids=ids)
-                loss = output.loss
-                accelerator.backward(loss)  # checkpoint recomputes get the window via step_window
-                if accelerator.sync_gradients and cfg.max_grad_norm > 0:
-                    accelerator.clip_grad_norm_(params, cfg.max_grad_norm)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-            terms = {k: v for k, v in output.terms().items() if k in ("kd", "ce")}
-            terms["loss"] = float(loss.detach())
-            for k, v in terms.items():
-                sums[k] = sums.get(k, 0.0) + v / cfg.grad_accum
-        terms = {k: float(v) for k, v in zip(sums, accelerator.reduce(
-            torch.tensor(list(sums.values()), device=accelerator.device), reduction="mean").tolist())}
-        if not math.isfinite(terms["loss"]):
-            last = ckpt.latest_checkpoint(out)
-            raise ckpt.TrainingDiverged(
-                f"loss became {terms['loss']} at step {step + 1}; the last good checkpoint is "
-                f"{last or 'none'}: lower lr, then resume=latest")
-        trained_tokens += global_batch * length
-        elapsed = time.time() - t_start
-        history.append({"step": step + 1, "lr": scheduler.get_last_lr()[0], "window": window, "tokens": length,
-                        **terms})
-        bar.update(1)
-        bar.set_postfix({k: f"{v:.3g}" for k, v in terms.items()} | {"win": window,
-                                                                      "tok/s": f"{trained_tokens / elapsed:.0f}"})
-        if cfg.tracker != "none" and (step + 1) % cfg.log_every == 0:
-            accelerator.log(terms | {"lr": history[-1]["lr"], "window": window}, step=step + 1)
-        done = step + 1 == cfg.max_steps
-        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and not done:
-            s = evaluate(accelerator, model, heldout[cfg.seq_len], cfg.micro_batch_size)
-            evals.append({"step": step + 1, "perplexity": s.perplexity,
-                          "teacher_perplexity": init["dense"][str(cfg.seq_len)]})
-            if main:
-                bar.write(f"step {step + 1}: held-out perplexity {s.perplexity:.3f} "
-                          f"(dense {init['dense'][str(cfg.seq_len)]:.3f})")
-        if (cfg.save_every and (step + 1) % cfg.save_every == 0) or done:
-            save_checkpoint(step + 1)
-        if cfg.debug_exit_at_step is not None and step + 1 == cfg.debug_exit_at_step:
-            os._exit(137)  # simulate a kill: no cleanup, no final save
-    bar.close()
-    tokens_per_s = trained_tokens / max(time.time() - t_start, 1e-9)
+        terms = train_step(accelerator, distill_model, optimizer, scheduler, params, micro, forward,
+                           grad_accum=cfg.grad_accum, max_grad_norm=cfg.max_grad_norm, keep=("kd", "ce"))
+        run.record(step, terms, scheduler.get_last_lr()[0], tokens=global_batch * length, window=window,
+                   tokens_per_block=length)
+        if run.due(step, cfg.eval_every) and not run.last(step):
+            s, _ = evaluate(accelerator, model, heldout[cfg.seq_len], cfg.micro_batch_size)
+            state.evals.append({"step": step + 1, "perplexity": s.perplexity, "teacher_perplexity": dense_ppl})
+            run.write(f"step {step + 1}: held-out perplexity {s.perplexity:.3f} (dense {dense_ppl:.3f})")
+        if run.due(step, cfg.save_every) or run.last(step):
+            run.save_checkpoint(step + 1, write_model_files)
+        run.maybe_exit(step)
+    run.end_loop()
 
     # ---- merge, save, measure what was saved ---------------------------------------------
     merged = peft_model.merge_and_unload()  # same module objects: folds LoRA into the base weights
     merged.config.use_cache = True
-    save_merged(accelerator, merged, tokenizer, out / "final")
+    save_hf_dir(accelerator, merged, tokenizer, Path(cfg.output_dir) / "final")
     merged.config.use_cache = False
+    summary = measure_and_summarize(cfg, accelerator, run, merged, teacher, heldout, spec,
+                                    global_batch=global_batch, trainable=trainable)
+    run.write_records(summary, title=f"{cfg.teacher}: hybrid retrofit ({Path(cfg.output_dir).name})")
+    return summary
+
+
+def initial_perplexity(cfg: RetrofitConfig, accelerator: Accelerator, run: Run, model, teacher,
+                       heldout: dict[int, torch.Tensor]) -> dict:
+    """Dense and hybrid-before perplexity at every held-out length.
+
+    The LoRA B matrices start at zero, so the model here is exactly "retrofit, no fine-tune".
+    """
+    init = {"dense": {}, "hybrid_before": {}}
+    for length, blocks in sorted(heldout.items()):
+        s, d = evaluate(accelerator, model, blocks, cfg.micro_batch_size, reference=teacher)
+        init["dense"][str(length)] = d.perplexity
+        init["hybrid_before"][str(length)] = s.perplexity
+        run.write(f"held-out perplexity at {length}: dense {d.perplexity:.3f}, hybrid before fine-tune "
+                  f"{s.perplexity:.3f}")
+    return init
+
+
+def measure_and_summarize(cfg: RetrofitConfig, accelerator: Accelerator, run: Run, merged, teacher,
+                          heldout: dict[int, torch.Tensor], spec: HybridAttentionConfig, *, global_batch: int,
+                          trainable: int) -> dict:
+    """Held-out perplexity of the merged model (what was saved) at every length, and the summary."""
+    state = run.state
+    dense_ppl = state.init["dense"][str(cfg.seq_len)]
     after, agreement = {}, None
     for length, blocks in sorted(heldout.items()):
-        s = evaluate(accelerator, merged, blocks, cfg.micro_batch_size,
-                     reference=teacher if length == cfg.seq_len else None)
+        s, _ = evaluate(accelerator, merged, blocks, cfg.micro_batch_size,
+                        reference=teacher if length == cfg.seq_len else None)
         after[str(length)] = s.perplexity
         if length == cfg.seq_len:
             agreement = s
-    evals.append({"step": cfg.max_steps, "perplexity": after[str(cfg.seq_len)],
-                  "teacher_perplexity": init["dense"][str(cfg.seq_len)]})
+    state.evals.append({"step": cfg.max_steps, "perplexity": after[str(cfg.seq_len)], "teacher_perplexity": dense_ppl})
 
     def table(length: int) -> dict[str, float]:
-        d, b, a = init["dense"][str(length)], init["hybrid_before"][str(length)], after[str(length)]
+        d, b, a = state.init["dense"][str(length)], state.init["hybrid_before"][str(length)], after[str(length)]
         return {"dense": d, "hybrid_before": b, "hybrid_after": a, "gap_before": b / d - 1, "gap_after": a / d - 1}
 
     key = str(cfg.seq_len)
-    summary = {
+    history = state.history
+    return {
         "steps": cfg.max_steps,
         "seq_len": cfg.seq_len,
         "final_loss": history[-1]["loss"] if history else float("nan"),
         "final_terms": history[-1] if history else {},
-        "tokens_per_s": tokens_per_s,
-        "tokens_seen": sum(h["tokens"] for h in history) * global_batch,
-        "dense_ppl": init["dense"][key],
-        "hybrid_before_ppl": init["hybrid_before"][key],
+        "tokens_per_s": run.tokens_per_s,
+        "loop_seconds": run.loop_seconds,
+        "tokens_seen": sum(h["tokens_per_block"] for h in history) * global_batch,
+        "dense_ppl": dense_ppl,
+        "hybrid_before_ppl": state.init["hybrid_before"][key],
         "hybrid_after_ppl": after[key],
         "perplexity": {str(n): table(n) for n in sorted(heldout)},
         "top1_agreement": agreement.top1_agreement,
@@ -495,16 +431,8 @@ def training_function(cfg: RetrofitConfig, accelerator: Accelerator) -> dict:
         "trainable_params": trainable,
         "num_processes": accelerator.num_processes,
         "mixed_precision": accelerator.mixed_precision,
-        "final_dir": str(out / "final"),
+        "final_dir": str(Path(cfg.output_dir) / "final"),
     }
-    if main:
-        from distill.plots import plot_training
-
-        (out / "summary.json").write_text(json.dumps(summary, indent=1))
-        plot_training(history, evals, out / "loss.png", title=f"{cfg.teacher}: hybrid retrofit ({out.name})")
-    if cfg.tracker != "none":
-        accelerator.end_training()
-    return summary
 
 
 def print_summary(summary: dict, out: Path) -> None:
@@ -525,30 +453,12 @@ def print_summary(summary: dict, out: Path) -> None:
     print("=" * 78)
 
 
-def main() -> None:
-    import warnings
-
+def main(argv: list[str] | None = None) -> None:
     # peft still calls a transformers property deprecated in v5; the warning says nothing to the user.
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-    cfg = parse_config(RetrofitConfig)
-    out = check_output_dir(cfg)
-    accelerator = make_accelerator(cfg, out)
-    if cfg.overwrite and accelerator.is_main_process and out.exists():
-        shutil.rmtree(out)
-    accelerator.wait_for_everyone()
+    cfg, accelerator, out = start_run(RetrofitConfig, argv)
     summary = training_function(cfg, accelerator)
-
-    if cfg.gate and accelerator.is_main_process:
-        try:
-            from distill.sources import gate_against_teacher
-        except ImportError as err:
-            summary["gate"] = {"verdict": "skipped", "report": f"eval.gate unavailable ({err})"}
-        else:
-            summary["gate"] = gate_against_teacher(cfg, out)
-    if accelerator.is_main_process:
-        (out / "summary.json").write_text(json.dumps(summary, indent=1))
-        print_summary(summary, out)
-    accelerator.wait_for_everyone()
+    finish_run(cfg, accelerator, out, summary, print_summary)
 
 
 if __name__ == "__main__":

@@ -214,3 +214,37 @@ def test_reference_mode_flags_texts_past_the_scorer_window(env):
     assert res.report["long_texts"] == [{"id": rows[0]["id"], "which": "reference", "tokens": 750}]
     assert any("exceed the scorer" in r for r in res.report["reasons"])
     assert res.verdict == "pass"  # same model: differences are exactly zero
+
+
+def test_gate_generates_with_the_models_saved_hybrid_attention(tmp_path):
+    """A retrofitted model is judged as it is served: hybrid, not the dense model plain loading gives."""
+    import attention
+    from core.tiny import tiny_model, tiny_tokenizer
+    from eval.generation import GenerationSettings, generate_outputs, load_model
+    from eval.prompt_set import Prompt
+
+    model = tiny_model("llama", seed=3)
+    attention.retrofit(model, attention.HybridAttentionConfig(sink_tokens=1, window=4, global_every=0))
+    model.save_pretrained(tmp_path / "m")
+    tiny_tokenizer().save_pretrained(tmp_path / "m")
+    loaded, _ = load_model(tmp_path / "m", "cpu", "fp32")
+    assert attention.is_hybrid(loaded)
+
+    from transformers import AutoModelForCausalLM
+
+    dense = AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
+    hybrid = attention.load(tmp_path / "m").eval()
+    prompt = Prompt(id="p", prompt="the quick brown fox jumps over the lazy dog " * 3)
+    settings = GenerationSettings(max_new_tokens=8, batch_size=1)
+    got = generate_outputs(tmp_path / "m", [prompt], settings, cache_dir=None).outputs[0]
+
+    tok = tiny_tokenizer()
+    ids = torch.tensor([tok(prompt.prompt)["input_ids"]])
+
+    def greedy(m):
+        out = m.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                         pad_token_id=0, eos_token_id=2)
+        return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+
+    assert greedy(dense) != greedy(hybrid)  # the pattern matters at this length
+    assert got == greedy(hybrid)

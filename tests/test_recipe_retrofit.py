@@ -100,8 +100,8 @@ def test_summary_reports_what_was_saved(tiny_run):
 
     blocks = heldout_blocks(cfg, tiny_teacher_tokenizer(), 256)
     batches = [{"input_ids": blocks[i:i + 2]} for i in range(0, len(blocks), 2)]
-    hybrid = evaluate_lm(attention.load(out / "final"), batches).perplexity
-    dense = evaluate_lm(tiny_teacher(0), batches).perplexity
+    hybrid = evaluate_lm(attention.load(out / "final"), batches)[0].perplexity
+    dense = evaluate_lm(tiny_teacher(0), batches)[0].perplexity
     assert hybrid == pytest.approx(summary["perplexity"]["256"]["hybrid_after"], rel=1e-4)
     assert dense == pytest.approx(summary["perplexity"]["256"]["dense"], rel=1e-4)
 
