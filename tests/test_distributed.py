@@ -261,3 +261,25 @@ def test_recipe_cpu_ddp_two_processes(tmp_path):
 @pytest.mark.slow
 def test_recipe_deepspeed_zero3_two_processes(tmp_path):
     _run_recipe("deepspeed_zero3.yaml", tmp_path / "run", cpu_ddp=False)
+
+
+RETROFIT = ROOT / "recipes" / "retrofit.py"
+RETROFIT_TINY = ROOT / "recipes" / "configs" / "retrofit_tiny.yaml"
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_retrofit_cpu_ddp_two_processes(tmp_path):
+    """The retrofit shares the checkpoint barriers: both ranks write, one renames, nothing torn."""
+    import attention
+
+    out = tmp_path / "run"
+    _launch("cpu_ddp_2proc.yaml", [str(RETROFIT), "--config", str(RETROFIT_TINY), f"output_dir={out}",
+                                   "max_steps=3", "save_every=2", "eval_blocks=2", "eval_seq_lens=[]"],
+            cpu_ddp=True)
+    _check_final(out / "final")
+    assert attention.is_hybrid(attention.load(out / "final"))
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-3"]  # keep_checkpoints=1
+    assert (out / "checkpoints" / "step-3" / "COMPLETE").is_file()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["num_processes"] == 2 and summary["steps"] == 3
