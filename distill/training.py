@@ -15,6 +15,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs
 
+from core import rundir
 from core.config import ConfigError
 
 
@@ -41,13 +42,8 @@ def make_accelerator(cfg: Any, project_dir: Path) -> Accelerator:
 
 
 def check_output_dir(cfg: Any) -> Path:
-    """Refuse a folder that already holds a run unless ``overwrite=true`` or ``resume=`` says so."""
-    out = Path(cfg.output_dir)
-    has_run = out.is_dir() and any((out / n).exists() for n in ("checkpoints", "final", "summary.json"))
-    if has_run and cfg.resume is None and not cfg.overwrite:
-        raise ConfigError(f"{out} already holds a run; pass resume=latest to continue it, overwrite=true to "
-                          "replace it, or another output_dir=")
-    return out
+    """Refuse a run folder this run must not use (see :func:`core.rundir.check_output_dir`); touches nothing."""
+    return rundir.check_output_dir(cfg.output_dir, cfg.overwrite, cfg.resume)
 
 
 def reduce_stats(accelerator: Accelerator, stats: Any) -> Any:

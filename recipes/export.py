@@ -23,7 +23,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import torch  # noqa: E402
 
-from core.config import ConfigError, field, parse_config, run_cli  # noqa: E402
+from core.config import ConfigError, check_fields, field, parse_config, run_cli  # noqa: E402
 from serve import export as ex  # noqa: E402
 
 
@@ -38,9 +38,10 @@ class ExportConfig:
                                         "base_model_name_or_path); may be a run or checkpoint dir")
     max_shard_size: str = field("5GB", help="split safetensors above this size (e.g. 500MB, 2GB)")
     overwrite: bool = field(False, help="replace an existing output_dir")
-    threads: int = field(0, help="torch CPU threads (0: leave torch's default)")
+    threads: int = field(0, ge=0, help="torch CPU threads (0: leave torch's default)")
 
     def __post_init__(self) -> None:
+        check_fields(self)  # every field's range/choices, declared above (core.config.field)
         if not str(self.source).strip():
             raise ConfigError("source is empty; pass source=RUN_DIR (or a checkpoint, model or adapter dir)")
         if not str(self.output_dir).strip():
@@ -52,8 +53,6 @@ class ExportConfig:
         if self.checkpoint not in ("auto", "final", "latest") and not self.checkpoint.isdigit():
             raise ConfigError(f"checkpoint={self.checkpoint} is not understood; use auto, final, latest or a step")
         ex.parse_size(self.max_shard_size)
-        if self.threads < 0:
-            raise ConfigError(f"threads must be >= 0, got {self.threads}")
 
 
 @dataclass
