@@ -305,7 +305,13 @@ def run_cli(main: typing.Callable[[], Any]) -> None:
 # Resuming with a changed config
 # --------------------------------------------------------------------------------------------
 
-ABSENT = "<absent>"  # shown for a key that one of the two configs does not have
+class _Absent:
+    def __repr__(self) -> str:
+        return "<absent>"
+
+
+ABSENT = _Absent()
+"""Stands for a key that one of the two configs does not have (shown as ``<absent>``)."""
 
 
 def config_changes(saved: typing.Mapping[str, Any], new: typing.Mapping[str, Any],
@@ -361,11 +367,12 @@ def check_resume_config(saved_path: str | Path, config: Any, safe: typing.Iterab
                            if f.default is not dataclasses.MISSING})
     grow_only = [k for k in grow_only if k in new]
     changes = {k: v for k, v in config_changes(saved, new, [*safe, *grow_only]).items()
-               if not (v[0] == ABSENT and k in defaults and _same(defaults[k], v[1]))}
+               if not (v[0] is ABSENT and k in defaults and _same(defaults[k], v[1]))}
     for key in grow_only:
         old = saved.get(key)
         if isinstance(old, (int, float)) and new[key] < old:
             changes[key] = (old, new[key])
+    changes = {k: changes[k] for k in dict.fromkeys([*new, *saved]) if k in changes}  # the config's order
     if changes:
         listed = ", ".join(f"{k}: {_fmt(o)} → {_fmt(n)}" for k, (o, n) in changes.items())
         grow = f" ({', '.join(grow_only)} may only grow)" if any(k in changes for k in grow_only) else ""

@@ -114,3 +114,19 @@ def claim_output_dir(path: str | os.PathLike, overwrite: bool = False, resume: s
     out.mkdir(parents=True)
     (out / MARKER).write_text("")
     return out
+
+
+def check_replaceable(path: str | os.PathLike, ours: bool, what: str) -> None:
+    """Refuse ``overwrite=true`` on ``path`` unless it is ``what`` we wrote (``ours``) in a sane place.
+
+    For outputs that are not training runs (a teacher cache, an export), whose own files say what
+    they are: ``ours`` is that evidence (e.g. the cache's ``meta.json``). An empty folder is always
+    replaceable; root, home, the current folder and the checkout never are.
+    """
+    out = Path(path).expanduser()
+    why = _forbidden(out.resolve())
+    if why:
+        raise ConfigError(f"overwrite=true refused: {out} {why}; nothing was deleted; choose output_dir=runs/NAME")
+    if out.is_dir() and not ours and any(out.iterdir()):
+        raise ConfigError(f"overwrite=true refused: {out} is not {what}; nothing was deleted; delete it yourself "
+                          "or choose another output_dir=")

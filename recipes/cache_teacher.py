@@ -25,6 +25,7 @@ import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from core.config import ConfigError, check_fields, field, parse_config, run_cli, save_config  # noqa: E402
+from core.rundir import check_replaceable  # noqa: E402
 from distill.data import BUILTIN, build_data, eval_batches  # noqa: E402
 from distill.teacher_cache import META, bytes_per_token, fingerprint, topk_logprobs, write_shard  # noqa: E402
 from eval.metrics import evaluate_lm  # noqa: E402
@@ -61,6 +62,8 @@ def main() -> None:
     out = Path(cfg.output_dir)
     if out.exists() and not cfg.overwrite:
         raise ConfigError(f"{out} already exists; pass overwrite=true or another output_dir=")
+    if out.exists():  # overwrite replaces only a cache of ours (core/rundir.py)
+        check_replaceable(out, (out / META).is_file(), f"a teacher cache (no {META})")
     from distill.sources import load_pair
 
     cfg_for_load = type("C", (), {**cfg.__dict__, "student": None, "teacher_cache": None, "keep_layers": "1"})

@@ -24,6 +24,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import torch  # noqa: E402
 
 from core.config import ConfigError, check_fields, field, parse_config, run_cli  # noqa: E402
+from core.rundir import check_replaceable  # noqa: E402
 from serve import export as ex  # noqa: E402
 
 
@@ -83,6 +84,8 @@ def export(cfg: ExportConfig) -> ExportResult:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     out = Path(cfg.output_dir).expanduser().absolute()
+    if cfg.overwrite and out.exists():  # overwrite replaces only a model folder (core/rundir.py)
+        check_replaceable(out, (out / "config.json").is_file(), "a model export (no config.json)")
 
     # 1. What are we exporting? Refuse a bad target before the (slow) load.
     src = ex.resolve_source(cfg.source, cfg.checkpoint)
