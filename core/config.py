@@ -1,14 +1,20 @@
 """Recipe configuration: one typed dataclass per recipe, YAML, then ``key=value`` overrides.
 
-Every recipe (``distill.py``, ``retrofit.py``, ``export.py``, ``cache_teacher.py``) declares a
-dataclass whose fields carry ``metadata={"help": ...}`` and validates itself in ``__post_init__``.
+Every recipe (``distill.py``, ``retrofit.py``, ``export.py``, ``cache_teacher.py``) and the gate
+declare a dataclass whose fields come from :func:`field`: a help string, and for numbers the range
+they accept (``ge``/``gt``/``le``/``lt``) or the ``choices``. :func:`check_fields` enforces them all in
+one place (NaN and infinities are refused unless a field opts in); ``__post_init__`` calls it first
+and then checks only the rules that relate several fields.
 :func:`parse_config` turns ``--config PATH key=value ...`` into an instance:
 
 * the YAML file sets fields, then each ``key=value`` overrides one (``a.b=1`` is not supported on
   purpose: configs are flat so that every key is visible in one place);
 * an unknown key, in YAML or on the command line, is an error that lists the close matches;
 * values are parsed as YAML scalars/lists (``hidden_layers=[15:20]``, ``lr=3e-4``, ``gate=true``)
-  and then coerced to the field's declared type.
+  and then coerced to the field's declared type, then range-checked.
+
+Resuming compares the new config with the one saved in the checkpoint (:func:`check_resume_config`):
+only the keys a recipe lists as safe (cadence, logging, where outputs go) may change.
 """
 
 from __future__ import annotations
