@@ -234,8 +234,22 @@ def _check(case, world, capsys, one_line: bool = True) -> None:
     assert tree(world["root"]) == before, "the failed command changed files on disk"
 
 
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """Any model load fails the case: these inputs must be refused before one."""
+    import distill.sources
+    import eval.gate
+    import serve.export
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("a model was loaded before the bad input was refused")
+    for module, name in [(distill.sources, "load_pair"), (serve.export, "load_student"), (eval.gate, "load_model"),
+                         (eval.gate, "generate_outputs")]:
+        monkeypatch.setattr(module, name, loaded)
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_bad_input_fails_cleanly(case, world, capsys):
+def test_bad_input_fails_cleanly(case, world, capsys, no_model_loads):
     _check(case, world, capsys)
 
 
