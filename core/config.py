@@ -1,20 +1,27 @@
 """Recipe configuration: one typed dataclass per recipe, YAML, then ``key=value`` overrides.
 
-Every recipe (``distill.py``, ``retrofit.py``, ``export.py``, ``cache_teacher.py``) declares a
-dataclass whose fields carry ``metadata={"help": ...}`` and validates itself in ``__post_init__``.
+Every recipe (``distill.py``, ``retrofit.py``, ``export.py``, ``cache_teacher.py``) and the gate
+declare a dataclass whose fields come from :func:`field`: a help string, and for numbers the range
+they accept (``ge``/``gt``/``le``/``lt``) or the ``choices``. :func:`check_fields` enforces them all in
+one place (NaN and infinities are refused unless a field opts in); ``__post_init__`` calls it first
+and then checks only the rules that relate several fields.
 :func:`parse_config` turns ``--config PATH key=value ...`` into an instance:
 
 * the YAML file sets fields, then each ``key=value`` overrides one (``a.b=1`` is not supported on
   purpose: configs are flat so that every key is visible in one place);
 * an unknown key, in YAML or on the command line, is an error that lists the close matches;
 * values are parsed as YAML scalars/lists (``hidden_layers=[15:20]``, ``lr=3e-4``, ``gate=true``)
-  and then coerced to the field's declared type.
+  and then coerced to the field's declared type, then range-checked.
+
+Resuming compares the new config with the one saved in the checkpoint (:func:`check_resume_config`):
+only the keys a recipe lists as safe (cadence, logging, where outputs go) may change.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import sys
 import types
@@ -61,11 +68,82 @@ class ConfigError(ValueError):
     exit_code = 2
 
 
-def field(default: Any = dataclasses.MISSING, *, help: str, default_factory: Any = dataclasses.MISSING):
-    """A dataclass field with a mandatory help string."""
+def field(default: Any = dataclasses.MISSING, *, help: str, default_factory: Any = dataclasses.MISSING,
+          ge: float | None = None, gt: float | None = None, le: float | None = None, lt: float | None = None,
+          choices: typing.Iterable[Any] | None = None, allow_nonfinite: bool = False):
+    """A dataclass field with a mandatory help string and the values it accepts.
+
+    ``ge``/``gt``/``le``/``lt`` bound an int/float field (or each item of a list of them), ``choices``
+    lists the values a field may take; NaN and infinities are refused unless ``allow_nonfinite``.
+    :func:`check_fields` enforces all of it in one place, so a recipe's ``__post_init__`` keeps only
+    the rules that relate several fields.
+    """
+    metadata: dict[str, Any] = {"help": help}
+    for key, bound in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)):
+        if bound is not None:
+            metadata[key] = bound
+    if choices is not None:
+        metadata["choices"] = tuple(choices)
+    if allow_nonfinite:
+        metadata["allow_nonfinite"] = True
     if default_factory is not dataclasses.MISSING:
-        return dataclasses.field(default_factory=default_factory, metadata={"help": help})
-    return dataclasses.field(default=default, metadata={"help": help})
+        return dataclasses.field(default_factory=default_factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def _fmt(x: Any) -> str:
+    return f"{x:g}" if isinstance(x, float) else repr(x) if isinstance(x, str) else str(x)
+
+
+def range_text(meta: typing.Mapping[str, Any]) -> str:
+    """``{"ge": 0, "le": 1}`` → ``"in [0, 1]"``; ``{"gt": 0}`` → ``"> 0"``; ``{}`` → ``""``."""
+    low = ("[", meta["ge"]) if "ge" in meta else ("(", meta["gt"]) if "gt" in meta else None
+    high = ("]", meta["le"]) if "le" in meta else (")", meta["lt"]) if "lt" in meta else None
+    if low and high:
+        return f"in {low[0]}{_fmt(low[1])}, {_fmt(high[1])}{high[0]}"
+    if low:
+        return f"{'>=' if low[0] == '[' else '>'} {_fmt(low[1])}"
+    if high:
+        return f"{'<=' if high[0] == ']' else '<'} {_fmt(high[1])}"
+    return ""
+
+
+def _value_problem(value: Any, meta: typing.Mapping[str, Any]) -> str | None:
+    """What is wrong with one value under a field's metadata (``None``: nothing)."""
+    choices = meta.get("choices")
+    if choices is not None and value not in choices:
+        return f"one of {', '.join(str(c) for c in choices)}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    rng = range_text(meta)
+    if isinstance(value, float) and not math.isfinite(value) and not meta.get("allow_nonfinite"):
+        return f"a finite number {rng}".rstrip()
+    ok = ((("ge" not in meta) or value >= meta["ge"]) and (("gt" not in meta) or value > meta["gt"])
+          and (("le" not in meta) or value <= meta["le"]) and (("lt" not in meta) or value < meta["lt"]))
+    return None if ok else rng
+
+
+def check_values(cls: type, values: typing.Mapping[str, Any]) -> None:
+    """Check each ``name → value`` against the ranges/choices declared by ``cls``'s :func:`field` s.
+
+    Raises a one-line :class:`ConfigError` naming the key, the bad value and what it accepts. ``None``
+    (an unset optional field) always passes; a list is checked item by item.
+    """
+    meta = {f.name: f.metadata for f in dataclasses.fields(cls)}
+    for name, value in values.items():
+        if name not in meta or value is None:
+            continue
+        items = value if isinstance(value, (list, tuple)) else [value]
+        for item in items:
+            problem = _value_problem(item, meta[name])
+            if problem:
+                got = _fmt(value) if items is not value else f"{_fmt(item)} in {value!r}"
+                raise ConfigError(f"{name} must be {problem}, got {got}")
+
+
+def check_fields(config: Any) -> None:
+    """:func:`check_values` over every field of a dataclass instance (call first in ``__post_init__``)."""
+    check_values(type(config), {f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
 
 
 def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
@@ -161,6 +239,8 @@ def build_config(cls: type[T], values: dict[str, Any], where: str = "config") ->
     _check_keys(cls, values, where)
     hints = typing.get_type_hints(cls)
     kwargs = {k: _coerce(k, v, hints[k]) for k, v in values.items()}
+    # Ranges before __post_init__: its cross-field rules may assume each value is already sane.
+    check_values(cls, kwargs)
     try:
         return cls(**kwargs)
     except TypeError as err:  # a required field is missing
@@ -227,3 +307,82 @@ def run_cli(main: typing.Callable[[], Any]) -> None:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(err.exit_code) from None
+
+
+# --------------------------------------------------------------------------------------------
+# Resuming with a changed config
+# --------------------------------------------------------------------------------------------
+
+class _Absent:
+    def __repr__(self) -> str:
+        return "<absent>"
+
+
+ABSENT = _Absent()
+"""Stands for a key that one of the two configs does not have (shown as ``<absent>``)."""
+
+
+def config_changes(saved: typing.Mapping[str, Any], new: typing.Mapping[str, Any],
+                   safe: typing.Iterable[str] = ()) -> dict[str, tuple[Any, Any]]:
+    """The keys whose values differ between ``saved`` and ``new``, except those in ``safe``.
+
+    Returns ``{key: (old, new)}`` in ``new``'s key order (then keys only ``saved`` has); a key
+    missing on one side shows :data:`ABSENT` there. Values compare after a YAML round trip, so
+    ``3e-4`` read back from ``config.yaml`` equals the float it was written from and a tuple
+    equals the list it was saved as.
+    """
+    safe = set(safe)
+    a, b = _normalize(dict(saved)), _normalize(dict(new))
+    changes: dict[str, tuple[Any, Any]] = {}
+    for key in [*b, *(k for k in a if k not in b)]:
+        if key in safe:
+            continue
+        old, now = a.get(key, ABSENT), b.get(key, ABSENT)
+        if not _same(old, now):
+            changes[key] = (old, now)
+    return changes
+
+
+def _normalize(values: dict[str, Any]) -> dict[str, Any]:
+    return yaml_load(yaml.safe_dump(values, sort_keys=False)) or {}
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return type(a) is type(b) and a == b or (isinstance(a, (int, float)) and isinstance(b, (int, float))
+                                            and not isinstance(a, bool) and not isinstance(b, bool) and a == b)
+
+
+def check_resume_config(saved_path: str | Path, config: Any, safe: typing.Iterable[str],
+                        grow_only: typing.Iterable[str] = ("max_steps",)) -> None:
+    """Refuse to resume ``config`` from a checkpoint whose ``config.yaml`` differs outside ``safe``.
+
+    A resumed run must train what its checkpoint started: a changed learning rate, seed or data
+    would make the finished model match neither config, and ``config.yaml`` would then describe
+    settings that were never used. Keys in ``safe`` (logging, cadence, where outputs go) may
+    change; keys in ``grow_only`` (``max_steps``) may change only upwards. A key the checkpoint's
+    config lacks (written by an older version) counts as unchanged while it holds its default.
+    Raises one-line :class:`ConfigError` that lists each differing key as ``key: old → new``.
+    """
+    saved_path = Path(saved_path)
+    if not saved_path.is_file():
+        raise ConfigError(f"checkpoint {saved_path.parent} has no config.yaml to compare the config with; resume "
+                          "from a checkpoint this toolkit wrote, or start a new output_dir")
+    saved = load_yaml(saved_path)
+    new = to_dict(config)
+    defaults = _normalize({f.name: f.default for f in dataclasses.fields(config)
+                           if f.default is not dataclasses.MISSING})
+    grow_only = [k for k in grow_only if k in new]
+    changes = {k: v for k, v in config_changes(saved, new, [*safe, *grow_only]).items()
+               if not (v[0] is ABSENT and k in defaults and _same(defaults[k], v[1]))}
+    for key in grow_only:
+        old = saved.get(key)
+        if isinstance(old, (int, float)) and new[key] < old:
+            changes[key] = (old, new[key])
+    changes = {k: changes[k] for k in dict.fromkeys([*new, *saved]) if k in changes}  # the config's order
+    if changes:
+        listed = ", ".join(f"{k}: {_fmt(o)} → {_fmt(n)}" for k, (o, n) in changes.items())
+        grow = f" ({', '.join(grow_only)} may only grow)" if any(k in changes for k in grow_only) else ""
+        raise ConfigError(f"resume would change the run's config ({listed}){grow}; put the values back to "
+                          f"continue this run, or start a new output_dir= to train with them")

@@ -30,7 +30,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs
 
-from core.config import ConfigError, parse_config, save_config
+from core import rundir
+from core.config import ConfigError, check_resume_config, parse_config, save_config
 from core.fsio import atomic_write_text, replace_dir
 from distill import checkpoint as ckpt
 from distill.data import eval_batches
@@ -66,23 +67,18 @@ def make_accelerator(cfg: Any, project_dir: Path) -> Accelerator:
     return accelerator
 
 
-def check_output_dir(cfg: Any) -> Path:
-    """Refuse a folder that already holds a run unless ``overwrite=true`` or ``resume=`` says so."""
-    out = Path(cfg.output_dir)
-    has_run = out.is_dir() and any((out / n).exists() for n in ("checkpoints", "final", "summary.json"))
-    if has_run and cfg.resume is None and not cfg.overwrite:
-        raise ConfigError(f"{out} already holds a run; pass resume=latest to continue it, overwrite=true to "
-                          "replace it, or another output_dir=")
-    return out
-
-
 def start_run(config_cls: type, argv: list[str] | None = None) -> tuple[Any, Accelerator, Path]:
-    """``(cfg, accelerator, output_dir)``: the config parsed and checked, the run folder claimed."""
+    """``(cfg, accelerator, output_dir)``: the config parsed and checked, the run folder claimed.
+
+    Every process checks the folder before anything loads (:func:`core.rundir.check_output_dir`);
+    the main process then claims it: an old run is removed only if ``overwrite`` allows it and the
+    folder carries our marker, so a mistyped ``output_dir`` never loses files we did not write.
+    """
     cfg = parse_config(config_cls, argv)
-    out = check_output_dir(cfg)
+    out = rundir.check_output_dir(cfg.output_dir, cfg.overwrite, cfg.resume)
     accelerator = make_accelerator(cfg, out)
-    if cfg.overwrite and accelerator.is_main_process and out.exists():
-        shutil.rmtree(out)
+    if accelerator.is_main_process:
+        rundir.claim_output_dir(out, cfg.overwrite, cfg.resume)
     accelerator.wait_for_everyone()
     return cfg, accelerator, out
 
@@ -188,11 +184,14 @@ class TrainerState:
 class Run:
     """One run's folder on every rank: resume, checkpoints, the step record and the summary files.
 
-    ``tracker_project`` names the tracker project; ``progress`` the progress bar.
+    ``tracker_project`` names the tracker project; ``progress`` the progress bar; ``resume_safe`` the
+    config keys a resume may change (anything else differing from the checkpoint's config is refused).
     """
 
-    def __init__(self, cfg: Any, accelerator: Accelerator, *, tracker_project: str, progress: str) -> None:
+    def __init__(self, cfg: Any, accelerator: Accelerator, *, tracker_project: str, progress: str,
+                 resume_safe: Iterable[str]) -> None:
         self.cfg, self.accelerator = cfg, accelerator
+        self.resume_safe = tuple(resume_safe)
         self.out = Path(cfg.output_dir)
         self.main = accelerator.is_main_process
         self.state = TrainerState()
@@ -208,6 +207,7 @@ class Run:
         if self.cfg.resume is None:
             return self.state
         path = ckpt.resolve_resume(self.cfg.resume, self.out)
+        check_resume_config(path / "config.yaml", self.cfg, self.resume_safe)  # no silent config change
         saved = ckpt.read_state(path)
         try:
             self.accelerator.load_state(str(path))

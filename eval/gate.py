@@ -82,7 +82,7 @@ from pathlib import Path
 
 import numpy as np
 
-from core.config import ConfigError, field
+from core.config import ConfigError, check_fields, field
 from core.models import DTYPES
 from eval.bertscore import MAX_TOKENS, BertScore, ScorerMissingError
 from eval.fingerprint import DigestMemo, json_hash
@@ -112,52 +112,39 @@ class GateConfig:
     prompts: str | None = field(None, help="prompt JSONL (id, prompt, optional reference/chat); default: the bundled 100")
     references: str | None = field(None, help="JSONL of {id, reference} used instead of the prompt file's references")
     teacher: str | None = field(None, help="HF dir whose generations are the references when none are given")
-    max_drop: float = field(0.02, help="largest acceptable mean BERTScore F1 drop of candidate vs baseline")
-    max_drift: float = field(0.10, help="drift mode only: largest acceptable mean 1 - F1 to the baseline's outputs")
-    floor: float = field(0.65, help="per-sample F1 floor; samples below it are listed")
-    max_new_below_floor: int | None = field(None, help="fail if more candidate samples than this fall below the "
-                                                       "floor where the baseline's did not (unset: report only)")
-    max_new_tokens: int = field(64, help="tokens generated per prompt")
-    batch_size: int = field(16, help="prompts per generation batch")
+    max_drop: float = field(0.02, ge=0, lt=1,
+                            help="largest acceptable mean BERTScore F1 drop of candidate vs baseline")
+    max_drift: float = field(0.10, ge=0, lt=1,
+                             help="drift mode only: largest acceptable mean 1 - F1 to the baseline's outputs")
+    floor: float = field(0.65, ge=-1, le=1, help="per-sample F1 floor; samples below it are listed")
+    max_new_below_floor: int | None = field(None, ge=0, help="fail if more candidate samples than this fall below "
+                                            "the floor where the baseline's did not (unset: report only)")
+    max_new_tokens: int = field(64, ge=1, help="tokens generated per prompt")
+    batch_size: int = field(16, ge=1, help="prompts per generation batch")
     do_sample: bool = field(False, help="sample instead of greedy decoding (seeded)")
-    temperature: float = field(1.0, help="sampling temperature (with do_sample)")
-    top_p: float = field(1.0, help="nucleus sampling mass (with do_sample)")
-    seed: int = field(0, help="seed for sampling and the bootstrap")
+    temperature: float = field(1.0, ge=0, help="sampling temperature (with do_sample)")
+    top_p: float = field(1.0, ge=0, le=1, help="nucleus sampling mass (with do_sample)")
+    seed: int = field(0, ge=0, le=2**32 - 1, help="seed for sampling and the bootstrap")
     chat: bool = field(False, help="apply the tokenizer's chat template (a prompt's 'chat' field overrides)")
-    dtype: str = field("auto", help="auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16")
+    dtype: str = field("auto", choices=("auto", *DTYPES),
+                       help="auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16")
     device: str = field("auto", help="auto, cpu, cuda or cuda:N")
     cache_dir: str | None = field(None, help="generation cache directory; default: <out>/cache")
     heldout: str | None = field(None, help="UTF-8 text file for perplexity / bits per byte (optional)")
     skip_lm_metrics: bool = field(False, help="skip agreement / KL / perplexity (saves loading the models again)")
-    lm_seq_len: int = field(512, help="window length in tokens for the language-model metrics")
-    scorer_layer: int = field(6, help="BERTScore encoder layer (1..6)")
-    scorer_batch_size: int = field(64, help="BERTScore encoder batch size")
+    lm_seq_len: int = field(512, ge=2, help="window length in tokens for the language-model metrics")
+    scorer_layer: int = field(6, ge=1, le=6, help="BERTScore encoder layer (1..6)")
+    scorer_batch_size: int = field(64, ge=1, help="BERTScore encoder batch size")
     rescale: str = field("none", help="'none' (raw F1), 'prompts' (baseline built from the prompt texts) or a "
                                       "text file path (baseline built from its non-empty lines)")
-    resamples: int = field(10_000, help="bootstrap resamples")
-    confidence: float = field(0.95, help="interval confidence level")
-    min_prompts: int = field(10, help="fewer prompts than this give 'inconclusive'")
+    resamples: int = field(10_000, ge=1, help="bootstrap resamples")
+    confidence: float = field(0.95, ge=0.5, lt=1, help="interval confidence level")
+    min_prompts: int = field(10, ge=1, help="fewer prompts than this give 'inconclusive'")
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.max_drop < 1.0:
-            raise ConfigError(f"max_drop={self.max_drop} must be in [0, 1); e.g. --max-drop 0.02")
-        if not 0.0 <= self.max_drift < 1.0:
-            raise ConfigError(f"max_drift={self.max_drift} must be in [0, 1); e.g. --max-drift 0.1")
-        if self.max_new_below_floor is not None and self.max_new_below_floor < 0:
-            raise ConfigError("max_new_below_floor must be >= 0; or leave it unset")
-        for name in ("max_new_tokens", "batch_size", "resamples", "min_prompts", "scorer_batch_size"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1; got {getattr(self, name)}")
-        if self.lm_seq_len < 2:
-            raise ConfigError("lm_seq_len must be >= 2")
-        if not 0.5 <= self.confidence < 1.0:
-            raise ConfigError(f"confidence={self.confidence} must be in [0.5, 1); e.g. 0.95")
+        check_fields(self)  # every field's range/choices, declared above (core.config.field)
         if self.do_sample and (self.temperature <= 0 or not 0 < self.top_p <= 1):
             raise ConfigError("with do_sample, temperature must be > 0 and top_p in (0, 1]")
-        if self.dtype not in ("auto", *DTYPES):
-            raise ConfigError(f"dtype '{self.dtype}' is not one of auto, {', '.join(DTYPES)}")
-        if not 1 <= self.scorer_layer <= 6:
-            raise ConfigError(f"scorer_layer={self.scorer_layer} must be in 1..6 (the scorer has 6 layers)")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(f"device '{self.device}' is not auto, cpu, cuda or cuda:N")
 

@@ -26,7 +26,8 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 import torch
 from tqdm.auto import tqdm
 
-from core.config import ConfigError, field, parse_config, run_cli, save_config
+from core.config import ConfigError, check_fields, field, parse_config, run_cli, save_config
+from core.rundir import check_replaceable
 from distill.data import BUILTIN, build_data, eval_batches
 from distill.teacher_cache import META, bytes_per_token, fingerprint, topk_logprobs, write_shard
 from eval.metrics import evaluate_lm
@@ -39,13 +40,15 @@ class CacheTeacherConfig:
     dataset: str = field(BUILTIN, help="training text, exactly as the distill run will use it")
     eval_dataset: str | None = field(None, help="held-out text, as in the distill run")
     text_field: str = field("text", help="text column")
-    seq_len: int = field(256, help="packed block length (must match the distill run)")
-    eval_blocks: int = field(16, help="held-out blocks for the teacher perplexity recorded in the cache")
-    max_blocks: int | None = field(None, help="cache only the first N training blocks (and train on them)")
-    topk: int = field(32, help="teacher tokens kept per position")
-    batch_size: int = field(8, help="blocks per teacher forward")
-    shard_blocks: int = field(256, help="blocks per shard file")
-    seed: int = field(0, help="seed (tiny-random teacher)")
+    seq_len: int = field(256, ge=2, help="packed block length (must match the distill run)")
+    eval_blocks: int = field(16, ge=1,
+                             help="held-out blocks for the teacher perplexity recorded in the cache")
+    max_blocks: int | None = field(None, ge=1,
+                                   help="cache only the first N training blocks (and train on them)")
+    topk: int = field(32, ge=1, help="teacher tokens kept per position")
+    batch_size: int = field(8, ge=1, help="blocks per teacher forward")
+    shard_blocks: int = field(256, ge=1, help="blocks per shard file")
+    seed: int = field(0, ge=0, le=2**32 - 1, help="seed (tiny-random teacher)")
     output_dir: str = field("runs/teacher-cache", help="cache folder to write")
     overwrite: bool = field(False, help="replace an existing cache")
     # accepted so one YAML can drive both recipes; unused here
@@ -53,10 +56,7 @@ class CacheTeacherConfig:
     keep_layers: str = field("10", help="unused")
 
     def __post_init__(self) -> None:
-        if self.topk < 1:
-            raise ConfigError(f"topk must be >= 1, got {self.topk}")
-        if self.batch_size < 1 or self.shard_blocks < 1 or self.seq_len < 2:
-            raise ConfigError("batch_size and shard_blocks must be >= 1 and seq_len >= 2")
+        check_fields(self)  # every field's range/choices, declared above (core.config.field)
 
 
 def main() -> None:
@@ -64,6 +64,8 @@ def main() -> None:
     out = Path(cfg.output_dir)
     if out.exists() and not cfg.overwrite:
         raise ConfigError(f"{out} already exists; pass overwrite=true or another output_dir=")
+    if out.exists():  # overwrite replaces only a cache of ours (core/rundir.py)
+        check_replaceable(out, (out / META).is_file(), f"a teacher cache (no {META})")
     from distill.sources import load_pair
 
     cfg_for_load = type("C", (), {**cfg.__dict__, "student": None, "teacher_cache": None, "keep_layers": "1"})
@@ -87,7 +89,7 @@ def main() -> None:
                     val.append(v)
                     bar.update(blocks.numel())
                 write_shard(tmp / f"shard-{shard:05d}.safetensors", torch.cat(idx), torch.cat(val))
-            teacher_ppl = evaluate_lm(teacher, eval_batches(data.eval, cfg.batch_size))[0].perplexity
+            teacher_ppl = evaluate_lm(teacher, eval_batches(data.eval, cfg.batch_size)).perplexity
         meta = {"k": cfg.topk, "seq_len": cfg.seq_len, "blocks": n, "fingerprint": fingerprint(data.train),
                 "teacher": cfg.teacher, "dataset": cfg.dataset, "bytes_per_token": bytes_per_token(cfg.topk),
                 "teacher_ppl": teacher_ppl, "seconds": time.time() - t0}

@@ -25,10 +25,10 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import set_seed
 
-from core.config import ConfigError, field, run_cli
+from core.config import ConfigError, check_fields, field, run_cli
 from distill.data import BUILTIN, BlockOrder, build_data
 from distill.distributed import is_zero3, prepare_teacher
-from distill.model import KD_KINDS, DistillModel, LossConfig
+from distill.model import HIDDEN_KINDS, KD_KINDS, DistillModel, LossConfig
 from distill.sources import load_pair
 from distill.teacher_cache import TeacherCache
 from distill.training import (
@@ -46,6 +46,13 @@ from distill.training import (
 logger = get_logger(__name__)
 
 
+# Keys a resume may change (core.config.check_resume_config): cadence, logging and where outputs go;
+# max_steps may only grow. Anything else would make the finished model match neither config.
+RESUME_SAFE = ("eval_every", "log_every", "save_every", "keep_checkpoints", "tracker", "output_dir", "resume",
+               "overwrite", "debug_exit_at_step", "gate", "gate_prompts", "gradient_checkpointing",
+               "compare_ce_only", "teacher_shape", "student_shape", "zero_stage")
+
+
 @dataclass
 class DistillConfig:
     # models
@@ -60,73 +67,67 @@ class DistillConfig:
                          ".jsonl/.txt/.parquet file or folder, or a hub dataset name")
     eval_dataset: str | None = field(None, help="held-out text; default: a held-out split of dataset")
     text_field: str = field("text", help="column holding the text (records with 'messages' use the chat template)")
-    seq_len: int = field(256, help="tokens per packed training block")
-    max_train_blocks: int | None = field(None, help="use only the first N packed training blocks")
-    eval_blocks: int = field(16, help="held-out blocks used for perplexity/agreement")
+    seq_len: int = field(256, ge=2, help="tokens per packed training block")
+    max_train_blocks: int | None = field(None, ge=1, help="use only the first N packed training blocks")
+    eval_blocks: int = field(16, ge=1, help="held-out blocks used for perplexity/agreement")
     # loop
-    max_steps: int = field(24, help="optimizer steps")
-    micro_batch_size: int = field(4, help="blocks per forward on each process")
-    grad_accum: int = field(1, help="micro-batches per optimizer step")
-    lr: float = field(3e-4, help="peak learning rate (AdamW)")
-    min_lr_ratio: float = field(0.1, help="cosine schedule ends at lr * min_lr_ratio")
-    warmup_steps: int = field(4, help="linear warmup steps")
-    weight_decay: float = field(0.0, help="AdamW weight decay")
-    max_grad_norm: float = field(1.0, help="gradient clipping (0 disables)")
+    max_steps: int = field(24, ge=1, help="optimizer steps")
+    micro_batch_size: int = field(4, ge=1, help="blocks per forward on each process")
+    grad_accum: int = field(1, ge=1, help="micro-batches per optimizer step")
+    lr: float = field(3e-4, gt=0, help="peak learning rate (AdamW)")
+    min_lr_ratio: float = field(0.1, ge=0, le=1, help="cosine schedule ends at lr * min_lr_ratio")
+    warmup_steps: int = field(4, ge=0, help="linear warmup steps")
+    weight_decay: float = field(0.0, ge=0, help="AdamW weight decay")
+    max_grad_norm: float = field(1.0, ge=0, help="gradient clipping (0 disables)")
     mixed_precision: str = field("auto", help="no | bf16 | fp16 | auto (bf16 on GPUs that support it, fp32 on "
-                                 "CPU where bf16 matmul is slower)")
+                                 "CPU where bf16 matmul is slower)", choices=PRECISIONS)
     gradient_checkpointing: bool = field(False, help="recompute student activations in backward to save memory")
-    seed: int = field(0, help="seed for init, data order and sampling")
+    seed: int = field(0, ge=0, le=2**32 - 1, help="seed for init, data order and sampling")
     # loss terms (weight 0 switches a term off)
-    kd_weight: float = field(1.0, help="logits KD term weight")
-    kd_kind: str = field("forward_kl", help=f"divergence: {', '.join(KD_KINDS)}")
-    temperature: float = field(1.0, help="KD temperature T (the term is scaled by T²)")
-    beta: float = field(0.5, help="JSD interpolation (0 = forward KL, 1 = reverse KL)")
-    kd_chunk_size: int | None = field(1024, help="tokens per chunk of the fused KD loss; empty = full logits")
-    ce_weight: float = field(1.0, help="cross-entropy on the data term weight")
-    focal_weight: float = field(0.0, help="focal CE term weight (long-tail tokens)")
-    focal_alpha: float = field(0.25, help="focal alpha")
-    focal_gamma: float = field(2.0, help="focal gamma")
-    hidden_weight: float = field(0.2, help="hidden-state term weight")
+    kd_weight: float = field(1.0, ge=0, help="logits KD term weight")
+    kd_kind: str = field("forward_kl", choices=KD_KINDS, help=f"divergence: {', '.join(KD_KINDS)}")
+    temperature: float = field(1.0, gt=0, help="KD temperature T (the term is scaled by T²)")
+    beta: float = field(0.5, ge=0, le=1, help="JSD interpolation (0 = forward KL, 1 = reverse KL)")
+    kd_chunk_size: int | None = field(1024, ge=1,
+                                      help="tokens per chunk of the fused KD loss; empty = full logits")
+    ce_weight: float = field(1.0, ge=0, help="cross-entropy on the data term weight")
+    focal_weight: float = field(0.0, ge=0, help="focal CE term weight (long-tail tokens)")
+    focal_alpha: float = field(0.25, ge=0, le=1, help="focal alpha")
+    focal_gamma: float = field(2.0, ge=0, help="focal gamma")
+    hidden_weight: float = field(0.2, ge=0, help="hidden-state term weight")
     hidden_layers: list[str] = field(default_factory=lambda: ["derived"], help="layer pairs 's:t', "
                                      "'relative' or 'derived' (a derived student's replaced spans)")
     hidden_kind: str = field("nmse", help="hidden-state distance: nmse (per-token MSE / teacher mean square, scale-free) "
-                             "| mse | cosine")
-    attn_weight: float = field(0.0, help="attention-map term weight")
+                             "| mse | cosine", choices=HIDDEN_KINDS)
+    attn_weight: float = field(0.0, ge=0, help="attention-map term weight")
     attn_layers: list[str] = field(default_factory=list, help="layer pairs for the attention-map term")
-    attn_num_queries: int = field(64, help="query positions sampled per sequence for the attention-map term")
+    attn_num_queries: int = field(64, ge=1,
+                                  help="query positions sampled per sequence for the attention-map term")
     teacher_cache: str | None = field(None, help="folder written by recipes/cache_teacher.py: train from cached "
                                       "top-k teacher log-probs without loading the teacher")
     # eval, logging, outputs
-    eval_every: int = field(12, help="held-out evaluation every N steps (0: only at start and end)")
-    log_every: int = field(1, help="tracker logging every N steps")
-    tracker: str = field("none", help="none | tensorboard | wandb (WANDB_MODE=offline works)")
+    eval_every: int = field(12, ge=0, help="held-out evaluation every N steps (0: only at start and end)")
+    log_every: int = field(1, ge=1, help="tracker logging every N steps")
+    tracker: str = field("none", choices=TRACKERS,
+                         help="none | tensorboard | wandb (WANDB_MODE=offline works)")
     output_dir: str = field("runs/smollm2-demo", help="run folder: checkpoints/, final/, summary.json, loss.png")
     overwrite: bool = field(False, help="replace an existing run in output_dir")
     resume: str | None = field(None, help="'latest' or a checkpoint folder to continue from")
-    save_every: int = field(0, help="checkpoint every N steps (0: only at the end)")
-    keep_checkpoints: int = field(2, help="complete checkpoints kept on disk")
+    save_every: int = field(0, ge=0, help="checkpoint every N steps (0: only at the end)")
+    keep_checkpoints: int = field(2, ge=1, help="complete checkpoints kept on disk")
     compare_ce_only: bool = field(True, help="also train a CE-only student for the same steps and report both")
     gate: bool = field(False, help="run the release gate (eval.gate) against the teacher at the end")
-    gate_prompts: int = field(100, help="prompts from the bundled set used by the gate")
+    gate_prompts: int = field(100, ge=1, help="prompts from the bundled set used by the gate")
     # planner inputs (python -m distill.plan); not used by the loop
     teacher_shape: dict | None = field(None, help="teacher shape for the memory planner")
     student_shape: dict | None = field(None, help="student shape for the memory planner")
-    zero_stage: int | None = field(None, help="ZeRO stage assumed by the memory planner")
-    debug_exit_at_step: int | None = field(None, help="testing: exit abruptly (as if killed) after this step")
+    zero_stage: int | None = field(None, choices=(0, 1, 2, 3),
+                                   help="ZeRO stage assumed by the memory planner")
+    debug_exit_at_step: int | None = field(None, ge=1,
+                                           help="testing: exit abruptly (as if killed) after this step")
 
     def __post_init__(self) -> None:
-        for name in ("seq_len", "max_steps", "micro_batch_size", "grad_accum", "eval_blocks", "keep_checkpoints"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("save_every", "eval_every", "warmup_steps"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.lr <= 0:
-            raise ConfigError(f"lr must be > 0, got {self.lr}")
-        if self.mixed_precision not in PRECISIONS:
-            raise ConfigError(f"mixed_precision '{self.mixed_precision}' is unknown; use {', '.join(PRECISIONS)}")
-        if self.tracker not in TRACKERS:
-            raise ConfigError(f"tracker '{self.tracker}' is unknown; use one of {', '.join(TRACKERS)}")
+        check_fields(self)  # every field's range/choices, declared above (core.config.field)
         if self.resume is not None and self.overwrite:
             raise ConfigError("resume= and overwrite=true contradict each other; pick one")
         if self.teacher_cache and (self.hidden_weight > 0 or self.attn_weight > 0):
@@ -154,7 +155,8 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: 
     """Train one student; ``known_init`` reuses held-out metrics already measured on the same pair."""
     main = accelerator.is_main_process
     set_seed(cfg.seed)
-    run = Run(cfg, accelerator, tracker_project="hybrid-distill", progress="distill")
+    run = Run(cfg, accelerator, tracker_project="hybrid-distill", progress="distill",
+              resume_safe=RESUME_SAFE)
 
     # ---- models -------------------------------------------------------------------------
     teacher, student, tokenizer = load_pair(cfg)

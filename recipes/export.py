@@ -24,7 +24,8 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 
 import torch
 
-from core.config import ConfigError, field, parse_config, run_cli
+from core.config import ConfigError, check_fields, field, parse_config, run_cli
+from core.rundir import check_replaceable
 from serve import export as ex
 
 
@@ -39,9 +40,10 @@ class ExportConfig:
                                         "base_model_name_or_path); may be a run or checkpoint dir")
     max_shard_size: str = field("5GB", help="split safetensors above this size (e.g. 500MB, 2GB)")
     overwrite: bool = field(False, help="replace an existing output_dir")
-    threads: int = field(0, help="torch CPU threads (0: leave torch's default)")
+    threads: int = field(0, ge=0, help="torch CPU threads (0: leave torch's default)")
 
     def __post_init__(self) -> None:
+        check_fields(self)  # every field's range/choices, declared above (core.config.field)
         if not str(self.source).strip():
             raise ConfigError("source is empty; pass source=RUN_DIR (or a checkpoint, model or adapter dir)")
         if not str(self.output_dir).strip():
@@ -53,8 +55,6 @@ class ExportConfig:
         if self.checkpoint not in ("auto", "final", "latest") and not self.checkpoint.isdigit():
             raise ConfigError(f"checkpoint={self.checkpoint} is not understood; use auto, final, latest or a step")
         ex.parse_size(self.max_shard_size)
-        if self.threads < 0:
-            raise ConfigError(f"threads must be >= 0, got {self.threads}")
 
 
 @dataclass
@@ -85,6 +85,8 @@ def export(cfg: ExportConfig) -> ExportResult:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     out = Path(cfg.output_dir).expanduser().absolute()
+    if cfg.overwrite and out.exists():  # overwrite replaces only a model folder (core/rundir.py)
+        check_replaceable(out, (out / "config.json").is_file(), "a model export (no config.json)")
 
     # 1. What are we exporting? Refuse a bad target before the (slow) load.
     src = ex.resolve_source(cfg.source, cfg.checkpoint)

@@ -42,7 +42,7 @@ from peft import LoraConfig, get_peft_model
 import attention
 from attention.errors import HybridAttentionError
 from attention.spec import HybridAttentionConfig
-from core.config import ConfigError, field, run_cli
+from core.config import ConfigError, check_fields, field, run_cli
 from core.models import ModelSourceError, load_causal_lm, load_tokenizer
 from core.tiny import TINY, tiny_teacher, tiny_teacher_tokenizer
 from distill.data import BUILTIN, BlockOrder, build_data
@@ -60,6 +60,12 @@ from distill.training import (
 )
 
 logger = get_logger(__name__)
+
+
+# Keys a resume may change (core.config.check_resume_config): cadence, logging and where outputs go;
+# max_steps may only grow. Anything else would make the finished model match neither config.
+RESUME_SAFE = ("eval_every", "log_every", "save_every", "keep_checkpoints", "tracker", "output_dir", "resume",
+               "overwrite", "debug_exit_at_step", "gate", "gate_prompts", "gradient_checkpointing")
 ATTN_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJ = ("gate_proj", "up_proj", "down_proj")
 
@@ -71,17 +77,20 @@ class RetrofitConfig:
                          "HF directory, a hub name, 'smollm2-135m-instruct' (offline demo) or 'tiny-random' (tests)")
     tokenizer: str | None = field(None, help="tokenizer source; default: the teacher's")
     # hybrid attention spec (attention.HybridAttentionConfig), stored in final/config.json
-    sink_tokens: int = field(128, help="first tokens every query attends to (attention sinks); 0 disables")
-    window: int = field(512, help="local window in tokens, counting the query itself (>= 1)")
-    global_every: int = field(1024, help="every N-th position is a global key all later queries see; 0 disables")
-    max_globals: int | None = field(None, help="keep at most this many global keys (bounds the decode KV cache)")
+    sink_tokens: int = field(128, ge=0,
+                             help="first tokens every query attends to (attention sinks); 0 disables")
+    window: int = field(512, gt=0, help="local window in tokens, counting the query itself (>= 1)")
+    global_every: int = field(1024, ge=0,
+                              help="every N-th position is a global key all later queries see; 0 disables")
+    max_globals: int | None = field(None, ge=0,
+                                    help="keep at most this many global keys (bounds the decode KV cache)")
     global_rows: bool = field(False, help="global tokens also attend to every earlier key (unbounded cache)")
     window_policy: list[Any] | None = field(None, help="[[max_len, window], ..., [null, window]]: the window per "
                                             "input length; training samples one entry per step")
     # LoRA + extra trainable pieces
-    lora_r: int = field(16, help="LoRA rank")
-    lora_alpha: float = field(32.0, help="LoRA scaling numerator (the update is scaled by alpha / r)")
-    lora_dropout: float = field(0.0, help="dropout on the LoRA input")
+    lora_r: int = field(16, ge=1, help="LoRA rank")
+    lora_alpha: float = field(32.0, gt=0, help="LoRA scaling numerator (the update is scaled by alpha / r)")
+    lora_dropout: float = field(0.0, ge=0, lt=1, help="dropout on the LoRA input")
     lora_mlp: bool = field(False, help="also put LoRA on the MLP projections (gate/up/down)")
     train_norms: bool = field(True, help="train every RMSNorm weight in full (LongLoRA: needed for long context)")
     train_embeddings: bool = field(True, help="train the input embeddings in full (tied heads train with them)")
@@ -90,66 +99,53 @@ class RetrofitConfig:
                          ".jsonl/.txt/.parquet file or folder, or a hub dataset name")
     eval_dataset: str | None = field(None, help="held-out text; default: a held-out split of dataset")
     text_field: str = field("text", help="column holding the text (records with 'messages' use the chat template)")
-    seq_len: int = field(2048, help="tokens per packed training block")
-    max_train_blocks: int | None = field(None, help="use only the first N packed training blocks")
-    eval_blocks: int = field(3, help="held-out blocks per evaluated length")
+    seq_len: int = field(2048, ge=2, help="tokens per packed training block")
+    max_train_blocks: int | None = field(None, ge=1, help="use only the first N packed training blocks")
+    eval_blocks: int = field(3, ge=1, help="held-out blocks per evaluated length")
     eval_seq_lens: list[int] = field(default_factory=lambda: [4096], help="extra held-out lengths evaluated at start and end "
-                                     "(e.g. [4096]); seq_len is always evaluated")
+                                     "(e.g. [4096]); seq_len is always evaluated", ge=2)
     # loop
-    max_steps: int = field(30, help="optimizer steps")
-    micro_batch_size: int = field(1, help="blocks per forward on each process")
-    grad_accum: int = field(1, help="micro-batches per optimizer step")
-    lr: float = field(2e-4, help="peak learning rate (AdamW) for LoRA, norms and embeddings")
-    embedding_lr_ratio: float = field(0.1, help="embeddings train at lr * this (they move the whole model)")
-    min_lr_ratio: float = field(0.1, help="cosine schedule ends at lr * min_lr_ratio")
-    warmup_steps: int = field(4, help="linear warmup steps")
-    weight_decay: float = field(0.0, help="AdamW weight decay")
-    max_grad_norm: float = field(1.0, help="gradient clipping (0 disables)")
+    max_steps: int = field(30, ge=1, help="optimizer steps")
+    micro_batch_size: int = field(1, ge=1, help="blocks per forward on each process")
+    grad_accum: int = field(1, ge=1, help="micro-batches per optimizer step")
+    lr: float = field(2e-4, gt=0, help="peak learning rate (AdamW) for LoRA, norms and embeddings")
+    embedding_lr_ratio: float = field(0.1, ge=0,
+                                      help="embeddings train at lr * this (they move the whole model)")
+    min_lr_ratio: float = field(0.1, ge=0, le=1, help="cosine schedule ends at lr * min_lr_ratio")
+    warmup_steps: int = field(4, ge=0, help="linear warmup steps")
+    weight_decay: float = field(0.0, ge=0, help="AdamW weight decay")
+    max_grad_norm: float = field(1.0, ge=0, help="gradient clipping (0 disables)")
     mixed_precision: str = field("auto", help="no | bf16 | fp16 | auto (bf16 on GPUs that support it, fp32 on "
-                                 "CPU where bf16 matmul is slower)")
+                                 "CPU where bf16 matmul is slower)", choices=PRECISIONS)
     gradient_checkpointing: bool = field(False, help="recompute activations in backward to save memory")
-    seed: int = field(0, help="seed for LoRA init, data order and window sampling")
+    seed: int = field(0, ge=0, le=2**32 - 1, help="seed for LoRA init, data order and window sampling")
     # loss: self-distillation from the dense model
-    kd_weight: float = field(1.0, help="logits KD to the dense teacher, weight")
-    kd_kind: str = field("forward_kl", help=f"divergence: {', '.join(KD_KINDS)}")
-    temperature: float = field(1.0, help="KD temperature T (the term is scaled by T²)")
-    beta: float = field(0.5, help="JSD interpolation (0 = forward KL, 1 = reverse KL)")
-    kd_chunk_size: int | None = field(1024, help="tokens per chunk of the fused KD loss; empty = full logits")
+    kd_weight: float = field(1.0, ge=0, help="logits KD to the dense teacher, weight")
+    kd_kind: str = field("forward_kl", choices=KD_KINDS, help=f"divergence: {', '.join(KD_KINDS)}")
+    temperature: float = field(1.0, gt=0, help="KD temperature T (the term is scaled by T²)")
+    beta: float = field(0.5, ge=0, le=1, help="JSD interpolation (0 = forward KL, 1 = reverse KL)")
+    kd_chunk_size: int | None = field(1024, ge=1,
+                                      help="tokens per chunk of the fused KD loss; empty = full logits")
     ce_weight: float = field(0.0, help="cross-entropy on the data, weight (pulls towards the training corpus and "
-                             "away from the dense model; keep it small)")
+                             "away from the dense model; keep it small)", ge=0)
     # eval, logging, outputs
-    eval_every: int = field(0, help="held-out evaluation at seq_len every N steps (0: only at start and end)")
-    log_every: int = field(1, help="tracker logging every N steps")
-    tracker: str = field("none", help="none | tensorboard | wandb (WANDB_MODE=offline works)")
+    eval_every: int = field(0, ge=0,
+                            help="held-out evaluation at seq_len every N steps (0: only at start and end)")
+    log_every: int = field(1, ge=1, help="tracker logging every N steps")
+    tracker: str = field("none", choices=TRACKERS,
+                         help="none | tensorboard | wandb (WANDB_MODE=offline works)")
     output_dir: str = field("runs/retrofit-smollm2", help="run folder: checkpoints/, final/, summary.json, loss.png")
     overwrite: bool = field(False, help="replace an existing run in output_dir")
     resume: str | None = field(None, help="'latest' or a checkpoint folder to continue from")
-    save_every: int = field(10, help="checkpoint every N steps (0: only at the end)")
-    keep_checkpoints: int = field(1, help="complete checkpoints kept on disk")
+    save_every: int = field(10, ge=0, help="checkpoint every N steps (0: only at the end)")
+    keep_checkpoints: int = field(1, ge=1, help="complete checkpoints kept on disk")
     gate: bool = field(False, help="run the release gate (eval.gate) against the dense teacher at the end")
-    gate_prompts: int = field(100, help="prompts from the bundled set used by the gate")
-    debug_exit_at_step: int | None = field(None, help="testing: exit abruptly (as if killed) after this step")
+    gate_prompts: int = field(100, ge=1, help="prompts from the bundled set used by the gate")
+    debug_exit_at_step: int | None = field(None, ge=1,
+                                           help="testing: exit abruptly (as if killed) after this step")
 
     def __post_init__(self) -> None:
-        for name in ("seq_len", "max_steps", "micro_batch_size", "grad_accum", "eval_blocks", "keep_checkpoints",
-                     "lora_r"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("save_every", "eval_every", "warmup_steps"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if any(n < 2 for n in self.eval_seq_lens):
-            raise ConfigError(f"eval_seq_lens must be >= 2 tokens each, got {self.eval_seq_lens}")
-        if self.lr <= 0 or self.lora_alpha <= 0:
-            raise ConfigError(f"lr and lora_alpha must be > 0, got lr={self.lr}, lora_alpha={self.lora_alpha}")
-        if not 0.0 <= self.lora_dropout < 1.0:
-            raise ConfigError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
-        if self.embedding_lr_ratio < 0:
-            raise ConfigError(f"embedding_lr_ratio must be >= 0, got {self.embedding_lr_ratio}")
-        if self.mixed_precision not in PRECISIONS:
-            raise ConfigError(f"mixed_precision '{self.mixed_precision}' is unknown; use {', '.join(PRECISIONS)}")
-        if self.tracker not in TRACKERS:
-            raise ConfigError(f"tracker '{self.tracker}' is unknown; use one of {', '.join(TRACKERS)}")
+        check_fields(self)  # every field's range/choices, declared above (core.config.field)
         if self.resume is not None and self.overwrite:
             raise ConfigError("resume= and overwrite=true contradict each other; pick one")
         self.spec()  # validates the attention keys
@@ -282,7 +278,8 @@ def heldout_blocks(cfg: RetrofitConfig, tokenizer, length: int) -> torch.Tensor:
 def training_function(cfg: RetrofitConfig, accelerator: Accelerator) -> dict:
     set_seed(cfg.seed)
     spec = cfg.spec()
-    run = Run(cfg, accelerator, tracker_project="hybrid-distill-retrofit", progress="retrofit")
+    run = Run(cfg, accelerator, tracker_project="hybrid-distill-retrofit", progress="retrofit",
+              resume_safe=RESUME_SAFE)
 
     # ---- models -------------------------------------------------------------------------
     model, teacher, tokenizer = load_models(cfg)
