@@ -220,12 +220,29 @@ class Engine:
         return len(self._waiting)
 
     def _finish(self, req: Request, reason: str) -> None:
+        tail = "" if reason == "cancelled" else req.text.finish()  # before marking done: it may raise
         req.finish_reason = reason
-        tail = "" if reason == "cancelled" else req.text.finish()
         if req.row >= 0:
             self._rows[req.row] = None
         if req.on_event is not None:
             req.on_event(tail, None, reason)
+
+    def _fail(self, req: Request, exc: BaseException) -> None:
+        """Finish one request with ``"error"`` after its own step raised; the rest of the batch goes on.
+
+        Safe for a request that was already finished (its row is freed, no second final event).
+        """
+        logger.error("request %d failed; finishing it alone", req.id, exc_info=exc)
+        if 0 <= req.row < len(self._rows) and self._rows[req.row] is req:
+            self._rows[req.row] = None
+        if req.done:
+            return
+        req.finish_reason = "error"
+        if req.on_event is not None:
+            try:
+                req.on_event("", None, "error")
+            except Exception:
+                logger.exception("request %d: the error event could not be delivered", req.id)
 
     def _accept(self, req: Request, token: int) -> None:
         """Record a sampled token: stop token, stop string, or length may end the request."""
@@ -277,7 +294,10 @@ class Engine:
                 if not self._waiting:
                     break
                 req = self._waiting.popleft()
-            self._admit(req)
+            try:
+                self._admit(req)
+            except Exception as e:  # this request's prefill, sampling or callback: it alone fails
+                self._fail(req, e)
         active = [r for r in self._rows if r is not None]
         if active:
             self._decode_step(active)
@@ -289,15 +309,25 @@ class Engine:
         n_slots = cache.used_slots(max(r.pos for r in active) + 1)
         logits = self._decode(cache, self._tokens[:hi], self._pos[:hi], n_slots)
         nxt = logits.argmax(-1)
+        # Per-row work is isolated: a row whose sampling, detokenization or callback raises is finished
+        # with "error" and freed; the forward above is shared, so its failure is left to the caller.
         for r in active:
             if not r.params.greedy:
-                nxt[r.row] = sample(logits[r.row], r.params, r.generator)
+                try:
+                    nxt[r.row] = sample(logits[r.row], r.params, r.generator)
+                except Exception as e:
+                    self._fail(r, e)
         self._tokens[:hi].copy_(nxt)
         tokens = nxt.tolist()
         for r in active:
+            if r.done:
+                continue
             r.pos += 1
             self._pos[r.row] = r.pos + 1
-            self._accept(r, tokens[r.row])
+            try:
+                self._accept(r, tokens[r.row])
+            except Exception as e:
+                self._fail(r, e)
 
     # ---- synchronous API ---------------------------------------------------------------------------------
 
