@@ -393,7 +393,14 @@ def create_app(engine: Engine, *, max_queue: int = 32, model_name: str = "hybrid
     async def tokenize(body: dict[str, Any], chat: bool) -> list[int]:
         if chat:
             messages = _chat_messages(body)
-            return await asyncio.get_running_loop().run_in_executor(tokenize_pool, engine.encode, messages, True)
+            try:
+                return await asyncio.get_running_loop().run_in_executor(tokenize_pool, engine.encode, messages, True)
+            except Exception as e:
+                # A template that refuses these messages (a system role, the role order) raises a jinja2
+                # error: the client's to fix. Matched by module: jinja2 is transformers' optional dependency.
+                if type(e).__module__.split(".")[0] != "jinja2":
+                    raise
+                raise BadRequest(f"the model's chat template rejected these messages: {e}", "messages") from None
         prompt = _completion_prompt(body, vocab)
         if isinstance(prompt, list):
             return prompt
@@ -528,6 +535,10 @@ def create_app(engine: Engine, *, max_queue: int = 32, model_name: str = "hybrid
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         return APIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers).response()
 
+    async def server_error(_: HTTPRequest, exc: Exception) -> Response:
+        # Our bug: uvicorn still logs the traceback; the client gets the same error shape as always.
+        return APIError(500, "internal server error; see the server log", type="server_error").response()
+
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         yield
@@ -541,7 +552,7 @@ def create_app(engine: Engine, *, max_queue: int = 32, model_name: str = "hybrid
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
-    ], middleware=middleware, exception_handlers={HTTPException: http_error}, lifespan=lifespan)
+    ], middleware=middleware, exception_handlers={HTTPException: http_error, Exception: server_error}, lifespan=lifespan)
     app.state.engine = aengine
     return app
 

@@ -33,6 +33,10 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(model_dir):
     engine = Engine(model_dir, max_batch=2, max_seq_len=128)
+    # Like many real templates, this one refuses a role it does not know how to render.
+    engine.tokenizer.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('tool messages are not supported') }}"
+        "{% endif %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}<s>assistant: ")
     app = create_app(engine, max_queue=4, model_name="tiny", api_key=KEY, max_body_bytes=LIMIT, body_timeout=1.0)
     with ServerThread(app) as srv:
         yield srv
@@ -147,6 +151,8 @@ CASES = [
      400, "invalid_request_error", "messages[0].content[1]", "unsupported"),
     ("chat-part-text-int", "POST", CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]},
      None, 400, "invalid_request_error", "messages[0].content[0].text", "invalid_type"),
+    ("chat-template-refuses", "POST", CHAT, {"messages": [{"role": "tool", "content": "x"}]}, None,
+     400, "invalid_request_error", "messages", "invalid_value"),
     ("chat-max-tokens-negative", "POST", CHAT, {"messages": MSG, "max_tokens": -5}, None,
      400, "invalid_request_error", "max_tokens", "invalid_value"),
     ("chat-seed-overflow", "POST", CHAT, {"messages": MSG, "seed": 18446744073709551616}, None,
