@@ -123,6 +123,8 @@ class Engine:
         self.max_seq_len = max_seq_len or model.config.max_position_embeddings
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        if max_batch < 1:  # no cache row: every request would wait forever
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.prefill_chunk = prefill_chunk
         self.stop_ids = self._eos_ids(model)
         self.cache: KVCache | None = None

@@ -124,3 +124,8 @@ def test_server_answers_500_for_the_failing_request_only(tmp_path, monkeypatch):
         assert rs[3].json()["error"]["type"] == "server_error"
         assert [r.json()["error"]["param"] for r in rs[4:]] == ["seed", "temperature", "top_p"]
         assert c.get("/health").json()["active"] == 0
+
+
+def test_engine_without_a_row_is_refused():
+    with pytest.raises(ValueError, match="max_batch must be >= 1"):
+        Engine(model=tiny_model("qwen2"), tokenizer=tiny_tokenizer(), max_batch=0)
