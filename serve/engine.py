@@ -284,13 +284,15 @@ class Engine:
     def step(self) -> bool:
         """Admit waiting requests, then decode one token for every active row. Returns whether work remains."""
         with self._lock:
-            for req in list(self._waiting):
-                if req.cancelled:
-                    self._waiting.remove(req)
-                    self._finish(req, "cancelled")
-        for req in self._rows:
-            if req is not None and req.cancelled:
+            cancelled = [r for r in self._waiting if r.cancelled]
+            for req in cancelled:
+                self._waiting.remove(req)
+        cancelled += [r for r in self._rows if r is not None and r.cancelled]
+        for req in cancelled:
+            try:
                 self._finish(req, "cancelled")
+            except Exception as e:  # its callback: no one else's concern
+                self._fail(req, e)
         while self.num_active < self.max_batch:
             with self._lock:
                 if not self._waiting:
