@@ -73,6 +73,7 @@ import dataclasses
 import datetime
 import hashlib
 import json
+import math
 import sys
 import time
 import traceback
@@ -475,6 +476,35 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(3)
 
 
+# Bounds checked while parsing, so a non-finite or out-of-range number never reaches the gate (NaN
+# compares false with everything: ``--floor nan`` would otherwise switch the floor off silently).
+# name: (low, high, low inclusive) for flags GateConfig does not range-check itself; every float flag
+# must also be finite.
+_FLAG_RANGES: dict[str, tuple[float, float, bool]] = {
+    "floor": (-1.0, 1.0, True),  # F1 (raw or rescaled) is at most 1; a floor below -1 flags nothing useful
+    "temperature": (0.0, math.inf, False), "top_p": (0.0, 1.0, False),
+    "seed": (0, 2**64 - 1, True),  # what torch.manual_seed accepts
+}
+
+
+def _checked(name: str, kind: type) -> typing.Callable[[str], float | int]:
+    """argparse ``type=``: parse ``kind``, refuse NaN / infinities and values outside ``_FLAG_RANGES``."""
+
+    def parse(text: str) -> float | int:
+        value = kind(text)  # a ValueError here reads "invalid int value: 'x'", as without this wrapper
+        if kind is float and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+        if name in _FLAG_RANGES:
+            lo, hi, lo_inclusive = _FLAG_RANGES[name]
+            if not ((value >= lo if lo_inclusive else value > lo) and value <= hi):
+                bound = f"> {lo}" if hi == math.inf else f"in {'[' if lo_inclusive else '('}{lo}, {hi}]"
+                raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m eval.gate", description=__doc__.split("\n\n")[0],
                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -487,6 +517,8 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument(flag, action="store_true", help=f.metadata["help"])
             continue
         inner = next((a for a in typing.get_args(tp) if a is not type(None)), tp)
+        if inner in (int, float):
+            inner = _checked(f.name, inner)
         parser.add_argument(flag, type=inner, required=required, default=None if required else f.default,
                             help=f.metadata["help"])
     return parser

@@ -124,6 +124,8 @@ class Engine:
         self.max_seq_len = max_seq_len or model.config.max_position_embeddings
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        if max_batch < 1:  # no cache row: every request would wait forever
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.prefill_chunk = prefill_chunk
         self.stop_ids = self._eos_ids(model)
         self.cache: KVCache | None = None
@@ -221,12 +223,29 @@ class Engine:
         return len(self._waiting)
 
     def _finish(self, req: Request, reason: str) -> None:
+        tail = "" if reason == "cancelled" else req.text.finish()  # before marking done: it may raise
         req.finish_reason = reason
-        tail = "" if reason == "cancelled" else req.text.finish()
         if req.row >= 0:
             self._rows[req.row] = None
         if req.on_event is not None:
             req.on_event(tail, None, reason)
+
+    def _fail(self, req: Request, exc: BaseException) -> None:
+        """Finish one request with ``"error"`` after its own step raised; the rest of the batch goes on.
+
+        Safe for a request that was already finished (its row is freed, no second final event).
+        """
+        logger.error("request %d failed; finishing it alone", req.id, exc_info=exc)
+        if 0 <= req.row < len(self._rows) and self._rows[req.row] is req:
+            self._rows[req.row] = None
+        if req.done:
+            return
+        req.finish_reason = "error"
+        if req.on_event is not None:
+            try:
+                req.on_event("", None, "error")
+            except Exception:
+                logger.exception("request %d: the error event could not be delivered", req.id)
 
     def _accept(self, req: Request, token: int) -> None:
         """Record a sampled token: stop token, stop string, or length may end the request."""
@@ -266,19 +285,24 @@ class Engine:
     def step(self) -> bool:
         """Admit waiting requests, then decode one token for every active row. Returns whether work remains."""
         with self._lock:
-            for req in list(self._waiting):
-                if req.cancelled:
-                    self._waiting.remove(req)
-                    self._finish(req, "cancelled")
-        for req in self._rows:
-            if req is not None and req.cancelled:
+            cancelled = [r for r in self._waiting if r.cancelled]
+            for req in cancelled:
+                self._waiting.remove(req)
+        cancelled += [r for r in self._rows if r is not None and r.cancelled]
+        for req in cancelled:
+            try:
                 self._finish(req, "cancelled")
+            except Exception as e:  # its callback: no one else's concern
+                self._fail(req, e)
         while self.num_active < self.max_batch:
             with self._lock:
                 if not self._waiting:
                     break
                 req = self._waiting.popleft()
-            self._admit(req)
+            try:
+                self._admit(req)
+            except Exception as e:  # this request's prefill, sampling or callback: it alone fails
+                self._fail(req, e)
         active = [r for r in self._rows if r is not None]
         if active:
             self._decode_step(active)
@@ -290,15 +314,25 @@ class Engine:
         n_slots = cache.used_slots(max(r.pos for r in active) + 1)
         logits = self._decode(cache, self._tokens[:hi], self._pos[:hi], n_slots)
         nxt = logits.argmax(-1)
+        # Per-row work is isolated: a row whose sampling, detokenization or callback raises is finished
+        # with "error" and freed; the forward above is shared, so its failure is left to the caller.
         for r in active:
             if not r.params.greedy:
-                nxt[r.row] = sample(logits[r.row], r.params, r.generator)
+                try:
+                    nxt[r.row] = sample(logits[r.row], r.params, r.generator)
+                except Exception as e:
+                    self._fail(r, e)
         self._tokens[:hi].copy_(nxt)
         tokens = nxt.tolist()
         for r in active:
+            if r.done:
+                continue
             r.pos += 1
             self._pos[r.row] = r.pos + 1
-            self._accept(r, tokens[r.row])
+            try:
+                self._accept(r, tokens[r.row])
+            except Exception as e:
+                self._fail(r, e)
 
     # ---- synchronous API ---------------------------------------------------------------------------------
 

@@ -3,8 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
+
+# Below this a temperature is greedy in all but name, and dividing fp32 logits by it overflows; callers
+# who mean greedy say temperature=0.
+MIN_TEMPERATURE = 1e-3
+# A nucleus this small keeps only the top token; below it the float32 cumulative sum cannot tell masses apart.
+MIN_TOP_P = 1e-6
+SEED_RANGE = (0, 2**64 - 1)  # what torch.Generator.manual_seed accepts
 
 
 @dataclasses.dataclass
@@ -28,12 +36,15 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < math.inf):
+            raise ValueError(f"temperature must be 0 (greedy) or a finite value >= {MIN_TEMPERATURE}, "
+                             f"got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not MIN_TOP_P <= self.top_p <= 1:  # also refuses NaN
+            raise ValueError(f"top_p must be in [{MIN_TOP_P}, 1], got {self.top_p}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise ValueError(f"seed must be in [0, 2**64 - 1], got {self.seed}")
         if isinstance(self.stop, str):
             self.stop = (self.stop,)
         if any(not s for s in self.stop):
@@ -48,7 +59,11 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     """Choose a token from ``[vocab]`` fp32 logits."""
     if params.greedy:
         return int(logits.argmax())
-    logits = logits / params.temperature
+    if not math.isfinite(float(logits.max())):
+        raise FloatingPointError("non-finite logits; cannot sample")
+    # Shift before scaling: every value is <= 0, so a small temperature can only underflow (to -inf,
+    # probability 0), never overflow, and the top token keeps probability > 0.
+    logits = (logits - logits.max()) / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -57,6 +72,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         sorted_p, order = probs.sort(descending=True)
         # Drop a token when the mass before it already reaches top_p (the top token always stays).
         drop = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
+        drop[..., 0] = False  # even when top_p rounds to 0 in float32
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
     return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,44 +1,70 @@
 """OpenAI-compatible HTTP server over the continuous-batching engine.
 
     python -m serve.server --model DIR --host 127.0.0.1 --port 8000 [--max-batch 8] [--max-queue 32]
+        [--api-key KEY] [--served-model-name NAME] [--max-body-bytes N] [--request-timeout S]
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``"stream": true`` gives server-sent
 events: one event per generated token, a final event with ``finish_reason`` and ``usage``, then
-``data: [DONE]``), ``GET /health``, ``GET /metrics`` (Prometheus text).
+``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text).
 
 Why Starlette + uvicorn: the whole server is a handful of routes and one streaming response, so a thin
 ASGI toolkit is enough; Starlette is the maintained core FastAPI itself is built on, its
 ``StreamingResponse`` watches for client disconnects (we stop that request's generation), and uvicorn is
 the standard production ASGI server. The model runs in one background engine thread (torch releases the
 GIL in its kernels); the event loop only parses requests and forwards token events, so a slow client
-never stalls the batch. Each HTTP connection gets ``TCP_NODELAY`` so a small SSE event leaves at once
-instead of waiting for Nagle's algorithm to batch it with the next.
+never stalls the batch, and prompts are tokenized in a worker thread so a huge one cannot stall it
+either. Each HTTP connection gets ``TCP_NODELAY`` so a small SSE event leaves at once instead of waiting
+for Nagle's algorithm to batch it with the next.
+
+Every request field is checked at the boundary: a bad one gets 400 with an OpenAI-style body
+``{"error": {"message", "type", "param", "code"}}`` before anything reaches the engine. Limits: bodies
+over ``--max-body-bytes`` get 413, a body that does not arrive within ``--body-timeout`` 408, a request
+not finished within ``--request-timeout`` 504 (an error event when streaming). A client that disconnects
+cancels its request, streaming or not. With ``--api-key`` (or ``HYBRID_DISTILL_API_KEY``) every route but
+``/health`` needs ``Authorization: Bearer <key>``.
 
 Admission: at most ``max_batch`` requests decode together and ``max_queue`` more wait; beyond that the
-server answers 503 at once rather than letting latency grow without bound.
+server answers 503 (with ``Retry-After``) at once rather than letting latency grow without bound.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
+import hmac
 import json
+import math
+import os
 import socket
+import sys
 import threading
 import time
+import typing
 import uuid
+from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from serve.engine import Engine, Request
 from serve.metrics import Metrics
-from serve.sampling import SamplingParams
+from serve.sampling import MIN_TEMPERATURE, MIN_TOP_P, SamplingParams
+
+API_KEY_ENV = "HYBRID_DISTILL_API_KEY"
+# 2 MiB: a 128k-token prompt as text (~4 bytes a token) or as JSON token ids (~7) fits with room to spare.
+DEFAULT_MAX_BODY_BYTES = 2 * 2**20
+DEFAULT_REQUEST_TIMEOUT = 600.0
+DEFAULT_BODY_TIMEOUT = 30.0
 
 
 class NoDelayH11Protocol(H11Protocol):
@@ -51,24 +77,198 @@ class NoDelayH11Protocol(H11Protocol):
         super().connection_made(transport)
 
 
-class BadRequest(ValueError):
-    """A client error: answered 400 with the message."""
+class APIError(Exception):
+    """A client-visible error: answered with ``status`` and an OpenAI-style ``{"error": {...}}`` body."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def payload(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.payload(), status_code=self.status, headers=self.headers)
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+class BadRequest(APIError):
+    """400: a field is missing, of the wrong type, or out of range (``param`` names it)."""
+
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value") -> None:
+        super().__init__(400, message, param=param, code=code)
 
 
-def _get(body: dict[str, Any], key: str, types: type | tuple[type, ...], default: Any = None) -> Any:
-    """A known field with a type check (``bool`` is not accepted as a number)."""
-    if key not in body or body[key] is None:
+# Answered before (or instead of) reading the whole body: close the connection so an unread body
+# cannot be taken for the next request.
+_CLOSE = {"Connection": "close"}
+_UINT64_MAX = 2**64 - 1
+_INT32_MAX = 2**31 - 1
+MAX_STOP_CHARS = 512
+ROLES = ("system", "developer", "user", "assistant", "tool")
+# OpenAI fields we do not implement: accepted only at their neutral value, so a client that relies on
+# one hears about it instead of silently getting something else.
+UNSUPPORTED = {
+    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
+    "logit_bias": ({},), "logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,), "best_of": (1,),
+    "suffix": ("",), "tools": ([],), "functions": ([],), "response_format": ({"type": "text"},),
+}
+
+
+def _type_name(v: Any) -> str:
+    return "null" if v is None else {bool: "boolean", int: "integer", float: "number", str: "string",
+                                     list: "array", dict: "object"}.get(type(v), type(v).__name__)
+
+
+def _bool(body: dict[str, Any], key: str, default: bool) -> bool:
+    v = body.get(key)
+    if v is None:
         return default
-    v = body[key]
-    numeric = types in (int, float, (int, float))
-    if (numeric and isinstance(v, bool)) or not isinstance(v, types):
-        names = " or ".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
-        raise BadRequest(f"'{key}' must be {names}, got {type(v).__name__}")
+    if not isinstance(v, bool):
+        raise BadRequest(f"'{key}' must be a boolean, got {_type_name(v)}", key, "invalid_type")
     return v
+
+
+def _int(body: dict[str, Any], key: str, default: int | None, lo: int, hi: int, hint: str = "") -> int | None:
+    """An integer field in ``[lo, hi]`` (JSON booleans and floats such as ``1e30`` are refused)."""
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise BadRequest(f"'{key}' must be an integer, got {_type_name(v)}", key, "invalid_type")
+    if not lo <= v <= hi:
+        raise BadRequest(f"'{key}' must be in [{lo}, {hi}]{hint}, got {v}", key)
+    return v
+
+
+def _number(body: dict[str, Any], key: str, default: float, lo: float, hi: float, hint: str = "") -> float:
+    """A finite number in ``[lo, hi]`` (Python's JSON reader accepts NaN and Infinity: refused here)."""
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise BadRequest(f"'{key}' must be a number, got {_type_name(v)}", key, "invalid_type")
+    try:
+        v = float(v)
+    except OverflowError:  # an integer beyond float range
+        v = math.inf
+    if not (math.isfinite(v) and lo <= v <= hi):
+        raise BadRequest(f"'{key}' must be a finite number in [{lo}, {hi}]{hint}, got {v}", key)
+    return v
+
+
+def _check_unsupported(body: dict[str, Any]) -> None:
+    for key, neutral in UNSUPPORTED.items():
+        v = body.get(key)
+        if v is not None and not any(type(v) is type(n) and v == n for n in neutral):
+            raise BadRequest(f"'{key}' is not supported by this server; leave it out", key, "unsupported")
+
+
+def _sampling(body: dict[str, Any], n_prompt: int, max_seq_len: int, default_max: int | None) -> SamplingParams:
+    """The request's sampling fields, each checked; ``default_max`` caps ``max_tokens`` when it is absent."""
+    room = max_seq_len - n_prompt
+    if room < 1:
+        raise BadRequest(f"the prompt has {n_prompt} tokens but the model context is {max_seq_len}; "
+                         "shorten the prompt", "messages" if "messages" in body else "prompt", "context_length_exceeded")
+    key = "max_tokens" if body.get("max_tokens") is not None else "max_completion_tokens"
+    max_tokens = _int(body, key, None, 1, room, f" for this prompt of {n_prompt} tokens (context {max_seq_len})")
+    if max_tokens is None:
+        max_tokens = min(default_max or room, room)
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    if 0 < temperature < MIN_TEMPERATURE:
+        raise BadRequest(f"'temperature' must be 0 (greedy) or in [{MIN_TEMPERATURE}, 2], got {temperature}",
+                         "temperature")
+    top_p = _number(body, "top_p", 1.0, MIN_TOP_P, 1.0, " (use temperature 0 for greedy)")
+    top_k = _int(body, "top_k", 0, 0, _INT32_MAX, " (0 = off)")
+    if _int(body, "n", 1, 1, _INT32_MAX) != 1:
+        raise BadRequest("only n=1 is supported; send several requests instead", "n", "unsupported")
+    seed = _int(body, "seed", None, 0, _UINT64_MAX)
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not (isinstance(stop, list) and len(stop) <= 4
+            and all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop)):
+        raise BadRequest(f"'stop' must be a non-empty string or a list of at most 4, each of 1 to {MAX_STOP_CHARS} "
+                         "characters", "stop")
+    return SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                          seed=seed, stop=tuple(stop), ignore_eos=_bool(body, "ignore_eos", False))
+
+
+def _completion_prompt(body: dict[str, Any], vocab: int) -> str | list[int]:
+    """The prompt as text (to tokenize) or token ids; a one-element batch is unwrapped."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one: what OpenAI clients send for a single prompt list
+    if isinstance(prompt, str):
+        if not prompt:
+            raise BadRequest("'prompt' is empty; send at least one character", "prompt")
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if any(not 0 <= t < vocab for t in prompt):
+            raise BadRequest(f"prompt token ids must be in [0, {vocab})", "prompt")
+        return list(prompt)
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise BadRequest("one prompt per request; send several requests instead", "prompt", "unsupported")
+    raise BadRequest("'prompt' must be a non-empty string or a non-empty list of token ids", "prompt",
+                     "invalid_type" if prompt is not None else "missing")
+
+
+def _chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
+    """``messages`` as ``[{role, content}]`` with string content (text parts joined by newlines)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty list of {role, content} objects", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise BadRequest(f"{where} must be an object with 'role' and 'content'", where, "invalid_type")
+        role, content = m.get("role"), m.get("content")
+        if role not in ROLES:
+            raise BadRequest(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", where + ".role")
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                pwhere = f"{where}.content[{j}]"
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    kind = part.get("type") if isinstance(part, dict) else _type_name(part)
+                    raise BadRequest(f"{pwhere}: only text content parts ({{\"type\": \"text\", \"text\": ...}}) "
+                                     f"are supported, got {kind!r}", pwhere, "unsupported")
+                if not isinstance(part.get("text"), str):
+                    raise BadRequest(f"{pwhere}.text must be a string", pwhere + ".text", "invalid_type")
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        if not isinstance(content, str):
+            raise BadRequest(f"{where}.content must be a string or a list of text parts, got {_type_name(content)}",
+                             where + ".content", "invalid_type")
+        out.append({"role": role, "content": content})
+    return out
+
+
+class AuthGuard:
+    """ASGI middleware: every path but ``/health`` needs ``Authorization: Bearer <api key>`` (401 otherwise)."""
+
+    OPEN_PATHS = ("/health",)
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in self.OPEN_PATHS:
+            auth = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, token = auth.partition(b" ")
+            # compare_digest: the time taken says nothing about how much of the key matched.
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+                err = APIError(401, "missing or wrong API key; send the header 'Authorization: Bearer <key>'",
+                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer", **_CLOSE})
+                await err.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class AtCapacity(Exception):
+    """Every batch row and queue place is taken (answered 503 with ``Retry-After``)."""
 
 
 class AsyncEngine:
@@ -90,10 +290,10 @@ class AsyncEngine:
         engine.start()
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> tuple[Request, asyncio.Queue]:
-        """Queue a request; raises ``OverflowError`` when the server is at capacity."""
+        """Queue a request; raises :class:`AtCapacity` when the server is full."""
         with self._lock:
             if self.in_flight >= self.capacity:
-                raise OverflowError
+                raise AtCapacity
             self.in_flight += 1
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -128,95 +328,113 @@ class AsyncEngine:
         return req, queue
 
 
-def _sampling(body: dict[str, Any], n_prompt: int, max_seq_len: int, default_max: int | None) -> SamplingParams:
-    room = max_seq_len - n_prompt
-    if room < 1:
-        raise BadRequest(f"the prompt has {n_prompt} tokens but the model context is {max_seq_len}; "
-                         "shorten the prompt")
-    max_tokens = _get(body, "max_completion_tokens", int, None)
-    max_tokens = _get(body, "max_tokens", int, max_tokens)
-    if max_tokens is None:
-        max_tokens = min(default_max or room, room)
-    if not 1 <= max_tokens <= room:
-        raise BadRequest(f"max_tokens must be in [1, {room}] for this prompt of {n_prompt} tokens "
-                         f"(context {max_seq_len}), got {max_tokens}")
-    temperature = float(_get(body, "temperature", (int, float), 1.0))
-    if not 0 <= temperature <= 2:
-        raise BadRequest(f"temperature must be in [0, 2], got {temperature}")
-    top_p = float(_get(body, "top_p", (int, float), 1.0))
-    if not 0 < top_p <= 1:
-        raise BadRequest(f"top_p must be in (0, 1], got {top_p}")
-    top_k = _get(body, "top_k", int, 0)
-    if top_k < 0:
-        raise BadRequest(f"top_k must be >= 0, got {top_k}")
-    if _get(body, "n", int, 1) != 1:
-        raise BadRequest("only n=1 is supported; send several requests instead")
-    stop = _get(body, "stop", (str, list), [])
-    stop = [stop] if isinstance(stop, str) else stop
-    if len(stop) > 4 or any(not isinstance(s, str) or not s for s in stop):
-        raise BadRequest("'stop' must be a non-empty string or a list of at most 4 non-empty strings")
-    return SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                          seed=_get(body, "seed", int, None), stop=tuple(stop),
-                          ignore_eos=_get(body, "ignore_eos", bool, False))
+def create_app(engine: Engine, *, max_queue: int = 32, model_name: str = "hybrid-distill",
+               api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               request_timeout: float = DEFAULT_REQUEST_TIMEOUT, body_timeout: float = DEFAULT_BODY_TIMEOUT,
+               ) -> Starlette:
+    """The ASGI app; starts the engine's background thread.
 
-
-def create_app(engine: Engine, *, max_queue: int = 32, model_name: str = "hybrid-distill") -> Starlette:
-    """The ASGI app; starts the engine's background thread."""
+    ``api_key``: required as a bearer token on every route but ``/health``. ``max_body_bytes``: larger
+    bodies get 413. ``body_timeout``: seconds to receive the whole body (408 after). ``request_timeout``:
+    seconds from arrival to the last token (504, or an error event when streaming, after).
+    """
     aengine = AsyncEngine(engine, max_queue=max_queue)
+    vocab = engine.model.config.vocab_size
+    # One worker: tokenizing off the event loop keeps /health and streams responsive during a huge
+    # prompt (the fast tokenizer releases the GIL), and one thread never shares the tokenizer's
+    # mutable state with another encode.
+    tokenize_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
-    async def parse(request: HTTPRequest) -> dict[str, Any]:
+    async def read_json(request: HTTPRequest) -> dict[str, Any]:
+        length = request.headers.get("content-length")
+        if length is not None:
+            if not length.isdigit():
+                raise APIError(400, "the Content-Length header is not a number", headers=_CLOSE)
+            if int(length) > max_body_bytes:
+                raise APIError(413, f"the request body has {int(length)} bytes; the limit is {max_body_bytes} "
+                               "(server flag --max-body-bytes)", code="request_too_large", headers=_CLOSE)
+        chunks: list[bytes] = []
+        size = 0
+
+        async def receive_all() -> None:
+            nonlocal size
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > max_body_bytes:
+                    raise APIError(413, f"the request body exceeds the limit of {max_body_bytes} bytes "
+                                   "(server flag --max-body-bytes)", code="request_too_large", headers=_CLOSE)
+                chunks.append(chunk)
+
         try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise BadRequest(f"malformed JSON body: {e}") from None
+            await asyncio.wait_for(receive_all(), body_timeout)
+        except asyncio.TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {body_timeout:g} s", code="body_timeout",
+                           headers=_CLOSE) from None
+        try:
+            body = json.loads(b"".join(chunks))
+        except (ValueError, RecursionError) as e:  # JSONDecodeError, bad UTF-8, 5000-digit integers, nesting
+            raise BadRequest(f"malformed JSON body: {str(e)[:200]}", None, "invalid_json") from None
         if not isinstance(body, dict):
-            raise BadRequest("the body must be a JSON object")
-        _get(body, "stream", bool, False)
-        _get(body, "model", str, None)
+            raise BadRequest("the body must be a JSON object", None, "invalid_json")
         return body
 
-    def completion_prompt(body: dict[str, Any]) -> list[int]:
-        prompt = body.get("prompt")
-        if isinstance(prompt, str):
-            return engine.encode(prompt)
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
-                                                        for t in prompt):
-            vocab = engine.model.config.vocab_size
-            if any(not 0 <= t < vocab for t in prompt):
-                raise BadRequest(f"prompt token ids must be in [0, {vocab})")
-            return list(prompt)
-        raise BadRequest("'prompt' must be a non-empty string or a list of token ids")
+    def check_common(body: dict[str, Any]) -> None:
+        _bool(body, "stream", False)
+        name = body.get("model")
+        if name is not None and not isinstance(name, str):
+            raise BadRequest(f"'model' must be a string, got {_type_name(name)}", "model", "invalid_type")
+        if name is not None and name != model_name:
+            raise APIError(404, f"model '{name[:100]}' is not served here; this server serves '{model_name}' "
+                           "(GET /v1/models)", param="model", code="model_not_found")
+        if body.get("stream_options") is not None and not isinstance(body["stream_options"], dict):
+            raise BadRequest("'stream_options' must be an object", "stream_options", "invalid_type")
+        _check_unsupported(body)
 
-    def chat_prompt(body: dict[str, Any]) -> list[int]:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise BadRequest("'messages' must be a non-empty list of {role, content} objects")
-        for m in messages:
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-                raise BadRequest("each message needs a string 'role' and a string 'content'")
-        return engine.encode([{"role": m["role"], "content": m["content"]} for m in messages], chat=True)
+    async def tokenize(body: dict[str, Any], chat: bool) -> list[int]:
+        if chat:
+            messages = _chat_messages(body)
+            try:
+                return await asyncio.get_running_loop().run_in_executor(tokenize_pool, engine.encode, messages, True)
+            except Exception as e:
+                # A template that refuses these messages (a system role, the role order) raises a jinja2
+                # error: the client's to fix. Matched by module: jinja2 is transformers' optional dependency.
+                if type(e).__module__.split(".")[0] != "jinja2":
+                    raise
+                raise BadRequest(f"the model's chat template rejected these messages: {e}", "messages") from None
+        prompt = _completion_prompt(body, vocab)
+        if isinstance(prompt, list):
+            return prompt
+        return await asyncio.get_running_loop().run_in_executor(tokenize_pool, engine.encode, prompt)
 
     async def generate(request: HTTPRequest, chat: bool) -> Response:
         aengine.metrics.inc("requests_total")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + request_timeout
         try:
-            body = await parse(request)
-            prompt_ids = chat_prompt(body) if chat else completion_prompt(body)
-            params = _sampling(body, len(prompt_ids), engine.max_seq_len, None if chat else 16)
-            req, queue = aengine.submit(prompt_ids, params)
-        except BadRequest as e:
+            body = await read_json(request)
+            check_common(body)
+            prompt_ids = await tokenize(body, chat)
+            try:
+                params = _sampling(body, len(prompt_ids), engine.max_seq_len, None if chat else 16)
+                req, queue = aengine.submit(prompt_ids, params)
+            except ValueError as e:
+                raise BadRequest(str(e)) from None  # the engine's or the sampler's own limits
+        except APIError as e:
             aengine.metrics.inc("request_errors_total")
-            return _error(400, str(e))
-        except ValueError as e:  # the engine's own limits
-            aengine.metrics.inc("request_errors_total")
-            return _error(400, str(e))
-        except OverflowError:
+            return e.response()
+        except AtCapacity:
             aengine.metrics.inc("request_errors_total")
             aengine.metrics.inc("requests_rejected_total")
-            return _error(503, f"server at capacity ({aengine.capacity} requests in flight); retry later",
-                          "server_busy")
+            return APIError(503, f"server at capacity ({aengine.capacity} requests in flight); retry later",
+                            type="server_busy", code="server_busy", headers={"Retry-After": "1"}).response()
+        except ClientDisconnect:
+            return Response(status_code=499)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
+        timeout_error = APIError(504, f"the request did not finish within {request_timeout:g} s (server flag "
+                                 "--request-timeout); lower max_tokens or retry later", type="timeout_error",
+                                 code="request_timeout")
 
         def usage() -> dict[str, int]:
             n = len(req.out_ids)
@@ -230,12 +448,26 @@ def create_app(engine: Engine, *, max_queue: int = 32, model_name: str = "hybrid
                 return {"index": 0, "delta": delta, "finish_reason": finish}
             return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
 
+        async def next_event() -> tuple[str, int | None, str | None] | None:
+            """The engine's next event, or None once the deadline has passed (the request is then cancelled)."""
+            try:
+                return await asyncio.wait_for(queue.get(), max(deadline - loop.time(), 0.001))
+            except asyncio.TimeoutError:
+                engine.cancel(req)
+                aengine.metrics.inc("request_errors_total")
+                return None
+
         if body.get("stream"):
             async def events():
                 first = True
                 try:
                     while True:
-                        delta, token, finish = await queue.get()
+                        event = await next_event()
+                        if event is None:
+                            yield f"data: {json.dumps(timeout_error.payload())}\n\n"
+                            yield "data: [DONE]\n\n"
+                            return
+                        delta, token, finish = event
                         chunk = {"id": rid, "object": obj + (".chunk" if chat else ""), "created": created,
                                  "model": model_name, "choices": [choice(delta, finish, first)]}
                         first = False
@@ -252,20 +484,30 @@ def create_app(engine: Engine, *, max_queue: int = 32, model_name: str = "hybrid
             return StreamingResponse(events(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
+        async def watch_disconnect() -> None:
+            # The body is read, so the next ASGI message is the client leaving (or our response ending).
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            engine.cancel(req)
+
+        watcher = asyncio.create_task(watch_disconnect())
         parts: list[str] = []
-        while True:
-            try:
-                delta, _token, finish = await asyncio.wait_for(queue.get(), timeout=0.25)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    engine.cancel(req)
-                    return Response(status_code=499)
-                continue
-            parts.append(delta)
-            if finish is not None:
-                break
+        try:
+            while True:
+                event = await next_event()
+                if event is None:
+                    return timeout_error.response()
+                delta, _token, finish = event
+                parts.append(delta)
+                if finish is not None:
+                    break
+        finally:
+            watcher.cancel()
+        if finish == "cancelled":  # only a disconnected client cancels a non-streaming request
+            return Response(status_code=499)
         if finish == "error":
-            return _error(500, "generation failed; see the server log", "server_error")
+            return APIError(500, "generation failed for this request; see the server log", type="server_error",
+                            code="generation_failed").response()
         text = "".join(parts)
         msg = {"message": {"role": "assistant", "content": text}} if chat else {"text": text, "logprobs": None}
         return JSONResponse({"id": rid, "object": obj, "created": created, "model": model_name,
@@ -285,20 +527,32 @@ def create_app(engine: Engine, *, max_queue: int = 32, model_name: str = "hybrid
         return PlainTextResponse(aengine.metrics.render(), media_type="text/plain; version=0.0.4")
 
     async def models(_: HTTPRequest) -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": model_name, "object": "model"}]})
+        return JSONResponse({"object": "list", "data": [{"id": model_name, "object": "model",
+                                                          "owned_by": "hybrid-distill"}]})
+
+    async def http_error(_: HTTPRequest, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return APIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers).response()
+
+    async def server_error(_: HTTPRequest, exc: Exception) -> Response:
+        # Our bug: uvicorn still logs the traceback; the client gets the same error shape as always.
+        return APIError(500, "internal server error; see the server log", type="server_error").response()
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         yield
         engine.stop()
+        tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
+    middleware = [Middleware(AuthGuard, api_key=api_key)] if api_key else []
     app = Starlette(routes=[
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
-    ], lifespan=lifespan)
+    ], middleware=middleware, exception_handlers={HTTPException: http_error, Exception: server_error}, lifespan=lifespan)
     app.state.engine = aengine
     return app
 
@@ -336,17 +590,70 @@ class ServerThread:
         self.sock.close()
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m serve.server", description="OpenAI-compatible server.")
+class _Parser(argparse.ArgumentParser):
+    """Bad flags: one line naming the fix, exit code 2 (argparse would print the whole usage first)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        print(f"error: {message}; see python -m serve.server --help", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m serve.server", description="OpenAI-compatible server.",
+                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", required=True, help="HF model directory (or smollm2-135m-instruct)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-batch", type=int, default=8, help="requests decoded together")
+    p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (>= 1)")
     p.add_argument("--max-queue", type=int, default=32, help="requests waiting beyond the batch before 503")
     p.add_argument("--max-seq-len", type=int, default=None, help="context limit (default: the model's)")
     p.add_argument("--device", default=None)
-    p.add_argument("--name", default=None, help="model name reported in responses")
-    args = p.parse_args(argv)
+    p.add_argument("--served-model-name", "--name", dest="served_model_name", default=None,
+                   help="model name in responses and /v1/models (default: the model directory's name)")
+    p.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on every route but /health (default: ${API_KEY_ENV})")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies get 413")
+    p.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT,
+                   help="seconds from arrival to the last token (504 after)")
+    p.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT,
+                   help="seconds to receive a request body (408 after)")
+    return p
+
+
+def check_flags(args: argparse.Namespace) -> str | None:
+    """The first thing wrong with the flags, as a sentence naming the fix; None when all are usable."""
+    if args.max_batch < 1:
+        return f"--max-batch must be >= 1, got {args.max_batch}"
+    if args.max_queue < 0:
+        return f"--max-queue must be >= 0, got {args.max_queue}"
+    if args.max_seq_len is not None and args.max_seq_len < 2:
+        return f"--max-seq-len must be >= 2 (a prompt token and a generated one), got {args.max_seq_len}"
+    if not 0 <= args.port <= 65535:
+        return f"--port must be in [0, 65535], got {args.port}"
+    if args.max_body_bytes < 1024:
+        return f"--max-body-bytes must be >= 1024, got {args.max_body_bytes}"
+    for flag in ("request_timeout", "body_timeout"):
+        v = getattr(args, flag)
+        if not (math.isfinite(v) and v > 0):
+            return f"--{flag.replace('_', '-')} must be a positive number of seconds, got {v}"
+    if args.api_key is not None and not args.api_key.strip():
+        return f"--api-key (or ${API_KEY_ENV}) is empty; give a key or leave it unset"
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        return "--served-model-name is empty; give a name or leave it unset"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as stop:  # --help (0) or a bad flag (2, message already printed)
+        return int(stop.code or 0)
+    if args.api_key is None:  # read here, not as the flag's default: --help would print the key
+        args.api_key = os.environ.get(API_KEY_ENV)
+    problem = check_flags(args)
+    if problem:  # before loading anything: a bad flag costs no model load
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     import uvicorn
 
     from core.models import resolve_model_path
@@ -355,9 +662,13 @@ def main(argv: list[str] | None = None) -> int:
         path = resolve_model_path(args.model)
         engine = Engine(path, device=args.device, max_batch=args.max_batch, max_seq_len=args.max_seq_len)
     except (ValueError, OSError) as e:
-        print(f"error: {e}")
+        print(f"error: {e}", file=sys.stderr)
         return 2
-    app = create_app(engine, max_queue=args.max_queue, model_name=args.name or args.model)
+    # The directory's name, never its path: responses must not reveal the server's filesystem.
+    name = args.served_model_name or Path(path).resolve().name or "model"
+    app = create_app(engine, max_queue=args.max_queue, model_name=name, api_key=args.api_key,
+                     max_body_bytes=args.max_body_bytes, request_timeout=args.request_timeout,
+                     body_timeout=args.body_timeout)
     uvicorn.run(app, host=args.host, port=args.port, http=NoDelayH11Protocol, log_level="info")
     return 0
 

@@ -1,0 +1,360 @@
+"""Bad input at the server's boundary: each case gets its exact status and OpenAI-style error body.
+
+One real uvicorn server on loopback (tiny model, an API key, a small body limit) answers a table of
+bad requests; the rows name the status, the error ``type``, ``param`` and ``code`` they must get. The
+limits that need time or a second server (body read timeout, request deadline, huge-prompt
+tokenization, disconnect, 503) and the start-up flag checks follow the table.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from core.tiny import save_tiny
+from serve.engine import Engine
+from serve.server import ServerThread, create_app, main
+
+KEY = "test-key-123"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+LIMIT = 256 * 1024
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny(tmp_path_factory.mktemp("tiny"), arch="qwen2")
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    engine = Engine(model_dir, max_batch=2, max_seq_len=128)
+    # Like many real templates, this one refuses a role it does not know how to render.
+    engine.tokenizer.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('tool messages are not supported') }}"
+        "{% endif %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}<s>assistant: ")
+    app = create_app(engine, max_queue=4, model_name="tiny", api_key=KEY, max_body_bytes=LIMIT, body_timeout=1.0)
+    with ServerThread(app) as srv:
+        yield srv
+
+
+@pytest.fixture
+def client(server):
+    with httpx.Client(base_url=server.url, timeout=60, headers=AUTH) as c:
+        yield c
+
+
+def raw(text: str) -> bytes:
+    return text.encode()
+
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+OK = {"prompt": "the quick", "max_tokens": 4, "temperature": 0}
+MSG = [{"role": "user", "content": "hi"}]
+
+# (id, method, path, body (dict, or bytes sent as is), headers, status, type, param, code)
+CASES = [
+    ("malformed-json", "POST", C, raw('{"prompt": '), None, 400, "invalid_request_error", None, "invalid_json"),
+    ("array-body", "POST", C, raw("[1, 2]"), None, 400, "invalid_request_error", None, "invalid_json"),
+    ("bad-utf8", "POST", C, b'{"prompt": "\xff\xfe"}', None, 400, "invalid_request_error", None, "invalid_json"),
+    ("deep-nesting", "POST", C, raw("[" * 100_000), None, 400, "invalid_request_error", None, "invalid_json"),
+    ("5000-digit-int", "POST", C, raw('{"prompt": "a", "seed": ' + "9" * 5000 + "}"), None,
+     400, "invalid_request_error", None, "invalid_json"),
+    ("prompt-missing", "POST", C, {"max_tokens": 2}, None, 400, "invalid_request_error", "prompt", "missing"),
+    ("prompt-int", "POST", C, {"prompt": 42}, None, 400, "invalid_request_error", "prompt", "invalid_type"),
+    ("prompt-empty", "POST", C, {"prompt": ""}, None, 400, "invalid_request_error", "prompt", "invalid_value"),
+    ("prompt-empty-ids", "POST", C, {"prompt": []}, None, 400, "invalid_request_error", "prompt", "invalid_type"),
+    ("prompt-bool-ids", "POST", C, {"prompt": [True]}, None, 400, "invalid_request_error", "prompt", "invalid_type"),
+    ("prompt-id-out-of-vocab", "POST", C, {"prompt": [1, 99999]}, None,
+     400, "invalid_request_error", "prompt", "invalid_value"),
+    ("prompt-batch", "POST", C, {"prompt": ["a", "b"]}, None, 400, "invalid_request_error", "prompt", "unsupported"),
+    ("prompt-beyond-context", "POST", C, {"prompt": [5] * 200}, None,
+     400, "invalid_request_error", "prompt", "context_length_exceeded"),
+    ("max-tokens-0", "POST", C, {**OK, "max_tokens": 0}, None, 400, "invalid_request_error", "max_tokens",
+     "invalid_value"),
+    ("max-tokens-beyond-context", "POST", C, {**OK, "max_tokens": 10_000}, None,
+     400, "invalid_request_error", "max_tokens", "invalid_value"),
+    ("max-tokens-string", "POST", C, {**OK, "max_tokens": "5"}, None,
+     400, "invalid_request_error", "max_tokens", "invalid_type"),
+    ("max-tokens-float", "POST", C, {**OK, "max_tokens": 5.0}, None,
+     400, "invalid_request_error", "max_tokens", "invalid_type"),
+    ("max-tokens-bool", "POST", C, {**OK, "max_tokens": True}, None,
+     400, "invalid_request_error", "max_tokens", "invalid_type"),
+    ("max-completion-tokens-negative", "POST", C, {"prompt": "a", "max_completion_tokens": -1}, None,
+     400, "invalid_request_error", "max_completion_tokens", "invalid_value"),
+    ("temperature-nan", "POST", C, raw('{"prompt": "a", "temperature": NaN}'), None,
+     400, "invalid_request_error", "temperature", "invalid_value"),
+    ("temperature-infinity", "POST", C, raw('{"prompt": "a", "temperature": Infinity}'), None,
+     400, "invalid_request_error", "temperature", "invalid_value"),
+    ("temperature-1e400", "POST", C, raw('{"prompt": "a", "temperature": 1e400}'), None,
+     400, "invalid_request_error", "temperature", "invalid_value"),
+    ("temperature-huge-int", "POST", C, {"prompt": "a", "temperature": 10**400}, None,
+     400, "invalid_request_error", "temperature", "invalid_value"),
+    ("temperature-tiny", "POST", C, {**OK, "temperature": 1e-40}, None,
+     400, "invalid_request_error", "temperature", "invalid_value"),
+    ("temperature-negative", "POST", C, {**OK, "temperature": -0.5}, None,
+     400, "invalid_request_error", "temperature", "invalid_value"),
+    ("temperature-above-2", "POST", C, {**OK, "temperature": 2.5}, None,
+     400, "invalid_request_error", "temperature", "invalid_value"),
+    ("temperature-string", "POST", C, {**OK, "temperature": "hot"}, None,
+     400, "invalid_request_error", "temperature", "invalid_type"),
+    ("top-p-tiny", "POST", C, {**OK, "temperature": 1.0, "top_p": 1e-300}, None,
+     400, "invalid_request_error", "top_p", "invalid_value"),
+    ("top-p-zero", "POST", C, {**OK, "top_p": 0}, None, 400, "invalid_request_error", "top_p", "invalid_value"),
+    ("top-p-above-1", "POST", C, {**OK, "top_p": 1.5}, None, 400, "invalid_request_error", "top_p", "invalid_value"),
+    ("top-p-nan", "POST", C, raw('{"prompt": "a", "top_p": NaN}'), None,
+     400, "invalid_request_error", "top_p", "invalid_value"),
+    ("top-k-negative", "POST", C, {**OK, "top_k": -1}, None, 400, "invalid_request_error", "top_k", "invalid_value"),
+    ("top-k-float", "POST", C, {**OK, "top_k": 1.5}, None, 400, "invalid_request_error", "top_k", "invalid_type"),
+    ("seed-2**64", "POST", C, {**OK, "seed": 2**64}, None, 400, "invalid_request_error", "seed", "invalid_value"),
+    ("seed-negative", "POST", C, {**OK, "seed": -1}, None, 400, "invalid_request_error", "seed", "invalid_value"),
+    ("seed-1e30", "POST", C, {**OK, "seed": 1e30}, None, 400, "invalid_request_error", "seed", "invalid_type"),
+    ("seed-fraction", "POST", C, {**OK, "seed": 1.5}, None, 400, "invalid_request_error", "seed", "invalid_type"),
+    ("n-2", "POST", C, {**OK, "n": 2}, None, 400, "invalid_request_error", "n", "unsupported"),
+    ("n-0", "POST", C, {**OK, "n": 0}, None, 400, "invalid_request_error", "n", "invalid_value"),
+    ("stop-int", "POST", C, {**OK, "stop": 5}, None, 400, "invalid_request_error", "stop", "invalid_value"),
+    ("stop-empty-string", "POST", C, {**OK, "stop": [""]}, None, 400, "invalid_request_error", "stop", "invalid_value"),
+    ("stop-five", "POST", C, {**OK, "stop": list("abcde")}, None, 400, "invalid_request_error", "stop",
+     "invalid_value"),
+    ("stop-too-long", "POST", C, {**OK, "stop": ["x" * 1000]}, None, 400, "invalid_request_error", "stop",
+     "invalid_value"),
+    ("stream-string", "POST", C, {**OK, "stream": "yes"}, None, 400, "invalid_request_error", "stream",
+     "invalid_type"),
+    ("ignore-eos-int", "POST", C, {**OK, "ignore_eos": 1}, None, 400, "invalid_request_error", "ignore_eos",
+     "invalid_type"),
+    ("unknown-model", "POST", C, {**OK, "model": "gpt-4"}, None, 404, "invalid_request_error", "model",
+     "model_not_found"),
+    ("model-int", "POST", C, {**OK, "model": 5}, None, 400, "invalid_request_error", "model", "invalid_type"),
+    ("presence-penalty", "POST", C, {**OK, "presence_penalty": 0.5}, None,
+     400, "invalid_request_error", "presence_penalty", "unsupported"),
+    ("logprobs", "POST", C, {**OK, "logprobs": 5}, None, 400, "invalid_request_error", "logprobs", "unsupported"),
+    ("echo", "POST", C, {**OK, "echo": True}, None, 400, "invalid_request_error", "echo", "unsupported"),
+    ("best-of", "POST", C, {**OK, "best_of": 2}, None, 400, "invalid_request_error", "best_of", "unsupported"),
+    ("chat-messages-missing", "POST", CHAT, {"max_tokens": 2}, None,
+     400, "invalid_request_error", "messages", "invalid_value"),
+    ("chat-messages-empty", "POST", CHAT, {"messages": []}, None,
+     400, "invalid_request_error", "messages", "invalid_value"),
+    ("chat-message-string", "POST", CHAT, {"messages": ["hi"]}, None,
+     400, "invalid_request_error", "messages[0]", "invalid_type"),
+    ("chat-role-unknown", "POST", CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, None,
+     400, "invalid_request_error", "messages[0].role", "invalid_value"),
+    ("chat-content-missing", "POST", CHAT, {"messages": [{"role": "user"}]}, None,
+     400, "invalid_request_error", "messages[0].content", "invalid_type"),
+    ("chat-content-int", "POST", CHAT, {"messages": [{"role": "user", "content": 5}]}, None,
+     400, "invalid_request_error", "messages[0].content", "invalid_type"),
+    ("chat-image-part", "POST", CHAT, {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this"}, {"type": "image_url", "image_url": {"url": "x"}}]}]}, None,
+     400, "invalid_request_error", "messages[0].content[1]", "unsupported"),
+    ("chat-part-text-int", "POST", CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]},
+     None, 400, "invalid_request_error", "messages[0].content[0].text", "invalid_type"),
+    ("chat-template-refuses", "POST", CHAT, {"messages": [{"role": "tool", "content": "x"}]}, None,
+     400, "invalid_request_error", "messages", "invalid_value"),
+    ("chat-max-tokens-negative", "POST", CHAT, {"messages": MSG, "max_tokens": -5}, None,
+     400, "invalid_request_error", "max_tokens", "invalid_value"),
+    ("chat-seed-overflow", "POST", CHAT, {"messages": MSG, "seed": 18446744073709551616}, None,
+     400, "invalid_request_error", "seed", "invalid_value"),
+    ("no-api-key", "POST", C, OK, {"Authorization": ""}, 401, "invalid_request_error", None, "invalid_api_key"),
+    ("wrong-api-key", "POST", C, OK, {"Authorization": "Bearer nope"}, 401, "invalid_request_error", None,
+     "invalid_api_key"),
+    ("basic-auth", "POST", C, OK, {"Authorization": f"Basic {KEY}"}, 401, "invalid_request_error", None,
+     "invalid_api_key"),
+    ("models-no-key", "GET", "/v1/models", None, {"Authorization": ""}, 401, "invalid_request_error", None,
+     "invalid_api_key"),
+    ("metrics-no-key", "GET", "/metrics", None, {"Authorization": ""}, 401, "invalid_request_error", None,
+     "invalid_api_key"),
+    ("unknown-route", "GET", "/v1/nothing", None, None, 404, "invalid_request_error", None, "not_found"),
+    ("wrong-method", "GET", C, None, None, 405, "invalid_request_error", None, "method_not_allowed"),
+    ("body-over-limit", "POST", C, {"prompt": "a", "junk": "x" * (LIMIT + 10)}, None,
+     413, "invalid_request_error", None, "request_too_large"),
+]
+
+
+@pytest.mark.parametrize("name, method, path, body, headers, status, kind, param, code", CASES,
+                         ids=[c[0] for c in CASES])
+def test_bad_input_gets_its_exact_error(client, name, method, path, body, headers, status, kind, param, code):
+    kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else \
+        {"json": body} if body is not None else {}
+    if headers:
+        kw["headers"] = {**kw.get("headers", {}), **headers}
+    r = client.request(method, path, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert (err["type"], err["param"], err["code"]) == (kind, param, code)
+    assert err["message"] and "\n" not in err["message"] and "Traceback" not in err["message"]
+    if status == 401:
+        assert r.headers["www-authenticate"] == "Bearer"
+
+
+def test_the_server_still_serves_after_the_table(client):
+    """None of the bad requests above left a row taken or the engine broken."""
+    for r in [client.post(C, json=OK), client.post(CHAT, json={"messages": MSG, "max_tokens": 3, "temperature": 0})]:
+        assert r.status_code == 200, r.text
+    h = client.get("/health").json()
+    assert h["active"] == 0 and h["queued"] == 0
+
+
+def test_chunked_body_over_the_limit_gets_413(client):
+    def chunks():  # no Content-Length: the limit must hold while the body streams in
+        for _ in range(LIMIT // 4096 + 8):
+            yield b"x" * 4096
+
+    r = client.post(C, content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_health_needs_no_key_and_names_no_path(server, model_dir):
+    h = httpx.get(server.url + "/health").json()
+    assert h["status"] == "ok" and h["model"] == "tiny"
+    models = httpx.get(server.url + "/v1/models", headers=AUTH).json()
+    assert [m["id"] for m in models["data"]] == ["tiny"]
+    assert str(model_dir) not in json.dumps([h, models])
+
+
+def test_content_parts_equal_plain_content(client):
+    body = {"max_tokens": 8, "temperature": 0, "model": "tiny"}
+    plain = client.post(CHAT, json={**body, "messages": [{"role": "user", "content": "héllo wörld"}]})
+    parts = client.post(CHAT, json={**body, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "héllo wörld"}]}]})
+    assert plain.status_code == parts.status_code == 200
+    assert parts.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]
+    assert parts.json()["model"] == "tiny"
+
+
+def test_a_body_that_never_finishes_gets_408_and_is_closed(server):
+    with socket.create_connection((server.host, server.port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 100\r\n\r\n{\"prompt\":")
+        t0 = time.perf_counter()
+        data = b""
+        while chunk := s.recv(4096):  # the server closes the connection after answering
+            data += chunk
+        waited = time.perf_counter() - t0
+    head, _, payload = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), data
+    assert json.loads(payload)["error"]["code"] == "body_timeout"
+    assert 0.9 < waited < 10
+
+
+def test_health_stays_responsive_while_a_huge_prompt_is_tokenized(model_dir):
+    engine = Engine(model_dir, max_batch=1, max_seq_len=128)
+    app = create_app(engine, model_name="tiny", max_body_bytes=8 * 2**20)
+    prompt = "the quick brown fox héllo " * 80_000  # 2.2 MB of text, about a million tokens
+    with ServerThread(app) as srv:
+        result = {}
+
+        def big():
+            result["r"] = httpx.post(srv.url + C, json={"prompt": prompt, "max_tokens": 1}, timeout=120)
+
+        t = threading.Thread(target=big)
+        t.start()
+        answered = 0
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            while t.is_alive():
+                if c.get("/health").status_code == 200:
+                    answered += 1
+                time.sleep(0.05)
+        t.join()
+    r = result["r"]
+    # Tokenized in full (seconds), then refused: far beyond the 128-token context.
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    # Were tokenization on the event loop, no /health could be answered while it ran.
+    assert answered >= 5, answered
+
+
+class SlowDecode:
+    """Wraps the engine's decode step with a sleep so a request runs long enough to interrupt."""
+
+    def __init__(self, engine: Engine, seconds: float) -> None:
+        self.inner, self.seconds = engine._decode, seconds
+        engine._decode = self
+
+    def __call__(self, *a, **kw):
+        time.sleep(self.seconds)
+        return self.inner(*a, **kw)
+
+
+@pytest.fixture(scope="module")
+def slow_server(model_dir):
+    engine = Engine(model_dir, max_batch=1, max_seq_len=512)
+    SlowDecode(engine, 0.02)  # >= 20 ms a token: 300 tokens take >= 6 s
+    app = create_app(engine, max_queue=0, model_name="tiny", request_timeout=1.5)
+    with ServerThread(app) as srv:
+        yield srv
+
+
+def _generated(c: httpx.Client) -> float:
+    for line in c.get("/metrics").text.splitlines():
+        if line.startswith("hd_serve_generated_tokens_total "):
+            return float(line.split()[1])
+    raise AssertionError("no generated_tokens_total")
+
+
+def _wait_idle(c: httpx.Client, timeout: float) -> float:
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout:
+        h = c.get("/health").json()
+        if h["active"] == 0 and h["queued"] == 0:
+            return time.perf_counter() - t0
+        time.sleep(0.02)
+    raise AssertionError("the engine did not go idle")
+
+
+LONG = {"prompt": "the", "max_tokens": 300, "temperature": 0, "ignore_eos": True}
+
+
+def test_non_streaming_disconnect_frees_the_row(slow_server):
+    with httpx.Client(base_url=slow_server.url, timeout=60) as c:
+        _wait_idle(c, 30)
+        before = _generated(c)
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up after 0.3 s and closes the connection
+            httpx.post(slow_server.url + C, json=LONG, timeout=httpx.Timeout(60, read=0.3))
+        assert _wait_idle(c, 1.0) < 1.0  # well before the 1.5 s deadline, let alone 300 tokens
+        assert _generated(c) - before < 100
+
+
+def test_request_deadline_gives_504_and_an_error_event(slow_server):
+    with httpx.Client(base_url=slow_server.url, timeout=60) as c:
+        _wait_idle(c, 30)
+        r = c.post(C, json=LONG)
+        assert r.status_code == 504 and r.json()["error"]["type"] == "timeout_error"
+        _wait_idle(c, 1.0)
+        with c.stream("POST", C, json={**LONG, "stream": True}) as s:
+            lines = [line for line in s.iter_lines() if line]
+        assert lines[-1] == "data: [DONE]"
+        assert json.loads(lines[-2][len("data: "):])["error"]["code"] == "request_timeout"
+        _wait_idle(c, 1.0)
+
+
+def test_503_carries_retry_after(slow_server):
+    with httpx.Client(base_url=slow_server.url, timeout=60) as c, httpx.Client(base_url=slow_server.url) as c2:
+        _wait_idle(c, 30)
+        with c2.stream("POST", C, json={**LONG, "stream": True}) as s:
+            next(s.iter_lines())  # the only row (max_queue=0) is taken
+            r = c.post(C, json={"prompt": "x", "max_tokens": 2})
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["type"] == "server_busy"
+        _wait_idle(c, 5)
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--max-batch", "0"], "--max-batch must be >= 1"),
+    (["--max-queue", "-1"], "--max-queue must be >= 0"),
+    (["--max-seq-len", "1"], "--max-seq-len must be >= 2"),
+    (["--port", "70000"], "--port must be in [0, 65535]"),
+    (["--max-body-bytes", "10"], "--max-body-bytes must be >= 1024"),
+    (["--request-timeout", "nan"], "--request-timeout must be a positive number"),
+    (["--body-timeout", "0"], "--body-timeout must be a positive number"),
+    (["--api-key", " "], "--api-key (or $HYBRID_DISTILL_API_KEY) is empty"),
+    (["--served-model-name", ""], "--served-model-name is empty"),
+    (["--max-batch", "x"], "invalid int value"),
+])
+def test_bad_server_flags_fail_before_loading_the_model(capsys, tmp_path, flags, fragment):
+    # The model path does not exist: an error about the flag proves nothing was loaded first.
+    assert main(["--model", str(tmp_path / "missing"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert fragment in err and err.count("\n") == 1 and err.startswith("error: ")
