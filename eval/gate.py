@@ -358,6 +358,32 @@ def _prepare_scorer(cfg: GateConfig, scorer: BertScore | None, prompts: list[Pro
     return scorer
 
 
+def _score(scorer: BertScore, runs: dict[str, GenerationRun], refs: list[str], prompts: list[Prompt]
+           ) -> tuple[np.ndarray, np.ndarray, list[dict]]:
+    """BERTScore F1 of candidate and baseline against ``refs``, and the texts past the scorer's window."""
+    cand_f = scorer.f1(runs["candidate"].outputs, refs, progress="score candidate")
+    base_f = scorer.f1(runs["baseline"].outputs, refs, progress="score baseline")
+    long_texts = []
+    for which, texts in (("candidate", runs["candidate"].outputs), ("baseline", runs["baseline"].outputs),
+                         ("reference", refs)):
+        for p, n in zip(prompts, scorer.token_counts(texts)):
+            if n > MAX_TOKENS:
+                long_texts.append({"id": p.id, "which": which, "tokens": n})
+    return cand_f, base_f, long_texts
+
+
+def _warnings(se: float, threshold: float, verdict: str, long_texts: list[dict]) -> list[str]:
+    """What a reader must know besides the verdict: a prompt set too small to pass, truncated texts."""
+    notes = []
+    if 1.96 * se >= threshold and verdict != "fail":
+        notes.append(f"this prompt set is too small to certify a pass even for an unchanged model "
+                     f"(1.96·SE = {1.96 * se:.4f} ≥ {threshold:g}); add prompts")
+    if long_texts:
+        notes.append(f"warning: {len(long_texts)} texts exceed the scorer's {MAX_TOKENS}-token window "
+                     "(scored on their beginning only); see long_texts")
+    return notes
+
+
 def run_gate(cfg: GateConfig, scorer: BertScore | None = None) -> GateResult:
     """Run the whole gate and write the report; raises :class:`GateInputError` on broken input.
 
@@ -380,14 +406,7 @@ def run_gate(cfg: GateConfig, scorer: BertScore | None = None) -> GateResult:
     scorer = _prepare_scorer(cfg, scorer, prompts, prompts_path, memo)
     timings["scorer_load"] = time.perf_counter() - t
     t = time.perf_counter()
-    cand_f = scorer.f1(runs["candidate"].outputs, refs, progress="score candidate")
-    base_f = scorer.f1(runs["baseline"].outputs, refs, progress="score baseline")
-    long_texts = []
-    for which, texts in (("candidate", runs["candidate"].outputs), ("baseline", runs["baseline"].outputs),
-                         ("reference", refs)):
-        for p, n in zip(prompts, scorer.token_counts(texts)):
-            if n > MAX_TOKENS:
-                long_texts.append({"id": p.id, "which": which, "tokens": n})
+    cand_f, base_f, long_texts = _score(scorer, runs, refs, prompts)
     timings["score"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -401,12 +420,7 @@ def run_gate(cfg: GateConfig, scorer: BertScore | None = None) -> GateResult:
     new_below = [i for i, c, b in zip(ids, cand_below, base_below) if c and not b]
     verdict, reasons = _verdict(cfg, diff, threshold, len(prompts), len(new_below))
     mde = detectable_effect(diff.se, 1 - cfg.confidence)
-    if 1.96 * diff.se >= threshold and verdict != "fail":
-        reasons.append(f"this prompt set is too small to certify a pass even for an unchanged model "
-                       f"(1.96·SE = {1.96 * diff.se:.4f} ≥ {threshold:g}); add prompts")
-    if long_texts:
-        reasons.append(f"warning: {len(long_texts)} texts exceed the scorer's {MAX_TOKENS}-token window "
-                       "(scored on their beginning only); see long_texts")
+    reasons += _warnings(diff.se, threshold, verdict, long_texts)
 
     t = time.perf_counter()
     lm = _lm_metrics(cfg, models, prompts, refs)
