@@ -151,7 +151,7 @@ CASES = [
     ("gate-floor-nan", "gate", [*GATE, "--floor", "nan"], 3, "floor must be a finite number in [-1, 1], got nan"),
     ("gate-max-drop-2", "gate", [*GATE, "--max-drop", "2"], 3, "max_drop must be in [0, 1), got 2"),
     ("gate-confidence", "gate", [*GATE, "--confidence", "0.3"], 3, "confidence must be in [0.5, 1), got 0.3"),
-    ("gate-temperature-nan", "gate", [*GATE, "--temperature", "nan"], 3, "temperature must be a finite number >= 0"),
+    ("gate-temperature-nan", "gate", [*GATE, "--temperature", "nan"], 3, "temperature must be a finite number > 0"),
     # -- config syntax: already clear before this issue, kept so
     ("unknown-key", "distill", [*D, "max_stepz=3"], 2, "unknown config key 'max_stepz' in the command line "
                                                       "(did you mean max_steps?)"),
