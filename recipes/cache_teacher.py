@@ -11,7 +11,6 @@ packed blocks). See ``distill/teacher_cache.py`` for the format and the tail-buc
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -27,6 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from core.config import ConfigError, check_fields, field, parse_config, run_cli, save_config
+from core.fsio import replace_dir
 from core.rundir import check_replaceable
 from distill.data import BUILTIN, build_data, eval_batches
 from distill.teacher_cache import META, bytes_per_token, fingerprint, topk_logprobs, write_shard
@@ -89,15 +89,13 @@ def main() -> None:
                     val.append(v)
                     bar.update(blocks.numel())
                 write_shard(tmp / f"shard-{shard:05d}.safetensors", torch.cat(idx), torch.cat(val))
-            teacher_ppl = evaluate_lm(teacher, eval_batches(data.eval, cfg.batch_size)).perplexity
+            teacher_ppl = evaluate_lm(teacher, eval_batches(data.eval, cfg.batch_size))[0].perplexity
         meta = {"k": cfg.topk, "seq_len": cfg.seq_len, "blocks": n, "fingerprint": fingerprint(data.train),
                 "teacher": cfg.teacher, "dataset": cfg.dataset, "bytes_per_token": bytes_per_token(cfg.topk),
                 "teacher_ppl": teacher_ppl, "seconds": time.time() - t0}
         (tmp / META).write_text(json.dumps(meta, indent=1))
         save_config(cfg, tmp / "config.yaml")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        replace_dir(tmp, out)  # fsynced, then renamed; an old cache is removed only after
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -35,6 +35,7 @@ import yaml
 
 from attention.spec import CONFIG_KEY, HybridAttentionConfig
 from core.config import ConfigError
+from core.fsio import fsync_dir, fsync_tree
 from core.models import DTYPES, load_causal_lm
 from distill.checkpoint import complete_checkpoints
 
@@ -441,6 +442,7 @@ def atomic_output_dir(target: str | os.PathLike, overwrite: bool = False) -> Ite
     try:
         yield tmp
         _make_readable(tmp)
+        fsync_tree(tmp)  # every byte on disk before the rename makes the export visible
         check_target(target, overwrite)
         if target.exists():
             old = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
@@ -450,9 +452,11 @@ def atomic_output_dir(target: str | os.PathLike, overwrite: bool = False) -> Ite
             except BaseException:
                 old.rename(target)
                 raise
+            fsync_dir(target.parent)
             shutil.rmtree(old, ignore_errors=True)
         else:
             tmp.rename(target)
+            fsync_dir(target.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
