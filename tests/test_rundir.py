@@ -69,20 +69,25 @@ def test_an_unmarked_older_run_can_be_resumed_but_not_overwritten(elsewhere):
     assert tree(elsewhere) == before  # resuming adopts nothing: still unmarked
 
 
-@pytest.mark.parametrize("where, why", [
-    (lambda t: Path.cwd(), "is the current folder"),
-    (lambda t: Path("."), "is the current folder"),
-    (lambda t: t, "contains the current folder"),
-    (lambda t: Path.home(), "is your home folder"),
-    (lambda t: Path("~"), "is your home folder"),
-    (lambda t: CHECKOUT, "contains the current folder|contains the hybrid-distill checkout"),
-    (lambda t: CHECKOUT.parent, "contains the hybrid-distill checkout"),
+_PLACES = [
+    ("cwd", lambda t: Path.cwd(), "is the current folder"),
+    ("dot", lambda t: Path("."), "is the current folder"),
+    ("parent-of-cwd", lambda t: t, "contains the current folder"),
+    ("home", lambda t: Path.home(), "is your home folder"),
+    ("tilde", lambda t: Path("~"), "is your home folder"),
+    ("checkout", lambda t: CHECKOUT, "contains the hybrid-distill checkout"),
+    ("checkout-parent", lambda t: CHECKOUT.parent, "contains the hybrid-distill checkout"),
+]
+# overwrite=true is only ever tried on the scratch places (a bug must never reach the real checkout).
+_SCRATCH = {"cwd", "dot", "parent-of-cwd", "home", "tilde"}
+
+
+@pytest.mark.parametrize("where, why, overwrite", [
+    pytest.param(where, why, overwrite, id=f"{name}-overwrite={overwrite}")
+    for name, where, why in _PLACES for overwrite in (False, True) if not overwrite or name in _SCRATCH
 ])
-@pytest.mark.parametrize("overwrite", [False, True])
 def test_dangerous_places_are_refused_even_when_marked(elsewhere, where, why, overwrite):
     path = where(elsewhere)
-    if overwrite and not str(Path(path).expanduser().resolve()).startswith(str(elsewhere)):
-        pytest.skip("overwrite=true is only ever tried on scratch folders")
     for p in {Path.cwd(), Path.home(), elsewhere}:
         (p / MARKER).write_text("")
     (Path.cwd() / "mine.txt").write_text("keep")
