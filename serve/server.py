@@ -18,9 +18,9 @@ for Nagle's algorithm to batch it with the next.
 
 Every request field is checked at the boundary: a bad one gets 400 with an OpenAI-style body
 ``{"error": {"message", "type", "param", "code"}}`` before anything reaches the engine. Limits: bodies
-over ``--max-body-bytes`` get 413, a body that does not arrive within ``--body-timeout`` 408, a request
-not finished within ``--request-timeout`` 504 (an error event when streaming). A client that disconnects
-cancels its request, streaming or not. With ``--api-key`` (or ``HYBRID_DISTILL_API_KEY``) every route but
+over ``--max-body-bytes`` get 413, a body that does not arrive within ``--body-timeout`` 408 (a request
+head that does not: the connection is closed), a request not finished within ``--request-timeout`` 504
+(an error event when streaming). A client that disconnects cancels its request, streaming or not. With ``--api-key`` (or ``HYBRID_DISTILL_API_KEY``) every route but
 ``/health`` needs ``Authorization: Bearer <key>``.
 
 Admission: at most ``max_batch`` requests decode together and ``max_queue`` more wait; beyond that the
