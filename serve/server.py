@@ -18,9 +18,9 @@ for Nagle's algorithm to batch it with the next.
 
 Every request field is checked at the boundary: a bad one gets 400 with an OpenAI-style body
 ``{"error": {"message", "type", "param", "code"}}`` before anything reaches the engine. Limits: bodies
-over ``--max-body-bytes`` get 413, a body that does not arrive within ``--body-timeout`` 408, a request
-not finished within ``--request-timeout`` 504 (an error event when streaming). A client that disconnects
-cancels its request, streaming or not. With ``--api-key`` (or ``HYBRID_DISTILL_API_KEY``) every route but
+over ``--max-body-bytes`` get 413, a body that does not arrive within ``--body-timeout`` 408 (a request
+head that does not: the connection is closed), a request not finished within ``--request-timeout`` 504
+(an error event when streaming). A client that disconnects cancels its request, streaming or not. With ``--api-key`` (or ``HYBRID_DISTILL_API_KEY``) every route but
 ``/health`` needs ``Authorization: Bearer <key>``.
 
 Admission: at most ``max_batch`` requests decode together and ``max_queue`` more wait; beyond that the
@@ -46,6 +46,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import h11
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -68,13 +69,48 @@ DEFAULT_BODY_TIMEOUT = 30.0
 
 
 class NoDelayH11Protocol(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol with ``TCP_NODELAY`` set on every accepted connection."""
+    """uvicorn's HTTP/1.1 protocol with ``TCP_NODELAY`` on every connection and a deadline for request heads.
+
+    uvicorn closes idle keep-alive connections but waits forever for a request head that never completes
+    (a connection opened and left silent, or headers sent a byte at a time); such a connection is closed
+    once it has waited ``head_timeout`` seconds for one head. Bodies have their own deadline in the app.
+    """
+
+    head_timeout: float = DEFAULT_BODY_TIMEOUT
+
+    @classmethod
+    def with_head_timeout(cls, seconds: float) -> type[NoDelayH11Protocol]:
+        return type(cls.__name__, (cls,), {"head_timeout": seconds})
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         super().connection_made(transport)
+        self._head_since: float | None = self.loop.time()  # waiting for a request head since
+        self._head_timer = self.loop.call_later(self.head_timeout / 4, self._check_head)
+
+    def data_received(self, data: bytes) -> None:
+        if self._head_since is None and self.conn.their_state is h11.IDLE:
+            self._head_since = self.loop.time()  # the next request's head begins
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE:  # the head is complete
+            self._head_since = None
+
+    def _check_head(self) -> None:
+        if self.transport.is_closing():
+            return
+        if (self._head_since is not None and self.conn.their_state is h11.IDLE
+                and self.loop.time() - self._head_since >= self.head_timeout):
+            with contextlib.suppress(h11.LocalProtocolError):
+                self.conn.send(h11.ConnectionClosed())
+            self.transport.close()
+            return
+        self._head_timer = self.loop.call_later(self.head_timeout / 4, self._check_head)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._head_timer.cancel()
+        super().connection_lost(exc)
 
 
 class APIError(Exception):
@@ -560,14 +596,16 @@ def create_app(engine: Engine, *, max_queue: int = 32, model_name: str = "hybrid
 class ServerThread:
     """uvicorn on a free loopback port in a daemon thread (tests and benchmarks)."""
 
-    def __init__(self, app: Starlette, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, app: Starlette, host: str = "127.0.0.1", port: int = 0,
+                 head_timeout: float = DEFAULT_BODY_TIMEOUT) -> None:
         import uvicorn
 
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = self.sock.getsockname()[:2]
-        config = uvicorn.Config(app, http=NoDelayH11Protocol, log_level="warning", lifespan="on")
+        config = uvicorn.Config(app, http=NoDelayH11Protocol.with_head_timeout(head_timeout), log_level="warning",
+                                lifespan="on")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
@@ -616,7 +654,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT,
                    help="seconds from arrival to the last token (504 after)")
     p.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT,
-                   help="seconds to receive a request body (408 after)")
+                   help="seconds to receive a request's head (the connection is closed after) or its body (408)")
     return p
 
 
@@ -669,7 +707,8 @@ def main(argv: list[str] | None = None) -> int:
     app = create_app(engine, max_queue=args.max_queue, model_name=name, api_key=args.api_key,
                      max_body_bytes=args.max_body_bytes, request_timeout=args.request_timeout,
                      body_timeout=args.body_timeout)
-    uvicorn.run(app, host=args.host, port=args.port, http=NoDelayH11Protocol, log_level="info")
+    uvicorn.run(app, host=args.host, port=args.port, http=NoDelayH11Protocol.with_head_timeout(args.body_timeout),
+                log_level="info")
     return 0
 
 

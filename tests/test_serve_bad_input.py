@@ -38,7 +38,7 @@ def server(model_dir):
         "{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('tool messages are not supported') }}"
         "{% endif %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}<s>assistant: ")
     app = create_app(engine, max_queue=4, model_name="tiny", api_key=KEY, max_body_bytes=LIMIT, body_timeout=1.0)
-    with ServerThread(app) as srv:
+    with ServerThread(app, head_timeout=1.0) as srv:
         yield srv
 
 
@@ -238,6 +238,29 @@ def test_a_body_that_never_finishes_gets_408_and_is_closed(server):
     assert head.startswith(b"HTTP/1.1 408"), data
     assert json.loads(payload)["error"]["code"] == "body_timeout"
     assert 0.9 < waited < 10
+
+
+@pytest.mark.parametrize("trickle", [False, True], ids=["silent", "one-header-byte-at-a-time"])
+def test_a_head_that_never_finishes_is_closed(server, trickle):
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 200
+    with socket.create_connection((server.host, server.port), timeout=10) as s:
+        t0 = time.perf_counter()
+        closed = False
+        for i in range(len(head) if trickle else 1):
+            time.sleep(0.05)
+            try:
+                if trickle:
+                    s.sendall(head[i:i + 1])
+                elif s.recv(1) == b"":  # blocks until the server closes (or the 10 s socket timeout)
+                    closed = True
+                    break
+            except (BrokenPipeError, ConnectionResetError):
+                closed = True
+                break
+        if trickle and not closed:
+            closed = s.recv(1) == b""
+        waited = time.perf_counter() - t0
+    assert closed and 0.9 < waited < 5, waited
 
 
 def test_health_stays_responsive_while_a_huge_prompt_is_tokenized(model_dir):
