@@ -364,30 +364,34 @@ class AsyncEngine:
         return req, queue
 
 
-def create_app(engine: Engine, *, max_queue: int = 32, model_name: str = "hybrid-distill",
-               api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               request_timeout: float = DEFAULT_REQUEST_TIMEOUT, body_timeout: float = DEFAULT_BODY_TIMEOUT,
-               ) -> Starlette:
-    """The ASGI app; starts the engine's background thread.
+class OpenAIRoutes:
+    """The OpenAI-compatible routes over one :class:`AsyncEngine`, with the server's limits.
 
-    ``api_key``: required as a bearer token on every route but ``/health``. ``max_body_bytes``: larger
-    bodies get 413. ``body_timeout``: seconds to receive the whole body (408 after). ``request_timeout``:
-    seconds from arrival to the last token (504, or an error event when streaming, after).
+    A request goes through four steps, each a method: read the body (:meth:`read_json`, size and time
+    limits), check it (:meth:`check_common`, :func:`_sampling`), tokenize off the event loop
+    (:meth:`tokenize`), then answer as a stream (:meth:`stream`) or one JSON body (:meth:`complete`).
     """
-    aengine = AsyncEngine(engine, max_queue=max_queue)
-    vocab = engine.model.config.vocab_size
-    # One worker: tokenizing off the event loop keeps /health and streams responsive during a huge
-    # prompt (the fast tokenizer releases the GIL), and one thread never shares the tokenizer's
-    # mutable state with another encode.
-    tokenize_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
-    async def read_json(request: HTTPRequest) -> dict[str, Any]:
+    def __init__(self, engine: Engine, aengine: AsyncEngine, *, model_name: str, max_body_bytes: int,
+                 request_timeout: float, body_timeout: float) -> None:
+        self.engine, self.aengine = engine, aengine
+        self.model_name = model_name
+        self.max_body_bytes, self.request_timeout, self.body_timeout = max_body_bytes, request_timeout, body_timeout
+        self.vocab = engine.model.config.vocab_size
+        # One worker: tokenizing off the event loop keeps /health and streams responsive during a huge
+        # prompt (the fast tokenizer releases the GIL), and one thread never shares the tokenizer's
+        # mutable state with another encode.
+        self.tokenize_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+
+    # ---- the steps of a request ------------------------------------------------------------------
+    async def read_json(self, request: HTTPRequest) -> dict[str, Any]:
+        limit = self.max_body_bytes
         length = request.headers.get("content-length")
         if length is not None:
             if not length.isdigit():
                 raise APIError(400, "the Content-Length header is not a number", headers=_CLOSE)
-            if int(length) > max_body_bytes:
-                raise APIError(413, f"the request body has {int(length)} bytes; the limit is {max_body_bytes} "
+            if int(length) > limit:
+                raise APIError(413, f"the request body has {int(length)} bytes; the limit is {limit} "
                                "(server flag --max-body-bytes)", code="request_too_large", headers=_CLOSE)
         chunks: list[bytes] = []
         size = 0
@@ -396,16 +400,16 @@ def create_app(engine: Engine, *, max_queue: int = 32, model_name: str = "hybrid
             nonlocal size
             async for chunk in request.stream():
                 size += len(chunk)
-                if size > max_body_bytes:
-                    raise APIError(413, f"the request body exceeds the limit of {max_body_bytes} bytes "
+                if size > limit:
+                    raise APIError(413, f"the request body exceeds the limit of {limit} bytes "
                                    "(server flag --max-body-bytes)", code="request_too_large", headers=_CLOSE)
                 chunks.append(chunk)
 
         try:
-            await asyncio.wait_for(receive_all(), body_timeout)
+            await asyncio.wait_for(receive_all(), self.body_timeout)
         except asyncio.TimeoutError:
-            raise APIError(408, f"the request body did not arrive within {body_timeout:g} s", code="body_timeout",
-                           headers=_CLOSE) from None
+            raise APIError(408, f"the request body did not arrive within {self.body_timeout:g} s",
+                           code="body_timeout", headers=_CLOSE) from None
         try:
             body = json.loads(b"".join(chunks))
         except (ValueError, RecursionError) as e:  # JSONDecodeError, bad UTF-8, 5000-digit integers, nesting
@@ -414,44 +418,45 @@ def create_app(engine: Engine, *, max_queue: int = 32, model_name: str = "hybrid
             raise BadRequest("the body must be a JSON object", None, "invalid_json")
         return body
 
-    def check_common(body: dict[str, Any]) -> None:
+    def check_common(self, body: dict[str, Any]) -> None:
         _bool(body, "stream", False)
         name = body.get("model")
         if name is not None and not isinstance(name, str):
             raise BadRequest(f"'model' must be a string, got {_type_name(name)}", "model", "invalid_type")
-        if name is not None and name != model_name:
-            raise APIError(404, f"model '{name[:100]}' is not served here; this server serves '{model_name}' "
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"model '{name[:100]}' is not served here; this server serves '{self.model_name}' "
                            "(GET /v1/models)", param="model", code="model_not_found")
         if body.get("stream_options") is not None and not isinstance(body["stream_options"], dict):
             raise BadRequest("'stream_options' must be an object", "stream_options", "invalid_type")
         _check_unsupported(body)
 
-    async def tokenize(body: dict[str, Any], chat: bool) -> list[int]:
+    async def tokenize(self, body: dict[str, Any], chat: bool) -> list[int]:
+        loop = asyncio.get_running_loop()
         if chat:
             messages = _chat_messages(body)
             try:
-                return await asyncio.get_running_loop().run_in_executor(tokenize_pool, engine.encode, messages, True)
+                return await loop.run_in_executor(self.tokenize_pool, self.engine.encode, messages, True)
             except Exception as e:
                 # A template that refuses these messages (a system role, the role order) raises a jinja2
                 # error: the client's to fix. Matched by module: jinja2 is transformers' optional dependency.
                 if type(e).__module__.split(".")[0] != "jinja2":
                     raise
                 raise BadRequest(f"the model's chat template rejected these messages: {e}", "messages") from None
-        prompt = _completion_prompt(body, vocab)
+        prompt = _completion_prompt(body, self.vocab)
         if isinstance(prompt, list):
             return prompt
-        return await asyncio.get_running_loop().run_in_executor(tokenize_pool, engine.encode, prompt)
+        return await loop.run_in_executor(self.tokenize_pool, self.engine.encode, prompt)
 
-    async def generate(request: HTTPRequest, chat: bool) -> Response:
+    async def generate(self, request: HTTPRequest, chat: bool) -> Response:
+        aengine = self.aengine
         aengine.metrics.inc("requests_total")
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + request_timeout
+        deadline = asyncio.get_running_loop().time() + self.request_timeout
         try:
-            body = await read_json(request)
-            check_common(body)
-            prompt_ids = await tokenize(body, chat)
+            body = await self.read_json(request)
+            self.check_common(body)
+            prompt_ids = await self.tokenize(body, chat)
             try:
-                params = _sampling(body, len(prompt_ids), engine.max_seq_len, None if chat else 16)
+                params = _sampling(body, len(prompt_ids), self.engine.max_seq_len, None if chat else 16)
                 req, queue = aengine.submit(prompt_ids, params)
             except ValueError as e:
                 raise BadRequest(str(e)) from None  # the engine's or the sampler's own limits
@@ -465,74 +470,115 @@ def create_app(engine: Engine, *, max_queue: int = 32, model_name: str = "hybrid
                             type="server_busy", code="server_busy", headers={"Retry-After": "1"}).response()
         except ClientDisconnect:
             return Response(status_code=499)
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        created = int(time.time())
-        obj = "chat.completion" if chat else "text_completion"
-        timeout_error = APIError(504, f"the request did not finish within {request_timeout:g} s (server flag "
-                                 "--request-timeout); lower max_tokens or retry later", type="timeout_error",
-                                 code="request_timeout")
+        reply = _Reply(self, req, queue, len(prompt_ids), chat, deadline)
+        return reply.stream() if body.get("stream") else await reply.complete(request)
 
-        def usage() -> dict[str, int]:
-            n = len(req.out_ids)
-            return {"prompt_tokens": len(prompt_ids), "completion_tokens": n, "total_tokens": len(prompt_ids) + n}
+    # ---- small routes ------------------------------------------------------------------------------
+    async def completions(self, request: HTTPRequest) -> Response:
+        return await self.generate(request, chat=False)
 
-        def choice(text: str, finish: str | None, first: bool = False) -> dict[str, Any]:
-            if chat:
-                delta: dict[str, str] = {"content": text}
-                if first:
-                    delta["role"] = "assistant"
-                return {"index": 0, "delta": delta, "finish_reason": finish}
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    async def chat_completions(self, request: HTTPRequest) -> Response:
+        return await self.generate(request, chat=True)
 
-        async def next_event() -> tuple[str, int | None, str | None] | None:
-            """The engine's next event, or None once the deadline has passed (the request is then cancelled)."""
+    async def health(self, _: HTTPRequest) -> Response:
+        engine = self.engine
+        return JSONResponse({"status": "ok", "model": self.model_name, "hybrid": engine.spec is not None,
+                             "active": engine.num_active, "queued": engine.num_waiting})
+
+    async def metrics(self, _: HTTPRequest) -> Response:
+        return PlainTextResponse(self.aengine.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    async def models(self, _: HTTPRequest) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model",
+                                                          "owned_by": "hybrid-distill"}]})
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
+        ]
+
+
+class _Reply:
+    """The answer to one admitted request: an SSE stream or one JSON body, within the deadline."""
+
+    def __init__(self, api: OpenAIRoutes, req: Request, queue: asyncio.Queue, n_prompt: int, chat: bool,
+                 deadline: float) -> None:
+        self.api, self.req, self.queue, self.n_prompt, self.chat, self.deadline = api, req, queue, n_prompt, chat, deadline
+        self.rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.obj = "chat.completion" if chat else "text_completion"
+        self.timeout_error = APIError(504, f"the request did not finish within {api.request_timeout:g} s (server "
+                                      "flag --request-timeout); lower max_tokens or retry later",
+                                      type="timeout_error", code="request_timeout")
+
+    def usage(self) -> dict[str, int]:
+        n = len(self.req.out_ids)
+        return {"prompt_tokens": self.n_prompt, "completion_tokens": n, "total_tokens": self.n_prompt + n}
+
+    def choice(self, text: str, finish: str | None, first: bool = False) -> dict[str, Any]:
+        if self.chat:
+            delta: dict[str, str] = {"content": text}
+            if first:
+                delta["role"] = "assistant"
+            return {"index": 0, "delta": delta, "finish_reason": finish}
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+
+    async def next_event(self) -> tuple[str, int | None, str | None] | None:
+        """The engine's next event, or None once the deadline has passed (the request is then cancelled)."""
+        loop = asyncio.get_running_loop()
+        try:
+            return await asyncio.wait_for(self.queue.get(), max(self.deadline - loop.time(), 0.001))
+        except asyncio.TimeoutError:
+            self.api.engine.cancel(self.req)
+            self.api.aengine.metrics.inc("request_errors_total")
+            return None
+
+    def stream(self) -> StreamingResponse:
+        async def events():
+            first = True
             try:
-                return await asyncio.wait_for(queue.get(), max(deadline - loop.time(), 0.001))
-            except asyncio.TimeoutError:
-                engine.cancel(req)
-                aengine.metrics.inc("request_errors_total")
-                return None
-
-        if body.get("stream"):
-            async def events():
-                first = True
-                try:
-                    while True:
-                        event = await next_event()
-                        if event is None:
-                            yield f"data: {json.dumps(timeout_error.payload())}\n\n"
-                            yield "data: [DONE]\n\n"
-                            return
-                        delta, token, finish = event
-                        chunk = {"id": rid, "object": obj + (".chunk" if chat else ""), "created": created,
-                                 "model": model_name, "choices": [choice(delta, finish, first)]}
-                        first = False
-                        if finish is not None:
-                            chunk["usage"] = usage()
-                            yield f"data: {json.dumps(chunk)}\n\n"
-                            yield "data: [DONE]\n\n"
-                            return
+                while True:
+                    event = await self.next_event()
+                    if event is None:
+                        yield f"data: {json.dumps(self.timeout_error.payload())}\n\n"
+                        yield "data: [DONE]\n\n"
+                        return
+                    delta, _token, finish = event
+                    chunk = {"id": self.rid, "object": self.obj + (".chunk" if self.chat else ""),
+                             "created": self.created, "model": self.api.model_name,
+                             "choices": [self.choice(delta, finish, first)]}
+                    first = False
+                    if finish is not None:
+                        chunk["usage"] = self.usage()
                         yield f"data: {json.dumps(chunk)}\n\n"
-                finally:
-                    if not req.done:  # the client went away: stop generating for it
-                        engine.cancel(req)
+                        yield "data: [DONE]\n\n"
+                        return
+                    yield f"data: {json.dumps(chunk)}\n\n"
+            finally:
+                if not self.req.done:  # the client went away: stop generating for it
+                    self.api.engine.cancel(self.req)
 
-            return StreamingResponse(events(), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
+    async def complete(self, request: HTTPRequest) -> Response:
         async def watch_disconnect() -> None:
             # The body is read, so the next ASGI message is the client leaving (or our response ending).
             while (await request.receive())["type"] != "http.disconnect":
                 pass
-            engine.cancel(req)
+            self.api.engine.cancel(self.req)
 
         watcher = asyncio.create_task(watch_disconnect())
         parts: list[str] = []
         try:
             while True:
-                event = await next_event()
+                event = await self.next_event()
                 if event is None:
-                    return timeout_error.response()
+                    return self.timeout_error.response()
                 delta, _token, finish = event
                 parts.append(delta)
                 if finish is not None:
@@ -545,50 +591,46 @@ def create_app(engine: Engine, *, max_queue: int = 32, model_name: str = "hybrid
             return APIError(500, "generation failed for this request; see the server log", type="server_error",
                             code="generation_failed").response()
         text = "".join(parts)
-        msg = {"message": {"role": "assistant", "content": text}} if chat else {"text": text, "logprobs": None}
-        return JSONResponse({"id": rid, "object": obj, "created": created, "model": model_name,
-                             "choices": [{"index": 0, **msg, "finish_reason": finish}], "usage": usage()})
+        msg = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text, "logprobs": None}
+        return JSONResponse({"id": self.rid, "object": self.obj, "created": self.created,
+                             "model": self.api.model_name,
+                             "choices": [{"index": 0, **msg, "finish_reason": finish}], "usage": self.usage()})
 
-    async def completions(request: HTTPRequest) -> Response:
-        return await generate(request, chat=False)
 
-    async def chat_completions(request: HTTPRequest) -> Response:
-        return await generate(request, chat=True)
+async def _http_error(_: HTTPRequest, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    return APIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers).response()
 
-    async def health(_: HTTPRequest) -> Response:
-        return JSONResponse({"status": "ok", "model": model_name, "hybrid": engine.spec is not None,
-                             "active": engine.num_active, "queued": engine.num_waiting})
 
-    async def metrics(_: HTTPRequest) -> Response:
-        return PlainTextResponse(aengine.metrics.render(), media_type="text/plain; version=0.0.4")
+async def _server_error(_: HTTPRequest, exc: Exception) -> Response:
+    # Our bug: uvicorn still logs the traceback; the client gets the same error shape as always.
+    return APIError(500, "internal server error; see the server log", type="server_error").response()
 
-    async def models(_: HTTPRequest) -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": model_name, "object": "model",
-                                                          "owned_by": "hybrid-distill"}]})
 
-    async def http_error(_: HTTPRequest, exc: Exception) -> Response:
-        assert isinstance(exc, HTTPException)
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return APIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers).response()
+def create_app(engine: Engine, *, max_queue: int = 32, model_name: str = "hybrid-distill",
+               api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               request_timeout: float = DEFAULT_REQUEST_TIMEOUT, body_timeout: float = DEFAULT_BODY_TIMEOUT,
+               ) -> Starlette:
+    """The ASGI app; starts the engine's background thread.
 
-    async def server_error(_: HTTPRequest, exc: Exception) -> Response:
-        # Our bug: uvicorn still logs the traceback; the client gets the same error shape as always.
-        return APIError(500, "internal server error; see the server log", type="server_error").response()
+    ``api_key``: required as a bearer token on every route but ``/health``. ``max_body_bytes``: larger
+    bodies get 413. ``body_timeout``: seconds to receive the whole body (408 after). ``request_timeout``:
+    seconds from arrival to the last token (504, or an error event when streaming, after).
+    """
+    aengine = AsyncEngine(engine, max_queue=max_queue)
+    api = OpenAIRoutes(engine, aengine, model_name=model_name, max_body_bytes=max_body_bytes,
+                       request_timeout=request_timeout, body_timeout=body_timeout)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         yield
         engine.stop()
-        tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        api.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     middleware = [Middleware(AuthGuard, api_key=api_key)] if api_key else []
-    app = Starlette(routes=[
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
-    ], middleware=middleware, exception_handlers={HTTPException: http_error, Exception: server_error}, lifespan=lifespan)
+    app = Starlette(routes=api.routes(), middleware=middleware,
+                    exception_handlers={HTTPException: _http_error, Exception: _server_error}, lifespan=lifespan)
     app.state.engine = aengine
     return app
 
