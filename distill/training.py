@@ -22,7 +22,7 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -197,8 +197,8 @@ class Run:
         self.state = TrainerState()
         self.tracker_project, self.progress = tracker_project, progress
         self.bar = None
-        self._t_loop = None
-        self.loop_seconds = 0.0
+        self._t_step = 0.0
+        self.loop_seconds = 0.0  # inside training steps only (no evaluation, no checkpoint)
         self.loop_tokens = 0
 
     # ---- start -----------------------------------------------------------------------------
@@ -232,14 +232,20 @@ class Run:
         self.accelerator.wait_for_everyone()
 
     # ---- loop ------------------------------------------------------------------------------
-    def steps(self) -> range:
-        """The steps still to run; opens the progress bar and starts the loop clock."""
+    def steps(self) -> Iterator[int]:
+        """The steps still to run (0-based); opens the progress bar and times each step.
+
+        The time from a step's start to its :meth:`record` is the training loop's own: held-out
+        evaluations and checkpoints after the record are not in ``tokens_per_s``.
+        """
         from tqdm.auto import tqdm
 
         self.bar = tqdm(total=self.cfg.max_steps, initial=self.state.step, disable=not self.main,
                         desc=self.progress, dynamic_ncols=True)
-        self._t_loop = time.perf_counter()
-        return range(self.state.step, self.cfg.max_steps)
+        for step in range(self.state.step, self.cfg.max_steps):
+            self._t_step = time.perf_counter()
+            yield step
+        self.bar.close()
 
     def record(self, step: int, terms: dict[str, float], lr: float, tokens: int, **extra: Any) -> None:
         """Book step ``step`` (0-based) that trained on ``tokens`` tokens; a non-finite loss stops the run."""
@@ -249,7 +255,8 @@ class Run:
                 f"loss became {terms['loss']} at step {step + 1}; the last good checkpoint is "
                 f"{last or 'none'}: lower lr or enable clipping, then resume=latest")
         self.loop_tokens += tokens
-        elapsed = time.perf_counter() - self._t_loop
+        self.loop_seconds += time.perf_counter() - self._t_step
+        elapsed = self.loop_seconds
         self.state.step = step + 1
         self.state.history.append({"step": step + 1, "lr": lr, **extra, **terms})
         self.bar.update(1)
@@ -290,13 +297,6 @@ class Run:
         """Testing: die like a killed process after ``debug_exit_at_step`` (no cleanup, no final save)."""
         if self.cfg.debug_exit_at_step is not None and step + 1 == self.cfg.debug_exit_at_step:
             os._exit(137)
-
-    def end_loop(self) -> None:
-        """Close the bar; the loop's own wall time is what ``tokens_per_s`` is measured over."""
-        if self._t_loop is not None:
-            self.loop_seconds = time.perf_counter() - self._t_loop
-        if self.bar is not None:
-            self.bar.close()
 
     @property
     def tokens_per_s(self) -> float:

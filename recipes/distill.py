@@ -233,7 +233,6 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: 
         if run.due(step, cfg.save_every) or run.last(step):
             run.save_checkpoint(step + 1, write_student_files)
         run.maybe_exit(step)
-    run.end_loop()
 
     # ---- save ---------------------------------------------------------------------------
     full_state = accelerator.get_state_dict(model)  # gathers ZeRO-3 shards; keys start with "student."

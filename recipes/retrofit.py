@@ -358,7 +358,6 @@ def training_function(cfg: RetrofitConfig, accelerator: Accelerator) -> dict:
         if run.due(step, cfg.save_every) or run.last(step):
             run.save_checkpoint(step + 1, write_model_files)
         run.maybe_exit(step)
-    run.end_loop()
 
     # ---- merge, save, measure what was saved ---------------------------------------------
     merged = peft_model.merge_and_unload()  # same module objects: folds LoRA into the base weights
