@@ -254,7 +254,8 @@ class DistillModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None,
-                teacher_topk: tuple[torch.Tensor, torch.Tensor] | None = None) -> DistillOutput:
+                teacher_topk: tuple[torch.Tensor, torch.Tensor] | None = None,
+                loss_mask: torch.Tensor | None = None) -> DistillOutput:
         """One teacher–student step.
 
         Args:
@@ -265,6 +266,10 @@ class DistillModel(nn.Module):
                 ``input_ids`` with padding ignored.
             teacher_topk: cached teacher ``([batch, seq, k] token ids, [batch, seq, k] log-probs)``
                 at each position, for ``cached_teacher`` models.
+            loss_mask: ``[batch, seq]`` bool, True where the token is a training target (completion-only
+                chat data: the assistant's tokens). KD, CE, focal and hidden terms count only at the
+                positions that predict a target; the other tokens stay in the input as context. The
+                attention-map term keeps every real token (its keys are the context).
         """
         cfg = self.loss_config
         if labels is None:
@@ -274,6 +279,8 @@ class DistillModel(nn.Module):
         valid = target != -100
         if attention_mask is not None:
             valid = valid & attention_mask[:, :-1].bool()
+        if loss_mask is not None:
+            valid = valid & loss_mask[:, 1:].bool()
         zero = next(self.student.parameters()).new_zeros(())
         kd = ce = focal = hidden = attn = zero
 
@@ -337,14 +344,17 @@ class DistillModel(nn.Module):
             token_mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None \
                 else attention_mask.bool()
             if self.hidden_pairs:
+                hidden_mask = token_mask
+                if loss_mask is not None:  # the states whose next token is a target, as for KD
+                    hidden_mask = token_mask & torch.cat([valid, valid.new_zeros(valid.shape[0], 1)], dim=1)
                 terms = []
                 for s, t in self.hidden_pairs:
                     h_t = self._teacher_taps.hidden[t].detach()
                     h_s = self.projectors[f"s{s}_t{t}"](self._student_taps.hidden[s])
                     if cfg.hidden_kind == "nmse":
-                        terms.append(normalized_mse(h_s, h_t, token_mask))
+                        terms.append(normalized_mse(h_s, h_t, hidden_mask))
                     else:
-                        terms.append(losses.hidden_loss(h_s, h_t, token_mask, kind=cfg.hidden_kind))
+                        terms.append(losses.hidden_loss(h_s, h_t, hidden_mask, kind=cfg.hidden_kind))
                 hidden = torch.stack(terms).mean()
             if self.attn_pairs:
                 hd_s, hd_t = _head_dim(self.student.config), _head_dim(teacher.config)

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm  # noqa: E402
 
 from distill import checkpoint as ckpt  # noqa: E402
 from distill.config import ConfigError, field, parse_config, run_cli, save_config  # noqa: E402
-from distill.data import BUILTIN, BlockOrder, build_data, eval_batches  # noqa: E402
+from distill.data import BUILTIN, build_data, eval_batches, parse_sources, steps_for_tokens  # noqa: E402
 from distill.model import KD_KINDS, DistillModel, LossConfig, loss_config_from  # noqa: E402
 from distill.plots import plot_training  # noqa: E402
 from distill.training import check_output_dir, make_accelerator, reduce_stats, warmup_cosine  # noqa: E402
@@ -57,6 +57,14 @@ class DistillConfig:
     seq_len: int = field(256, help="tokens per packed training block")
     max_train_blocks: int | None = field(None, help="use only the first N packed training blocks")
     eval_blocks: int = field(16, help="held-out blocks used for perplexity/agreement")
+    # -- data at scale (issue 18) --
+    datasets: list | None = field(None, help="weighted mixture, overrides dataset: [{source: PATH_OR_NAME, "
+                                  "weight: 0.7, text_field: text}, ...]; prepared once into data_cache")
+    completion_only: bool = field(True, help="chat records: KD/CE/hidden terms only on assistant tokens")
+    streaming: bool = field(False, help="read one hub/local source on the fly instead of preparing it "
+                            "(resume re-reads the stream up to the step; see distill/data/stream.py)")
+    data_cache: str | None = field(None, help="prepared-data folder; default $HYBRID_DISTILL_CACHE/data")
+    max_tokens: int | None = field(None, help="train on this many tokens (sets max_steps from the global batch)")
     # loop
     max_steps: int = field(24, help="optimizer steps")
     micro_batch_size: int = field(4, help="blocks per forward on each process")
@@ -121,6 +129,10 @@ class DistillConfig:
             raise ConfigError(f"mixed_precision '{self.mixed_precision}' is unknown; use no, bf16, fp16 or auto")
         if self.tracker not in TRACKERS:
             raise ConfigError(f"tracker '{self.tracker}' is unknown; use one of {', '.join(TRACKERS)}")
+        if self.max_tokens is not None and self.max_tokens < 1:  # issue 18
+            raise ConfigError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.datasets:  # issue 18: sources and weights checked before any model loads
+            parse_sources(self.datasets)
         if self.resume is not None and self.overwrite:
             raise ConfigError("resume= and overwrite=true contradict each other; pick one")
         if self.teacher_cache and (self.hidden_weight > 0 or self.attn_weight > 0):
@@ -206,10 +218,17 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: 
 
     # ---- data ---------------------------------------------------------------------------
     global_batch = cfg.micro_batch_size * cfg.grad_accum * accelerator.num_processes
-    data = build_data(tokenizer, dataset=cfg.dataset, eval_dataset=cfg.eval_dataset, seq_len=cfg.seq_len,
-                      eval_blocks=cfg.eval_blocks, text_field=cfg.text_field, min_train_blocks=global_batch,
-                      max_train_blocks=cfg.max_train_blocks)
-    order = BlockOrder(data.train.shape[0], global_batch, cfg.seed)
+    # -- issue 18: prepared/mixed/streamed data, a token budget ------------------------------
+    if cfg.max_tokens:
+        cfg.max_steps = steps_for_tokens(cfg.max_tokens, global_batch, cfg.seq_len)
+    with accelerator.main_process_first():  # one process prepares, the others map the cache
+        data = build_data(tokenizer, dataset=cfg.dataset, datasets=cfg.datasets, eval_dataset=cfg.eval_dataset,
+                          seq_len=cfg.seq_len, eval_blocks=cfg.eval_blocks, text_field=cfg.text_field,
+                          min_train_blocks=global_batch, max_train_blocks=cfg.max_train_blocks,
+                          completion_only=cfg.completion_only, streaming=cfg.streaming, data_cache=cfg.data_cache,
+                          progress=main)
+    order = data.order(global_batch, cfg.seed)
+    # -- end issue 18 ------------------------------------------------------------------------
 
     # ---- teacher–student module, optimizer, schedule -------------------------------------
     from distill.distributed import is_zero3, prepare_teacher
@@ -307,8 +326,10 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: 
         for index, blocks in micro:
             ids = blocks.to(accelerator.device)
             topk = cache.lookup(index, accelerator.device) if cache is not None else None
+            loss_mask = data.train.loss_mask(index)  # issue 18: completion-only chat targets (None: all)
             with accelerator.accumulate(model):
-                output = model(input_ids=ids, teacher_topk=topk)
+                output = model(input_ids=ids, teacher_topk=topk,
+                               loss_mask=None if loss_mask is None else loss_mask.to(accelerator.device))
                 loss = output.loss
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and cfg.max_grad_norm > 0:
@@ -371,6 +392,7 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: 
         "loss_weights": {k: getattr(cfg, k) for k in ("kd_weight", "ce_weight", "focal_weight", "hidden_weight",
                                                       "attn_weight")},
         "tokens_seen": cfg.max_steps * tokens_per_step,
+        "data": data.summary(order, cfg.max_steps),  # issue 18: per-source weight, blocks, epochs
         "final_dir": str(out / "final"),
     }
     if main:
@@ -397,6 +419,9 @@ def print_summary(summary: dict, out: Path) -> None:
     print(f"agreement      top-1 with teacher {f(summary['top1_agreement'])} "
           f"(init {f(summary['top1_agreement_init'])})")
     print(f"throughput     {summary['tokens_per_s']:.0f} tokens/s over {summary['steps']} steps")
+    for name, d in summary.get("data", {}).items():  # issue 18
+        print(f"data           {name}: weight {d['weight']:g}, {d['train_blocks']} blocks, "
+              f"{'streamed' if d['epochs'] is None else format(d['epochs'], '.2f') + ' epochs'}")
     if "gate" in summary:
         print(f"release gate   {summary['gate']['verdict']}   ({summary['gate']['report']})")
     print("=" * 72)

@@ -44,7 +44,7 @@ from attention.errors import HybridAttentionError  # noqa: E402
 from attention.spec import HybridAttentionConfig  # noqa: E402
 from distill import checkpoint as ckpt  # noqa: E402
 from distill.config import ConfigError, field, parse_config, run_cli, save_config  # noqa: E402
-from distill.data import BUILTIN, BlockOrder, build_data, eval_batches  # noqa: E402
+from distill.data import BUILTIN, build_data, eval_batches, parse_sources, steps_for_tokens  # noqa: E402
 from distill.model import KD_KINDS, LossConfig, loss_config_from  # noqa: E402
 from distill.training import check_output_dir, make_accelerator, reduce_stats, warmup_cosine  # noqa: E402
 from eval.metrics import LMStats, batch_stats  # noqa: E402
@@ -84,6 +84,12 @@ class RetrofitConfig:
     seq_len: int = field(2048, help="tokens per packed training block")
     max_train_blocks: int | None = field(None, help="use only the first N packed training blocks")
     eval_blocks: int = field(3, help="held-out blocks per evaluated length")
+    # -- data at scale (issue 18) --
+    datasets: list | None = field(None, help="weighted mixture, overrides dataset: [{source: PATH_OR_NAME, "
+                                  "weight: 0.7, text_field: text}, ...]; prepared once into data_cache")
+    completion_only: bool = field(True, help="chat records: KD/CE terms only on assistant tokens")
+    data_cache: str | None = field(None, help="prepared-data folder; default $HYBRID_DISTILL_CACHE/data")
+    max_tokens: int | None = field(None, help="train on this many tokens (sets max_steps from the global batch)")
     eval_seq_lens: list[int] = field(default_factory=lambda: [4096], help="extra held-out lengths evaluated at start and end "
                                      "(e.g. [4096]); seq_len is always evaluated")
     # loop
@@ -129,6 +135,10 @@ class RetrofitConfig:
         for name in ("save_every", "eval_every", "warmup_steps"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_tokens is not None and self.max_tokens < 1:  # issue 18
+            raise ConfigError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.datasets:  # issue 18: sources and weights checked before any model loads
+            parse_sources(self.datasets)
         if any(n < 2 for n in self.eval_seq_lens):
             raise ConfigError(f"eval_seq_lens must be >= 2 tokens each, got {self.eval_seq_lens}")
         if self.lr <= 0 or self.lora_alpha <= 0:
@@ -281,8 +291,9 @@ def evaluate(accelerator: Accelerator, model, blocks: torch.Tensor, batch_size: 
 
 def heldout_blocks(cfg: RetrofitConfig, tokenizer, length: int) -> torch.Tensor:
     """``[n, length]`` held-out blocks (the same documents at every length, packed differently)."""
-    data = build_data(tokenizer, dataset=cfg.dataset, eval_dataset=cfg.eval_dataset, seq_len=length,
-                      eval_blocks=cfg.eval_blocks, text_field=cfg.text_field, min_train_blocks=0)
+    data = build_data(tokenizer, dataset=cfg.dataset, datasets=cfg.datasets, eval_dataset=cfg.eval_dataset,
+                      seq_len=length, eval_blocks=cfg.eval_blocks, text_field=cfg.text_field, min_train_blocks=0,
+                      completion_only=cfg.completion_only, data_cache=cfg.data_cache)  # issue 18
     return data.eval
 
 
@@ -331,10 +342,16 @@ def training_function(cfg: RetrofitConfig, accelerator: Accelerator) -> dict:
 
     # ---- data ---------------------------------------------------------------------------
     global_batch = cfg.micro_batch_size * cfg.grad_accum * accelerator.num_processes
-    data = build_data(tokenizer, dataset=cfg.dataset, eval_dataset=cfg.eval_dataset, seq_len=cfg.seq_len,
-                      eval_blocks=cfg.eval_blocks, text_field=cfg.text_field, min_train_blocks=global_batch,
-                      max_train_blocks=cfg.max_train_blocks)
-    order = BlockOrder(data.train.shape[0], global_batch, cfg.seed)
+    # -- issue 18: prepared/mixed data, a token budget ----------------------------------------
+    if cfg.max_tokens:
+        cfg.max_steps = steps_for_tokens(cfg.max_tokens, global_batch, cfg.seq_len)
+    with accelerator.main_process_first():  # one process prepares, the others map the cache
+        data = build_data(tokenizer, dataset=cfg.dataset, datasets=cfg.datasets, eval_dataset=cfg.eval_dataset,
+                          seq_len=cfg.seq_len, eval_blocks=cfg.eval_blocks, text_field=cfg.text_field,
+                          min_train_blocks=global_batch, max_train_blocks=cfg.max_train_blocks,
+                          completion_only=cfg.completion_only, data_cache=cfg.data_cache, progress=main)
+    order = data.order(global_batch, cfg.seed)
+    # -- end issue 18 ------------------------------------------------------------------------
     heldout = {cfg.seq_len: data.eval}
     for length in cfg.eval_lengths():
         if length not in heldout:
@@ -409,11 +426,13 @@ def training_function(cfg: RetrofitConfig, accelerator: Accelerator) -> dict:
         sums: dict[str, float] = {}
         micro = order.micro_batches(data.train, step, accelerator.process_index, accelerator.num_processes,
                                     cfg.micro_batch_size)
-        for _, blocks in micro:
+        for index, blocks in micro:
             ids = blocks[:, :length].to(accelerator.device)
+            loss_mask = data.train.loss_mask(index)  # issue 18: completion-only chat targets (None: all)
             with accelerator.accumulate(distill_model):
                 with attention.use_window(window):
-                    output = distill_model(input_ids=ids)
+                    output = distill_model(input_ids=ids, loss_mask=None if loss_mask is None
+                                           else loss_mask[:, :length].to(accelerator.device))
                 loss = output.loss
                 accelerator.backward(loss)  # checkpoint recomputes get the window via step_window
                 if accelerator.sync_gradients and cfg.max_grad_norm > 0:

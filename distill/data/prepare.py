@@ -214,8 +214,6 @@ def prepare_source(spec: SourceSpec, tokenizer, settings: PackSettings, *, data_
     """The prepared folder of ``spec`` for this tokenizer and settings: opened if cached, else built."""
     if spec.streaming:
         raise DataError(f"{spec.source} is set to stream; streamed sources are read on the fly, not prepared")
-    import datasets
-
     fields = cache_key_fields(spec, tokenizer, settings)
     key = cache_key(fields)
     root = data_cache_root(data_cache)
@@ -230,6 +228,8 @@ def prepare_source(spec: SourceSpec, tokenizer, settings: PackSettings, *, data_
     tmp.mkdir()
     t0 = time.time()
     try:
+        import datasets
+
         records = _records(spec)
         cols = records.column_names
         chat = "messages" in cols
