@@ -158,9 +158,11 @@ class MixtureOrder:
         start, counts = self.draws_before(step), self.counts(step)
         source = np.repeat(np.arange(len(self.p)), counts)
         draw = np.concatenate([start[s] + np.arange(c) for s, c in enumerate(counts)])
-        # Slots are shuffled within the step so every rank's slice holds every source.
-        slot = np.random.default_rng([self.seed, step]).permutation(self.global_batch)
-        source, draw = source[slot], draw[slot]
+        if len(self.p) > 1:
+            # Slots are shuffled within the step so every rank's slice holds every source. (A stream is
+            # a single source and keeps stream order, so each process reads forward only.)
+            slot = np.random.default_rng([self.seed, step]).permutation(self.global_batch)
+            source, draw = source[slot], draw[slot]
         out = np.empty(self.global_batch, dtype=np.int64)
         for s in range(len(self.p)):
             sel = source == s

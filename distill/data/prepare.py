@@ -42,6 +42,7 @@ from distill.data.sources import (
 
 FORMAT = 1  # bump when the on-disk layout or packing changes: old caches stop matching
 _STALE_TMP_S = 24 * 3600
+_MIN_RECORDS_PER_PROC = 2000  # below this a worker's start-up (~1 s) costs more than it tokenizes
 
 
 def data_cache_root(data_cache: str | None = None) -> Path:
@@ -239,8 +240,7 @@ def prepare_source(spec: SourceSpec, tokenizer, settings: PackSettings, *, data_
             raise DataError(f"{spec.source} has no '{spec.text_field}' column (columns: {cols}); set text_field=")
         with_mask = chat and settings.completion_only
         nproc = num_proc or default_num_proc()
-        # Worker start-up costs about a second: small sources tokenize faster in this process.
-        nproc = max(1, min(nproc, len(records) // 2000))
+        nproc = max(1, min(nproc, len(records) // _MIN_RECORDS_PER_PROC))
         if not progress:
             datasets.disable_progress_bars()
         mapped = records.map(

@@ -212,8 +212,9 @@ def encode_chat(tokenizer, conversations: list[list[dict]], completion_only: boo
         return enc["input_ids"], None
     masks = []
     for (_, spans), offsets in zip(rendered, enc["offset_mapping"]):
-        # A token counts when it starts inside an assistant span.
-        masks.append([int(any(a <= s < b for a, b in spans)) for s, _ in offsets])
+        # A token counts when it overlaps an assistant span: a BPE token may carry the space before the
+        # reply (" the" after "assistant:"), and it is still the reply's first token.
+        masks.append([int(any(s < b and e > a for a, b in spans)) for s, e in offsets])
     return enc["input_ids"], masks
 
 
