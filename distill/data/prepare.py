@@ -243,11 +243,21 @@ def prepare_source(spec: SourceSpec, tokenizer, settings: PackSettings, *, data_
         nproc = max(1, min(nproc, len(records) // _MIN_RECORDS_PER_PROC))
         if not progress:
             datasets.disable_progress_bars()
-        mapped = records.map(
-            _tokenize_fn(tokenizer, spec, settings, chat), batched=True, batch_size=1000, with_indices=True,
-            num_proc=nproc if nproc > 1 else None, remove_columns=cols,
+        # Each worker is one core: the tokenizer's own thread pool on top would oversubscribe them.
+        parallelism = os.environ.get("TOKENIZERS_PARALLELISM")
+        if nproc > 1:
+            os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        try:
+            mapped = records.map(
+                _tokenize_fn(tokenizer, spec, settings, chat), batched=True, batch_size=1000, with_indices=True,
+                num_proc=nproc if nproc > 1 else None, remove_columns=cols,
             cache_file_name=str(tmp / "tokens.arrow"), desc=f"tokenize {spec.name} ({nproc} proc)",
-        )
+            )
+        finally:
+            if parallelism is None:
+                os.environ.pop("TOKENIZERS_PARALLELISM", None)
+            else:
+                os.environ["TOKENIZERS_PARALLELISM"] = parallelism
         dtype = token_dtype(len(tokenizer))
         writers = {"train": _Writer(tmp, "train", dtype, with_mask), "eval": _Writer(tmp, "eval", dtype, with_mask)}
         _pack(mapped, writers, with_mask)
