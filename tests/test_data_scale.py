@@ -14,7 +14,7 @@ import torch
 from distill import data as D
 from distill.data import prepare as P
 from distill.data.order import MixtureOrder, permute
-from distill.data.sources import DataError, SourceSpec, _heldout
+from distill.data.text import DataError, SourceSpec, _heldout
 from tests.tiny import tiny_model, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -256,7 +256,7 @@ def test_chat_mask_marks_assistant_tokens_only(tmp_path, tok):
     assert prep.meta["has_mask"] and prep.train_mask.shape == prep.train.shape
     # Reference: render one conversation and mark the characters of each assistant reply by hand.
     msgs = json.loads(Path(src).read_text().splitlines()[0])["messages"]
-    ids, masks = D.sources.encode_chat(tok, [msgs], True)
+    ids, masks = D.text.encode_chat(tok, [msgs], True)
     text = tok.apply_chat_template(msgs, tokenize=False)
     enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
     assert ids[0] == enc["input_ids"]
@@ -334,3 +334,23 @@ def test_streaming_reads_the_prepared_blocks_in_order_and_resumes(tmp_path, tok)
     assert torch.equal(got, prepared.train[torch.arange(18, 20)])
     with pytest.raises(DataError, match="cannot be mixed"):
         D.build_data(tok, datasets=[{"source": src, "streaming": True}, {"source": src}], seq_len=16, eval_blocks=1)
+
+
+# -- the prepare command -------------------------------------------------------------------------
+
+def test_prepare_command_reads_a_recipe_config_and_reports(tmp_path, capsys):
+    from distill.config import ConfigError
+    from distill.data.__main__ import main
+
+    a = _jsonl(tmp_path / "a.jsonl", _texts(200, 10))
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"teacher: tiny-random\nseq_len: 16\nkd_weight: 1.0\nmax_steps: 3\n"
+                   f"datasets:\n  - source: {a}\n    weight: 2\n")
+    main(["prepare", "--config", str(cfg), f"data_cache={tmp_path / 'c'}"])
+    out = capsys.readouterr().out
+    assert "a.jsonl" in out and "tokens in" in out and "blocks of 16" in out
+    row = next(line for line in out.splitlines() if line.startswith("a.jsonl"))
+    tokens, blocks, nbytes = (int(x.replace(",", "")) for x in row.split()[2:5])
+    assert tokens == blocks * 16 and nbytes > tokens * 2  # uint16 train blocks plus held-out blocks
+    with pytest.raises(ConfigError, match="unknown config key 'seqlen'"):
+        main(["prepare", "--config", str(cfg), "seqlen=8"])

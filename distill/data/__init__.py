@@ -22,10 +22,11 @@ packing, so no document straddles the split. Several sources mix by weight
     python -m distill.data prepare --config recipes/configs/NAME.yaml [key=value ...]
 """
 
+from distill.data import text
 from distill.data.corpus import Blocks, PackedData, SourceReport, build_data, eval_batches, steps_for_tokens
 from distill.data.order import BlockOrder, MixtureOrder, permute
 from distill.data.prepare import PackSettings, data_cache_root, open_prepared, prepare_source
-from distill.data.sources import (
+from distill.data.text import (
     BUILTIN,
     DataError,
     SourceSpec,
@@ -39,5 +40,5 @@ from distill.data.sources import (
 __all__ = [
     "BUILTIN", "BlockOrder", "Blocks", "DataError", "MixtureOrder", "PackSettings", "PackedData", "SourceReport",
     "SourceSpec", "build_data", "data_cache_root", "eval_batches", "open_prepared", "pack", "parse_sources",
-    "permute", "prepare_source", "stdlib_docs", "steps_for_tokens", "texts_from", "tokenizer_fingerprint",
+    "permute", "prepare_source", "stdlib_docs", "steps_for_tokens", "text", "texts_from", "tokenizer_fingerprint",
 ]

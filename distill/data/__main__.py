@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 
 from distill.config import ConfigError, build_config, field, load_yaml, run_cli
-from distill.data.sources import BUILTIN
+from distill.data.text import BUILTIN
 
 
 @dataclass

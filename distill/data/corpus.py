@@ -12,7 +12,7 @@ import torch
 
 from distill.data.order import MixtureOrder
 from distill.data.prepare import PackSettings, Prepared, open_prepared, prepare_source
-from distill.data.sources import BUILTIN, DataError, SourceSpec, parse_sources
+from distill.data.text import BUILTIN, DataError, SourceSpec, parse_sources
 
 
 class Blocks:

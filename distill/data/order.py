@@ -18,7 +18,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import torch
 
-from distill.data.sources import DataError
+from distill.data.text import DataError
 
 _M64 = (1 << 64) - 1
 _GOLDEN = 0.6180339887498949  # frac of the golden ratio: the most evenly spread Weyl sequence

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from distill.data.sources import (
+from distill.data.text import (
     BUILTIN,
     DataError,
     SourceSpec,

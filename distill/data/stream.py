@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from distill.data.prepare import PackSettings, _tokenize_fn
-from distill.data.sources import DataError, SourceSpec, _load_records
+from distill.data.text import DataError, SourceSpec, _load_records
 
 RESUME_NOTE = ("streamed data resumes by re-reading the stream up to the checkpoint's block; exact only if the "
                "source yields the same records in the same order (same files / same hub revision)")
@@ -153,6 +153,7 @@ def build_streaming(tokenizer, spec: SourceSpec, *, seq_len: int, eval_blocks: i
     """:class:`~distill.data.corpus.PackedData` over a stream: held-out blocks read now, training on demand."""
     from distill.data.corpus import PackedData, SourceReport
 
+    warnings.warn(RESUME_NOTE, stacklevel=3)
     settings = PackSettings(seq_len, eval_fraction, completion_only, "split")
     train = StreamBlocks(spec, tokenizer, settings)
     held, masks = [], []
