@@ -332,6 +332,10 @@ def test_streaming_reads_the_prepared_blocks_in_order_and_resumes(tmp_path, tok)
     fresh = D.build_data(tok, dataset=src, seq_len=16, eval_blocks=3, streaming=True)
     got = torch.cat([b for _, b in fresh.order(4, seed=0).micro_batches(fresh.train, 4, 1, 2, 1)])
     assert torch.equal(got, prepared.train[torch.arange(18, 20)])
+    held = _jsonl(tmp_path / "held.jsonl", _texts(50, 12))
+    with_held = D.build_data(tok, dataset=src, eval_dataset=held, seq_len=16, eval_blocks=3, streaming=True,
+                             data_cache=str(tmp_path / "c"), progress=False)
+    assert torch.equal(with_held.eval, D.pack(_texts(50, 12), tok, 16)[:3])
     with pytest.raises(DataError, match="cannot be mixed"):
         D.build_data(tok, datasets=[{"source": src, "streaming": True}, {"source": src}], seq_len=16, eval_blocks=1)
 

@@ -147,8 +147,17 @@ def build_data(tokenizer, *, dataset: str | None = BUILTIN, seq_len: int, eval_b
                             "all (python -m distill.data prepare)")
         from distill.data.stream import build_streaming
 
-        return build_streaming(tokenizer, specs[0], seq_len=seq_len, eval_blocks=eval_blocks,
-                               eval_fraction=eval_fraction, completion_only=completion_only)
+        data = build_streaming(tokenizer, specs[0], seq_len=seq_len, eval_blocks=eval_blocks,
+                               eval_fraction=eval_fraction, completion_only=completion_only,
+                               read_heldout=not eval_dataset)
+        if eval_dataset:  # a separate held-out set is prepared (it is small) and used whole
+            held = _open_or_prepare(parse_sources(None, eval_dataset, text_field=text_field)[0], tokenizer,
+                                    PackSettings(seq_len, eval_fraction, completion_only, "eval"), data_cache,
+                                    num_proc, progress)
+            data.eval = torch.from_numpy(np.asarray(held.eval[:eval_blocks], dtype=np.int64))
+            data.eval_mask = None if held.eval_mask is None else torch.from_numpy(
+                np.asarray(held.eval_mask[:eval_blocks]).astype(bool))
+        return data
     role = "train" if eval_dataset else "split"
     settings = PackSettings(seq_len, eval_fraction, completion_only, role)
     prepared: list[Prepared] = []

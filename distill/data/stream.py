@@ -149,19 +149,26 @@ class StreamBlocks:
 
 
 def build_streaming(tokenizer, spec: SourceSpec, *, seq_len: int, eval_blocks: int, eval_fraction: float,
-                    completion_only: bool):
-    """:class:`~distill.data.corpus.PackedData` over a stream: held-out blocks read now, training on demand."""
+                    completion_only: bool, read_heldout: bool = True):
+    """:class:`~distill.data.corpus.PackedData` over a stream: held-out blocks read now, training on demand.
+
+    ``read_heldout=False``: the caller brings its own held-out set; the stream's held-out documents
+    are still left out of training (the split does not depend on where the held-out set comes from).
+    """
     from distill.data.corpus import PackedData, SourceReport
 
     warnings.warn(RESUME_NOTE, stacklevel=3)
     settings = PackSettings(seq_len, eval_fraction, completion_only, "split")
     train = StreamBlocks(spec, tokenizer, settings)
     held, masks = [], []
-    for ids, mask in train.blocks("eval"):
+    for ids, mask in (train.blocks("eval") if read_heldout else []):
         held.append(ids)
         masks.append(mask)
         if len(held) == eval_blocks:
             break
+    if not read_heldout:
+        return PackedData(train=train, eval=torch.empty(0, seq_len, dtype=torch.long), weights=[spec.weight],
+                          sources=[SourceReport(spec.name, spec.weight, None, 0, None, None, 0.0)])
     if not held:
         raise DataError(f"stream {spec.source} leaves no held-out block of {seq_len} tokens; add data or set "
                         "eval_dataset=")
