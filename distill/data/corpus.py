@@ -6,12 +6,13 @@ import math
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from distill.data.order import MixtureOrder
-from distill.data.prepare import PackSettings, Prepared, open_prepared, prepare_source
+from distill.data.prepare import PackSettings, Prepared, cache_key_fields, open_prepared, prepare_source
 from distill.data.text import BUILTIN, DataError, SourceSpec, parse_sources
 
 
@@ -212,10 +213,6 @@ def build_data(tokenizer, *, dataset: str | None = BUILTIN, seq_len: int, eval_b
 
 def _open_or_prepare(spec: SourceSpec, tokenizer, settings: PackSettings, data_cache: str | None,
                      num_proc: int | None, progress: bool) -> Prepared:
-    from pathlib import Path
-
-    from distill.data.prepare import cache_key_fields
-
     if (Path(spec.source).expanduser() / "meta.json").exists():
         # A folder written by `python -m distill.data prepare`: use it only if it matches this run.
         fields = cache_key_fields(SourceSpec(BUILTIN), tokenizer, settings)

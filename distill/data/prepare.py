@@ -49,6 +49,7 @@ def data_cache_root(data_cache: str | None = None) -> Path:
     """``data_cache`` if given, else ``$HYBRID_DISTILL_CACHE/data`` (``~/.cache/hybrid_distill/data``)."""
     if data_cache:
         return Path(data_cache).expanduser()
+    # Imported here: a process that only maps prepared data need not import the model loader.
     from distill.pretrained import cache_root
 
     return cache_root() / "data"
