@@ -233,6 +233,7 @@ def prepare_source(spec: SourceSpec, tokenizer, settings: PackSettings, *, data_
         import datasets
 
         records = _records(spec)
+        t_load = time.time()
         cols = records.column_names
         chat = "messages" in cols
         if chat and getattr(tokenizer, "chat_template", None) is None:
@@ -259,6 +260,7 @@ def prepare_source(spec: SourceSpec, tokenizer, settings: PackSettings, *, data_
                 os.environ.pop("TOKENIZERS_PARALLELISM", None)
             else:
                 os.environ["TOKENIZERS_PARALLELISM"] = parallelism
+        t_tok = time.time()
         dtype = token_dtype(len(tokenizer))
         writers = {"train": _Writer(tmp, "train", dtype, with_mask), "eval": _Writer(tmp, "eval", dtype, with_mask)}
         _pack(mapped, writers, with_mask)
@@ -275,6 +277,7 @@ def prepare_source(spec: SourceSpec, tokenizer, settings: PackSettings, *, data_
             f.unlink()
         meta["bytes"] = sum(f.stat().st_size for f in tmp.glob("*.bin"))
         meta["seconds"] = time.time() - t0
+        meta["stage_seconds"] = {"load": t_load - t0, "tokenize": t_tok - t_load, "pack": time.time() - t_tok}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))  # written last: marks the folder complete
         try:
             os.rename(tmp, final)
