@@ -77,6 +77,10 @@ def rss_mb():
     for line in open('/proc/self/status'):
         if line.startswith('VmRSS'):
             return int(line.split()[1]) / 1024
+def cpu_s():
+    import resource
+    a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
 def hwm_mb():
     for line in open('/proc/self/status'):
         if line.startswith('VmHWM'):
@@ -97,26 +101,27 @@ from distill.data import texts_from, pack
 import datasets  # imported before the clock in both children: the clock measures the work
 tok = load_tokenizer({tokenizer!r})
 r0 = rss_mb()
-t = time.time()
+t, c = time.time(), cpu_s()
 blocks = pack(texts_from({str(corpus)!r}, tok), tok, {seq_len})
-print(json.dumps({{"seconds": time.time() - t, "tokens": blocks.numel(), "rss_mb": rss_mb(), "rss0_mb": r0,
-                  "hwm_mb": hwm_mb()}}))
+print(json.dumps({{"seconds": time.time() - t, "cpu_s": cpu_s() - c, "tokens": blocks.numel(), "rss_mb": rss_mb(),
+                  "rss0_mb": r0, "hwm_mb": hwm_mb()}}))
 """, env={"HF_DATASETS_CACHE": str(work / f"hfds-base-{time.time_ns()}"),
           "TOKENIZERS_PARALLELISM": "true" if threads else "false"})
 
 
 def prepare(corpus: Path, tokenizer: str, seq_len: int, cache: Path, num_proc: int, work: Path) -> dict:
-    return run_child(f"""
+    return run_child(_RSS + f"""
 import json, time
 from distill.pretrained import load_tokenizer
 from distill.data import SourceSpec, PackSettings, prepare_source
 import datasets
 tok = load_tokenizer({tokenizer!r})
-t = time.time()
+t, c = time.time(), cpu_s()
 p = prepare_source(SourceSpec({str(corpus)!r}), tok, PackSettings({seq_len}), data_cache={str(cache)!r},
                    num_proc={num_proc}, progress=False)
 m = p.meta
-print(json.dumps({{"seconds": time.time() - t, "tokens": m["train_blocks"] * {seq_len},
+print(json.dumps({{"seconds": time.time() - t, "cpu_s": cpu_s() - c, "tokens": m["train_blocks"] * {seq_len},
+                  "stages": m.get("stage_seconds"),
                   "raw_tokens": m["train_tokens"] + m["eval_tokens"], "bytes": m["bytes"],
                   "blocks": m["train_blocks"], "num_proc": m["num_proc"], "path": str(p.path)}}))
 """, env={"HF_DATASETS_CACHE": str(work / f"hfds-prep-{time.time_ns()}")})
@@ -212,6 +217,9 @@ def main() -> None:
          f"{raw / base_mt['seconds'] / 1e3:.0f}K tok/s (prepare is {base_mt['seconds'] / prep_small['seconds']:.2f}x)"),
         (f"prepare small, {prep_small['num_proc']} processes", f"{prep_small['seconds']:.1f} s",
          f"{raw / prep_small['seconds'] / 1e3:.0f}K tok/s  ({speedup:.2f}x, target >= 1.6x)"),
+        ("  CPU seconds: today / prepare", f"{base['cpu_s']:.0f} / {prep_small['cpu_s']:.0f}",
+         f"cores used: today {base['cpu_s'] / base['seconds']:.2f}, threads {base_mt['cpu_s'] / base_mt['seconds']:.2f}, "
+         f"prepare {prep_small['cpu_s'] / prep_small['seconds']:.2f}"),
         (f"prepare large, {prep_large['num_proc']} processes", f"{prep_large['seconds']:.1f} s",
          f"{prep_large['raw_tokens'] / prep_large['seconds'] / 1e3:.0f}K tok/s"),
         ("cached start small (build_data)", f"{start_small['start_s']:.2f} s",
@@ -226,6 +234,8 @@ def main() -> None:
         ("mixture over >= 10K blocks", f"{mix['max_abs_dev'] * 100:.2f} %",
          "got " + ", ".join(f"{g:.4f}" for g in mix["got"]) + " want " + ", ".join(f"{w:.2f}" for w in mix["want"])),
     ]
+    print("note: wall-clock ratios need idle cores; CPU time shows the work each path did. Linux groups a "
+          "session's processes (sched_autogroup), so on a busy shared machine extra processes get no extra share.")
     print(f"\ncorpora: small {raw / 1e6:.1f}M tokens, large {prep_large['raw_tokens'] / 1e6:.1f}M tokens "
           f"({args.tokenizer}, seq_len {args.seq_len}); {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}")
     w = max(len(r[0]) for r in rows)
@@ -234,7 +244,9 @@ def main() -> None:
     print(json.dumps({
         "small_tokens": raw, "large_tokens": prep_large["raw_tokens"], "num_proc": prep_small["num_proc"],
         "baseline_s": base["seconds"], "baseline_threads_s": base_mt["seconds"],
-        "speedup_vs_threaded_baseline": base_mt["seconds"] / prep_small["seconds"], "prepare_s": prep_small["seconds"], "prepare_speedup": speedup,
+        "speedup_vs_threaded_baseline": base_mt["seconds"] / prep_small["seconds"],
+        "baseline_cpu_s": base["cpu_s"], "prepare_cpu_s": prep_small["cpu_s"],
+        "prepare_cores_used": prep_small["cpu_s"] / prep_small["seconds"], "prepare_s": prep_small["seconds"], "prepare_speedup": speedup,
         "prepare_large_s": prep_large["seconds"], "prepare_large_bytes": prep_large["bytes"],
         "cached_start_small_s": start_small["start_s"], "cached_start_large_s": start_large["start_s"],
         "cached_start_small_with_imports_s": start_small["start_with_imports_s"],
