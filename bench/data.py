@@ -77,6 +77,12 @@ def rss_mb():
     for line in open('/proc/self/status'):
         if line.startswith('VmRSS'):
             return int(line.split()[1]) / 1024
+def rss_parts_mb():
+    out = {}
+    for line in open('/proc/self/status'):
+        if line.startswith(('RssAnon', 'RssFile')):
+            out[line.split(':')[0]] = int(line.split()[1]) / 1024
+    return out
 def cpu_s():
     import resource
     a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -144,6 +150,7 @@ for step in range({steps}):
     for index, blocks in order.micro_batches(data.train, step, 0, 1, 8):
         mask = data.train.loss_mask(index)
 print(json.dumps({{"start_s": start_s, "start_with_imports_s": start_total, "rss_mb": rss_mb(), "rss0_mb": r0,
+                  "anon_mb": rss_parts_mb()["RssAnon"], "file_mb": rss_parts_mb()["RssFile"],
                   "hwm_mb": hwm_mb(), "train_blocks": data.train.shape[0], "read_s": time.time() - t - start_s}}))
 """)
 
@@ -211,6 +218,7 @@ def main() -> None:
     raw = prep_small["raw_tokens"]
     speedup = base["seconds"] / prep_small["seconds"]
     growth = start_large["rss_mb"] - start_small["rss_mb"]
+    anon_growth = start_large["anon_mb"] - start_small["anon_mb"]
     rows = [
         ("prepare small, one process (today)", f"{base['seconds']:.1f} s", f"{raw / base['seconds'] / 1e3:.0f}K tok/s"),
         ("  same, tokenizer's own threads on", f"{base_mt['seconds']:.1f} s",
@@ -226,9 +234,11 @@ def main() -> None:
          f"{start_small['start_with_imports_s']:.1f} s with imports (target <= 5 s)"),
         ("cached start large (build_data)", f"{start_large['start_s']:.2f} s",
          f"{start_large['start_with_imports_s']:.1f} s with imports"),
-        ("training RSS small", f"{start_small['rss_mb']:.0f} MB", f"{start_small['train_blocks']:,} blocks"),
+        ("training RSS small", f"{start_small['rss_mb']:.0f} MB",
+         f"{start_small['train_blocks']:,} blocks; anon {start_small['anon_mb']:.0f} + file {start_small['file_mb']:.0f}"),
         ("training RSS large", f"{start_large['rss_mb']:.0f} MB",
-         f"{start_large['train_blocks']:,} blocks; growth {growth:+.1f} MB (target <= 100)"),
+         f"{start_large['train_blocks']:,} blocks; anon {start_large['anon_mb']:.0f} + file {start_large['file_mb']:.0f}; "
+         f"growth {growth:+.1f} MB (anon {anon_growth:+.1f}; target <= 100)"),
         ("today's path RSS small", f"{base['rss_mb']:.0f} MB", f"+{base['rss_mb'] - base['rss0_mb']:.0f} MB over "
          "the tokenizer-loaded process"),
         ("mixture over >= 10K blocks", f"{mix['max_abs_dev'] * 100:.2f} %",
@@ -252,6 +262,7 @@ def main() -> None:
         "cached_start_small_with_imports_s": start_small["start_with_imports_s"],
         "cached_start_large_with_imports_s": start_large["start_with_imports_s"],
         "rss_small_mb": start_small["rss_mb"], "rss_large_mb": start_large["rss_mb"], "rss_growth_mb": growth,
+        "rss_anon_growth_mb": anon_growth,
         "baseline_rss_small_mb": base["rss_mb"], "mixture_max_abs_dev": mix["max_abs_dev"],
         "mixture_blocks": mix["blocks"], "mixture_epochs": mix["epochs"], "load_avg": os.getloadavg()[0],
     }))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import shutil
 import time
@@ -111,7 +112,13 @@ def _open_split(path: Path, name: str, meta: dict, dtype: np.dtype) -> np.ndarra
                         f"damaged: delete {path} and prepare again")
     if n == 0:
         return np.zeros((0, seq), dtype=dtype)
-    return np.memmap(f, dtype=dtype, mode="r", shape=(n, seq))
+    arr = np.memmap(f, dtype=dtype, mode="r", shape=(n, seq))
+    raw = getattr(arr, "_mmap", None)
+    if raw is not None and hasattr(mmap, "MADV_RANDOM"):
+        # Training reads single blocks in shuffled order: read-ahead and fault-around would map (and
+        # count in RSS) neighbouring blocks this process never uses.
+        raw.madvise(mmap.MADV_RANDOM)
+    return arr
 
 
 def open_prepared(path: str | Path, expect: dict | None = None) -> Prepared:
