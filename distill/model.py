@@ -269,7 +269,8 @@ class DistillModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None,
-                teacher_topk: tuple[torch.Tensor, torch.Tensor] | None = None) -> DistillOutput:
+                teacher_topk: tuple[torch.Tensor, torch.Tensor] | None = None,
+                loss_mask: torch.Tensor | None = None) -> DistillOutput:
         """One teacher–student step.
 
         Args:
@@ -280,6 +281,10 @@ class DistillModel(nn.Module):
                 tokens of chat records). Defaults to ``input_ids`` with padding ignored.
             teacher_topk: cached teacher ``([batch, seq, k] token ids, [batch, seq, k] log-probs)``
                 at each position, for ``cached_teacher`` models.
+            loss_mask: ``[batch, seq]`` bool, True where the token is a training target (completion-only
+                chat data: the assistant's tokens). KD, CE, focal and hidden terms count only at the
+                positions that predict a target; the other tokens stay in the input as context. The
+                attention-map term keeps every real token (its keys are the context).
         """
         cfg = self.loss_config
         if labels is None:
@@ -289,7 +294,13 @@ class DistillModel(nn.Module):
         valid = target != -100
         if attention_mask is not None:
             valid = valid & attention_mask[:, :-1].bool()
+        if loss_mask is not None:
+            valid = valid & loss_mask[:, 1:].bool()
         token_mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        # Hidden states count where their next token is a target (as for KD); attention maps keep every
+        # real token, since their keys are the context.
+        hidden_mask = token_mask if loss_mask is None else token_mask & torch.cat(
+            [valid, valid.new_zeros(valid.shape[0], 1)], dim=1)
         zero = next(self.student.parameters()).new_zeros(())
 
         if self._student_taps is not None:
@@ -300,7 +311,7 @@ class DistillModel(nn.Module):
         ce, focal = self._ce_focal(h_s, target, valid, skip_ce=fused is not None)
         if fused_ce is not None:
             ce = fused_ce
-        hidden = self._hidden_term(token_mask) if self.hidden_pairs else zero
+        hidden = self._hidden_term(hidden_mask) if self.hidden_pairs else zero
         attn = self._attn_term(token_mask) if self.attn_pairs else zero
         for taps in (self._student_taps, getattr(self, "_teacher_taps", None)):
             if taps is not None:

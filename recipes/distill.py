@@ -26,7 +26,7 @@ from accelerate.logging import get_logger
 from accelerate.utils import set_seed
 
 from core.config import ConfigError, check_fields, field, run_cli
-from distill.data import BUILTIN, BlockOrder, build_data
+from distill.data import BUILTIN, build_data, parse_sources, steps_for_tokens
 from distill.distributed import is_zero3, prepare_teacher
 from distill.model import HIDDEN_KINDS, KD_KINDS, DistillModel, LossConfig
 from distill.sources import load_pair
@@ -70,6 +70,14 @@ class DistillConfig:
     seq_len: int = field(256, ge=2, help="tokens per packed training block")
     max_train_blocks: int | None = field(None, ge=1, help="use only the first N packed training blocks")
     eval_blocks: int = field(16, ge=1, help="held-out blocks used for perplexity/agreement")
+    datasets: list | None = field(None, help="weighted mixture, overrides dataset: [{source: PATH_OR_NAME, "
+                                  "weight: 0.7, text_field: text}, ...]; prepared once into data_cache")
+    completion_only: bool = field(True, help="chat records: KD/CE/hidden terms only on assistant tokens")
+    streaming: bool = field(False, help="read one hub/local source on the fly instead of preparing it "
+                            "(resume re-reads the stream up to the step; see distill/data/stream.py)")
+    data_cache: str | None = field(None, help="prepared-data folder; default $HYBRID_DISTILL_CACHE/data")
+    max_tokens: int | None = field(None, ge=1, help="train on this many tokens (sets max_steps from the global "
+                                   "batch)")
     # loop
     max_steps: int = field(24, ge=1, help="optimizer steps")
     micro_batch_size: int = field(4, ge=1, help="blocks per forward on each process")
@@ -128,6 +136,8 @@ class DistillConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)  # every field's range/choices, declared above (core.config.field)
+        if self.datasets:  # sources and weights checked before any model loads
+            parse_sources(self.datasets)
         if self.resume is not None and self.overwrite:
             raise ConfigError("resume= and overwrite=true contradict each other; pick one")
         if self.teacher_cache and (self.hidden_weight > 0 or self.attn_weight > 0):
@@ -169,10 +179,15 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: 
 
     # ---- data ---------------------------------------------------------------------------
     global_batch = cfg.micro_batch_size * cfg.grad_accum * accelerator.num_processes
-    data = build_data(tokenizer, dataset=cfg.dataset, eval_dataset=cfg.eval_dataset, seq_len=cfg.seq_len,
-                      eval_blocks=cfg.eval_blocks, text_field=cfg.text_field, min_train_blocks=global_batch,
-                      max_train_blocks=cfg.max_train_blocks)
-    order = BlockOrder(data.train.shape[0], global_batch, cfg.seed)
+    if cfg.max_tokens:  # a token budget sets the step count
+        cfg.max_steps = steps_for_tokens(cfg.max_tokens, global_batch, cfg.seq_len)
+    with accelerator.main_process_first():  # one process prepares, the others map the cache
+        data = build_data(tokenizer, dataset=cfg.dataset, datasets=cfg.datasets, eval_dataset=cfg.eval_dataset,
+                          seq_len=cfg.seq_len, eval_blocks=cfg.eval_blocks, text_field=cfg.text_field,
+                          min_train_blocks=global_batch, max_train_blocks=cfg.max_train_blocks,
+                          completion_only=cfg.completion_only, streaming=cfg.streaming, data_cache=cfg.data_cache,
+                          progress=main)
+    order = data.order(global_batch, cfg.seed)
 
     # ---- teacher–student module, optimizer, schedule -------------------------------------
     loss_cfg = cfg.losses()
@@ -206,7 +221,9 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: 
     def forward(micro):
         index, blocks = micro
         topk = cache.lookup(index, accelerator.device) if cache is not None else None
-        return model(input_ids=blocks.to(accelerator.device), teacher_topk=topk)
+        loss_mask = data.train.loss_mask(index)  # completion-only chat targets (None: every token)
+        return model(input_ids=blocks.to(accelerator.device), teacher_topk=topk,
+                     loss_mask=None if loss_mask is None else loss_mask.to(accelerator.device))
 
     def write_student_files(folder: Path) -> None:  # what export needs to rebuild the student
         unwrapped.student.config.save_pretrained(folder / "student")
@@ -241,6 +258,7 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: 
                 if main else None)
     del full_state
     summary = build_summary(cfg, accelerator, run, tokens_per_step=global_batch * cfg.seq_len)
+    summary["data"] = data.summary(order, cfg.max_steps)  # per source: weight, blocks, epochs
     run.write_records(summary, title=f"{cfg.teacher} → student ({Path(cfg.output_dir).name})")
     return summary
 
@@ -302,6 +320,9 @@ def print_summary(summary: dict, out: Path) -> None:
     print(f"agreement      top-1 with teacher {f(summary['top1_agreement'])} "
           f"(init {f(summary['top1_agreement_init'])})")
     print(f"throughput     {summary['tokens_per_s']:.0f} tokens/s over {summary['steps']} steps")
+    for name, d in summary.get("data", {}).items():
+        print(f"data           {name}: weight {d['weight']:g}, {d['train_blocks']} blocks, "
+              f"{'streamed' if d['epochs'] is None else format(d['epochs'], '.2f') + ' epochs'}")
     if "gate" in summary:
         print(f"release gate   {summary['gate']['verdict']}   ({summary['gate']['report']})")
     print("=" * 72)

@@ -45,7 +45,7 @@ from attention.spec import HybridAttentionConfig
 from core.config import ConfigError, check_fields, field, run_cli
 from core.models import ModelSourceError, load_causal_lm, load_tokenizer
 from core.tiny import TINY, tiny_teacher, tiny_teacher_tokenizer
-from distill.data import BUILTIN, BlockOrder, build_data
+from distill.data import BUILTIN, build_data, parse_sources, steps_for_tokens
 from distill.model import KD_KINDS, DistillModel, LossConfig
 from distill.training import (
     PRECISIONS,
@@ -102,6 +102,12 @@ class RetrofitConfig:
     seq_len: int = field(2048, ge=2, help="tokens per packed training block")
     max_train_blocks: int | None = field(None, ge=1, help="use only the first N packed training blocks")
     eval_blocks: int = field(3, ge=1, help="held-out blocks per evaluated length")
+    datasets: list | None = field(None, help="weighted mixture, overrides dataset: [{source: PATH_OR_NAME, "
+                                  "weight: 0.7, text_field: text}, ...]; prepared once into data_cache")
+    completion_only: bool = field(True, help="chat records: KD/CE terms only on assistant tokens")
+    data_cache: str | None = field(None, help="prepared-data folder; default $HYBRID_DISTILL_CACHE/data")
+    max_tokens: int | None = field(None, ge=1, help="train on this many tokens (sets max_steps from the global "
+                                   "batch)")
     eval_seq_lens: list[int] = field(default_factory=lambda: [4096], help="extra held-out lengths evaluated at start and end "
                                      "(e.g. [4096]); seq_len is always evaluated", ge=2)
     # loop
@@ -146,6 +152,8 @@ class RetrofitConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)  # every field's range/choices, declared above (core.config.field)
+        if self.datasets:  # sources and weights checked before any model loads
+            parse_sources(self.datasets)
         if self.resume is not None and self.overwrite:
             raise ConfigError("resume= and overwrite=true contradict each other; pick one")
         self.spec()  # validates the attention keys
@@ -266,8 +274,9 @@ def training_window(spec: HybridAttentionConfig, seq_len: int, seed: int, step: 
 
 def heldout_blocks(cfg: RetrofitConfig, tokenizer, length: int) -> torch.Tensor:
     """``[n, length]`` held-out blocks (the same documents at every length, packed differently)."""
-    data = build_data(tokenizer, dataset=cfg.dataset, eval_dataset=cfg.eval_dataset, seq_len=length,
-                      eval_blocks=cfg.eval_blocks, text_field=cfg.text_field, min_train_blocks=0)
+    data = build_data(tokenizer, dataset=cfg.dataset, datasets=cfg.datasets, eval_dataset=cfg.eval_dataset,
+                      seq_len=length, eval_blocks=cfg.eval_blocks, text_field=cfg.text_field, min_train_blocks=0,
+                      completion_only=cfg.completion_only, data_cache=cfg.data_cache)
     return data.eval
 
 
@@ -301,10 +310,14 @@ def training_function(cfg: RetrofitConfig, accelerator: Accelerator) -> dict:
 
     # ---- data ---------------------------------------------------------------------------
     global_batch = cfg.micro_batch_size * cfg.grad_accum * accelerator.num_processes
-    data = build_data(tokenizer, dataset=cfg.dataset, eval_dataset=cfg.eval_dataset, seq_len=cfg.seq_len,
-                      eval_blocks=cfg.eval_blocks, text_field=cfg.text_field, min_train_blocks=global_batch,
-                      max_train_blocks=cfg.max_train_blocks)
-    order = BlockOrder(data.train.shape[0], global_batch, cfg.seed)
+    if cfg.max_tokens:  # a token budget sets the step count
+        cfg.max_steps = steps_for_tokens(cfg.max_tokens, global_batch, cfg.seq_len)
+    with accelerator.main_process_first():  # one process prepares, the others map the cache
+        data = build_data(tokenizer, dataset=cfg.dataset, datasets=cfg.datasets, eval_dataset=cfg.eval_dataset,
+                          seq_len=cfg.seq_len, eval_blocks=cfg.eval_blocks, text_field=cfg.text_field,
+                          min_train_blocks=global_batch, max_train_blocks=cfg.max_train_blocks,
+                          completion_only=cfg.completion_only, data_cache=cfg.data_cache, progress=main)
+    order = data.order(global_batch, cfg.seed)
     heldout = {cfg.seq_len: data.eval}
     for length in cfg.eval_lengths():
         if length not in heldout:
@@ -332,9 +345,11 @@ def training_function(cfg: RetrofitConfig, accelerator: Accelerator) -> dict:
     dense_ppl = state.init["dense"][str(cfg.seq_len)]
 
     def forward(micro):
-        _, blocks = micro
+        index, blocks = micro
+        loss_mask = data.train.loss_mask(index)  # completion-only chat targets (None: every token)
         with attention.use_window(window):  # checkpoint recomputes get the window via step_window
-            return distill_model(input_ids=blocks[:, :length].to(accelerator.device))
+            return distill_model(input_ids=blocks[:, :length].to(accelerator.device),
+                                 loss_mask=None if loss_mask is None else loss_mask[:, :length].to(accelerator.device))
 
     def write_model_files(folder: Path) -> None:  # what export needs to rebuild the model
         model.config.save_pretrained(folder / "student")

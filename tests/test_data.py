@@ -53,7 +53,7 @@ def test_local_jsonl_text_and_chat(tmp_path, tok):
     c = tmp_path / "chat.jsonl"
     c.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
                                           {"role": "assistant", "content": "hello"}]}) + "\n")
-    assert texts_from(str(c), tok) == ["<s>user: hi</s><s>assistant: hello</s>"]
+    assert texts_from(str(c), tok) == ["<s>user\nhi</s>\n<s>assistant\nhello</s>\n"]
     with pytest.raises(DataError, match="no 'body' column"):
         texts_from(str(p), tok, text_field="body")
 

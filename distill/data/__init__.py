@@ -1,0 +1,44 @@
+"""Training data: sources, prepare-once memory-mapped blocks, mixtures, and a resumable order.
+
+The built-in corpus is the docstrings of the Python standard library installed with the
+interpreter that runs the recipe. Why this one: it is real English prose written by people
+(explanations, caveats, examples), it is present on every machine that can run the toolkit so it
+needs no download, its licence (PSF) allows the use, and it is large enough (about 1 MB of text,
+~250K SmolLM2 tokens) for a demo. Held-out text comes from different *files* than training text
+(a stable hash of the file's path decides), so evaluation never sees a training docstring.
+
+User data goes through ``datasets``: local ``.jsonl`` / ``.json`` / ``.txt`` / ``.parquet`` files or
+directories, or a hub name when online. Records with a ``messages`` list (chat format) are
+rendered with the tokenizer's chat template; with ``completion_only`` (the default) only assistant
+tokens are training targets and the prompt is context (``Blocks.loss_mask``).
+
+Documents are tokenized with every core (``datasets.map(num_proc=...)``), joined with EOS, and
+packed into fixed ``[seq_len]`` blocks stored as uint16/uint32 in memory-mapped files under the
+data cache (:mod:`distill.data.prepare`); no padding, so every micro-batch holds the same number of
+tokens and gradient accumulation is exact. Held-out documents are chosen per document, before
+packing, so no document straddles the split. Several sources mix by weight
+(:class:`~distill.data.order.MixtureOrder`), the order a pure function of ``(seed, step)``.
+
+    python -m distill.data prepare --config recipes/configs/NAME.yaml [key=value ...]
+"""
+
+from distill.data import text
+from distill.data.corpus import Blocks, PackedData, SourceReport, build_data, eval_batches, steps_for_tokens
+from distill.data.order import BlockOrder, MixtureOrder, permute
+from distill.data.prepare import PackSettings, data_cache_root, open_prepared, prepare_source
+from distill.data.text import (
+    BUILTIN,
+    DataError,
+    SourceSpec,
+    pack,
+    parse_sources,
+    stdlib_docs,
+    texts_from,
+    tokenizer_fingerprint,
+)
+
+__all__ = [
+    "BUILTIN", "BlockOrder", "Blocks", "DataError", "MixtureOrder", "PackSettings", "PackedData", "SourceReport",
+    "SourceSpec", "build_data", "data_cache_root", "eval_batches", "open_prepared", "pack", "parse_sources",
+    "permute", "prepare_source", "stdlib_docs", "steps_for_tokens", "text", "texts_from", "tokenizer_fingerprint",
+]

@@ -1,0 +1,314 @@
+"""Prepare once, map forever: tokenize a source with every core and pack it into memory-mapped blocks.
+
+A prepared source is a folder ``<cache>/data/<name>-<key>/`` holding
+
+* ``train.bin`` / ``eval.bin``: ``[blocks, seq_len]`` token ids, uint16 when the vocabulary fits,
+  else uint32, read back with ``numpy.memmap`` (a process touches only the pages of blocks it reads);
+* ``train.mask.bin`` / ``eval.mask.bin`` (chat sources with ``completion_only``): uint8, 1 where the
+  token is an assistant token, i.e. a training target;
+* ``meta.json``: the key fields, counts, sizes and timing.
+
+The key hashes the source's identity (file paths, sizes, mtimes; or the hub name), the tokenizer's
+full serialization, ``seq_len`` and the packing settings, so another tokenizer or length never
+matches an old cache. The folder is built under a temporary name and renamed only when complete:
+an interrupted prepare leaves a ``.tmp-*`` folder that no run reads (and the next prepare removes
+once it is stale).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from core.corpus import heldout
+from distill.data.text import (
+    BUILTIN,
+    DataError,
+    SourceSpec,
+    _load_records,
+    encode_chat,
+    source_identity,
+    stdlib_docs,
+    tokenizer_fingerprint,
+)
+
+FORMAT = 1  # bump when the on-disk layout or packing changes: old caches stop matching
+_STALE_TMP_S = 24 * 3600
+_MIN_RECORDS_PER_PROC = 2000  # below this a worker's start-up (~1 s) costs more than it tokenizes
+
+
+def data_cache_root(data_cache: str | None = None) -> Path:
+    """``data_cache`` if given, else ``$HYBRID_DISTILL_CACHE/data`` (``~/.cache/hybrid_distill/data``)."""
+    if data_cache:
+        return Path(data_cache).expanduser()
+    # Imported here: a process that only maps prepared data need not import the model loader.
+    from core.models import cache_root
+
+    return cache_root() / "data"
+
+
+def default_num_proc() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+@dataclass(frozen=True)
+class PackSettings:
+    """What decides the packed blocks besides the source and tokenizer."""
+
+    seq_len: int
+    eval_fraction: float = 0.05
+    completion_only: bool = True
+    role: str = "split"  # split: held-out documents by hash | train: all train | eval: all held out
+
+    def as_dict(self) -> dict:
+        return {"seq_len": self.seq_len, "eval_fraction": self.eval_fraction,
+                "completion_only": self.completion_only, "role": self.role, "format": FORMAT}
+
+
+def cache_key_fields(spec: SourceSpec, tokenizer, settings: PackSettings) -> dict:
+    return {"source": source_identity(spec.source, spec.split), "text_field": spec.text_field,
+            "tokenizer": tokenizer_fingerprint(tokenizer), **settings.as_dict()}
+
+
+def cache_key(fields: dict) -> str:
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _slug(spec: SourceSpec) -> str:
+    keep = "".join(c if c.isalnum() or c in "-_." else "-" for c in spec.name)
+    return keep.strip("-.")[:40] or "data"
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
+
+
+@dataclass
+class Prepared:
+    """A prepared source opened read-only: memory maps, never copies."""
+
+    path: Path
+    meta: dict
+    train: np.ndarray  # [train_blocks, seq_len] memmap
+    eval: np.ndarray  # [eval_blocks, seq_len] memmap
+    train_mask: np.ndarray | None  # [train_blocks, seq_len] uint8 memmap
+    eval_mask: np.ndarray | None
+
+
+def _open_split(path: Path, name: str, meta: dict, dtype: np.dtype) -> np.ndarray:
+    n, seq = meta[f"{name}_blocks"], meta["seq_len"]
+    f = path / f"{name}.bin"
+    if f.stat().st_size != n * seq * dtype.itemsize:
+        raise DataError(f"{f} has {f.stat().st_size} bytes, expected {n * seq * dtype.itemsize}; the cache is "
+                        f"damaged: delete {path} and prepare again")
+    if n == 0:
+        return np.zeros((0, seq), dtype=dtype)
+    arr = np.memmap(f, dtype=dtype, mode="r", shape=(n, seq))
+    raw = getattr(arr, "_mmap", None)
+    if raw is not None and hasattr(mmap, "MADV_RANDOM"):
+        # Training reads single blocks in shuffled order: read-ahead and fault-around would map (and
+        # count in RSS) neighbouring blocks this process never uses.
+        raw.madvise(mmap.MADV_RANDOM)
+    return arr
+
+
+def open_prepared(path: str | Path, expect: dict | None = None) -> Prepared:
+    """Open a prepared folder; ``expect`` (key fields of this run) must match what it was built with."""
+    path = Path(path)
+    meta_file = path / "meta.json"
+    if not meta_file.exists():
+        raise DataError(f"{path} is not a prepared data folder (no meta.json); run python -m distill.data prepare")
+    meta = json.loads(meta_file.read_text())
+    if expect is not None:
+        built = meta["key_fields"]
+        for name in ("tokenizer", "seq_len", "completion_only", "eval_fraction", "role", "format"):
+            if built.get(name) != expect.get(name):
+                raise DataError(f"{path} was prepared with {name}={built.get(name)} but this run uses "
+                                f"{name}={expect.get(name)}; prepare it again with this run's config "
+                                "(python -m distill.data prepare --config ...) or point at the matching folder")
+    dtype = np.dtype(meta["dtype"])
+    train, held = _open_split(path, "train", meta, dtype), _open_split(path, "eval", meta, dtype)
+    tm = em = None
+    if meta["has_mask"]:
+        tm = _open_split(path, "train.mask", {**meta, "train.mask_blocks": meta["train_blocks"]}, np.dtype(np.uint8))
+        em = _open_split(path, "eval.mask", {**meta, "eval.mask_blocks": meta["eval_blocks"]}, np.dtype(np.uint8))
+    return Prepared(path, meta, train, held, tm, em)
+
+
+# --------------------------------------------------------------------------------------------
+# Tokenization (runs in datasets.map workers)
+# --------------------------------------------------------------------------------------------
+
+def _tokenize_fn(tokenizer, spec: SourceSpec, settings: PackSettings, chat: bool) -> Callable:
+    eos = tokenizer.eos_token_id
+    text_field = spec.text_field
+
+    def fn(batch: dict, indices: list[int]) -> dict:
+        if chat:
+            ids, masks = encode_chat(tokenizer, batch["messages"], settings.completion_only)
+            keys = [f"{i}:{json.dumps(m)[:64]}" for i, m in zip(indices, batch["messages"])]
+        else:
+            texts = [t if isinstance(t, str) and t.strip() else "" for t in batch[text_field]]
+            ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+            masks = None
+            keys = [f"{i}:{t[:64]}" for i, t in zip(indices, texts)]
+            ids = [x if t else [] for x, t in zip(ids, texts)]  # empty records are dropped
+        out_ids, out_mask = [], []
+        for j, x in enumerate(ids):
+            if not x:
+                out_ids.append([])
+                out_mask.append([])
+                continue
+            out_ids.append(x + ([eos] if eos is not None else []))
+            if masks is not None:
+                # The joining EOS is no target for chat: the template already ends each turn.
+                out_mask.append(masks[j] + ([0] if eos is not None else []))
+        if settings.role == "split":
+            held = batch["heldout"] if "heldout" in batch else [heldout(k, settings.eval_fraction) for k in keys]
+        else:
+            held = [settings.role == "eval"] * len(ids)
+        out = {"ids": out_ids, "heldout": held}
+        if masks is not None:
+            out["mask"] = out_mask
+        return out
+
+    return fn
+
+
+def _records(spec: SourceSpec):
+    """The source's records as a ``datasets.Dataset`` (Arrow on disk for files)."""
+    import datasets
+
+    if spec.source == BUILTIN:
+        train, held = stdlib_docs("train"), stdlib_docs("eval")
+        return datasets.Dataset.from_dict({"text": train + held, "heldout": [False] * len(train) + [True] * len(held)})
+    return _load_records(spec.source, spec.split)
+
+
+class _Writer:
+    """Appends packed tokens (and masks) to ``NAME.bin`` files; the tail short of a block is dropped at close."""
+
+    def __init__(self, folder: Path, name: str, dtype: np.dtype, with_mask: bool):
+        self.f = open(folder / f"{name}.bin", "wb")
+        self.m = open(folder / f"{name}.mask.bin", "wb") if with_mask else None
+        self.dtype, self.tokens, self.docs = dtype, 0, 0
+
+    def add(self, ids: np.ndarray, mask: np.ndarray | None, docs: int) -> None:
+        self.f.write(ids.astype(self.dtype, copy=False).tobytes())
+        if self.m is not None:
+            self.m.write(mask.astype(np.uint8, copy=False).tobytes())
+        self.tokens += len(ids)
+        self.docs += docs
+
+    def close(self, seq_len: int) -> int:
+        blocks = self.tokens // seq_len
+        for fh, size in ((self.f, self.dtype.itemsize), (self.m, 1)):
+            if fh is not None:
+                fh.truncate(blocks * seq_len * size)
+                fh.close()
+        return blocks
+
+
+def prepare_source(spec: SourceSpec, tokenizer, settings: PackSettings, *, data_cache: str | None = None,
+                   num_proc: int | None = None, progress: bool = True) -> Prepared:
+    """The prepared folder of ``spec`` for this tokenizer and settings: opened if cached, else built."""
+    if spec.streaming:
+        raise DataError(f"{spec.source} is set to stream; streamed sources are read on the fly, not prepared")
+    fields = cache_key_fields(spec, tokenizer, settings)
+    key = cache_key(fields)
+    root = data_cache_root(data_cache)
+    final = root / f"{_slug(spec)}-{key}"
+    if (final / "meta.json").exists():
+        return open_prepared(final, fields)
+    root.mkdir(parents=True, exist_ok=True)
+    for old in root.glob(".tmp-*"):  # leftovers of killed prepares (not a live one: those are recent)
+        if time.time() - old.stat().st_mtime > _STALE_TMP_S:
+            shutil.rmtree(old, ignore_errors=True)
+    tmp = root / f".tmp-{_slug(spec)}-{key}-{os.getpid()}-{time.time_ns()}"
+    tmp.mkdir()
+    t0 = time.time()
+    try:
+        import datasets
+
+        records = _records(spec)
+        t_load = time.time()
+        cols = records.column_names
+        chat = "messages" in cols
+        if chat and getattr(tokenizer, "chat_template", None) is None:
+            raise DataError(f"{spec.source} is in chat format but the tokenizer has no chat template; use text records")
+        if not chat and spec.text_field not in cols:
+            raise DataError(f"{spec.source} has no '{spec.text_field}' column (columns: {cols}); set text_field=")
+        with_mask = chat and settings.completion_only
+        nproc = num_proc or default_num_proc()
+        nproc = max(1, min(nproc, len(records) // _MIN_RECORDS_PER_PROC))
+        if not progress:
+            datasets.disable_progress_bars()
+        # Each worker is one core: the tokenizer's own thread pool on top would oversubscribe them.
+        parallelism = os.environ.get("TOKENIZERS_PARALLELISM")
+        if nproc > 1:
+            os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        try:
+            mapped = records.map(
+                _tokenize_fn(tokenizer, spec, settings, chat), batched=True, batch_size=1000, with_indices=True,
+                num_proc=nproc if nproc > 1 else None, remove_columns=cols,
+            cache_file_name=str(tmp / "tokens.arrow"), desc=f"tokenize {spec.name} ({nproc} proc)",
+            )
+        finally:
+            if parallelism is None:
+                os.environ.pop("TOKENIZERS_PARALLELISM", None)
+            else:
+                os.environ["TOKENIZERS_PARALLELISM"] = parallelism
+        t_tok = time.time()
+        dtype = token_dtype(len(tokenizer))
+        writers = {"train": _Writer(tmp, "train", dtype, with_mask), "eval": _Writer(tmp, "eval", dtype, with_mask)}
+        _pack(mapped, writers, with_mask)
+        meta = {"key": key, "key_fields": fields, "source": spec.source, "dtype": dtype.name,
+                "seq_len": settings.seq_len, "has_mask": with_mask, "chat": chat, "num_proc": nproc}
+        for name, w in writers.items():
+            meta[f"{name}_blocks"] = w.close(settings.seq_len)
+            meta[f"{name}_tokens"] = w.tokens
+            meta[f"{name}_docs"] = w.docs
+        del mapped
+        for f in tmp.glob("tokens*.arrow"):
+            f.unlink()
+        for f in tmp.glob("cache-*.arrow"):
+            f.unlink()
+        meta["bytes"] = sum(f.stat().st_size for f in tmp.glob("*.bin"))
+        meta["seconds"] = time.time() - t0
+        meta["stage_seconds"] = {"load": t_load - t0, "tokenize": t_tok - t_load, "pack": time.time() - t_tok}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))  # written last: marks the folder complete
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another process finished the same key first: theirs is equally good
+            if not (final / "meta.json").exists():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return open_prepared(final, fields)
+
+
+def _pack(mapped, writers: dict, with_mask: bool) -> None:
+    """Stream the tokenized table in Arrow batches into the split writers, in document order."""
+    import pyarrow.compute as pc
+
+    for batch in mapped.with_format("arrow").iter(batch_size=10_000):
+        held = batch.column("heldout").to_numpy(zero_copy_only=False)
+        for name, sel in (("train", ~held), ("eval", held)):
+            if not sel.any():
+                continue
+            part = batch.filter(sel)
+            ids = pc.list_flatten(part.column("ids")).to_numpy()
+            mask = pc.list_flatten(part.column("mask")).to_numpy() if with_mask else None
+            docs = int(pc.sum(pc.greater(pc.list_value_length(part.column("ids")), 0)).as_py() or 0)
+            writers[name].add(ids, mask, docs)

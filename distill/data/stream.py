@@ -1,0 +1,178 @@
+"""Streaming: one source too large to prepare, tokenized and packed on the fly (``streaming: true``).
+
+Records come from ``datasets.load_dataset(..., streaming=True)`` (a hub name, or local files when
+testing), are split into train / held-out per document by the same stable hash as prepared data,
+tokenized in this process, joined with EOS and cut into blocks. Block ``k`` of the stream is the
+k-th training block in stream order; the order gives step ``t`` blocks ``t·B .. t·B + B - 1``
+(no shuffle: shuffle upstream, e.g. a shuffled hub dataset), each process its contiguous slice.
+
+Resume position: the block number ``step · global_batch``; it is all a checkpoint needs (the step).
+On resume each process re-reads the stream from its start and skips to that block, which costs
+time proportional to the position (reading and tokenizing, no training).
+
+What resume can and cannot guarantee: it replays exactly the blocks of the uninterrupted run when
+the source yields the same records in the same order (the same local files, or a hub dataset at the
+same revision with the same shards). If the upstream data changed, resume still starts at the same
+block *number*, but those blocks may hold other text. When the stream runs out it starts over
+(epochs are not counted: the length of a stream is unknown until it ends).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from distill.data.prepare import PackSettings, _tokenize_fn
+from distill.data.text import DataError, SourceSpec, _load_records
+
+RESUME_NOTE = ("streamed data resumes by re-reading the stream up to the checkpoint's block; exact only if the "
+               "source yields the same records in the same order (same files / same hub revision)")
+
+
+class _Packer:
+    """Joins tokenized documents and cuts ``[seq_len]`` blocks (with masks), in stream order."""
+
+    def __init__(self, seq_len: int, with_mask: bool):
+        self.seq_len, self.with_mask = seq_len, with_mask
+        self.ids: list[np.ndarray] = []
+        self.mask: list[np.ndarray] = []
+        self.n = 0
+
+    def add(self, ids: list[int], mask: list[int] | None) -> Iterator[tuple[np.ndarray, np.ndarray | None]]:
+        self.ids.append(np.asarray(ids, dtype=np.int64))
+        if self.with_mask:
+            self.mask.append(np.asarray(mask, dtype=bool))
+        self.n += len(ids)
+        if self.n < self.seq_len:
+            return
+        flat = np.concatenate(self.ids)
+        fm = np.concatenate(self.mask) if self.with_mask else None
+        cut = self.n - self.n % self.seq_len
+        for a in range(0, cut, self.seq_len):
+            yield flat[a: a + self.seq_len], (fm[a: a + self.seq_len] if fm is not None else None)
+        self.ids = [flat[cut:]]
+        self.mask = [fm[cut:]] if fm is not None else []
+        self.n -= cut
+
+
+class StreamBlocks:
+    """Training blocks of a streamed source, read in order; ``blocks[index]`` wants increasing indices."""
+
+    streaming = True
+
+    def __init__(self, spec: SourceSpec, tokenizer, settings: PackSettings):
+        self.spec, self.tokenizer, self.settings = spec, tokenizer, settings
+        self.seq_len = settings.seq_len
+        self.sizes = [None]
+        self._it: Iterator | None = None
+        self._pos = 0  # block number the iterator yields next
+        self._last: tuple[np.ndarray, np.ndarray | None] | None = None
+        self.restarts = 0
+
+    @property
+    def shape(self) -> tuple[None, int]:
+        return None, self.seq_len
+
+    def blocks(self, split: str) -> Iterator[tuple[np.ndarray, np.ndarray | None]]:
+        """Every ``split`` ('train' / 'eval') block of one pass over the stream."""
+        records = _load_records(self.spec.source, self.spec.split, streaming=True)
+        batch: list[dict] = []
+        index = 0
+        packer: _Packer | None = None
+        fn = None
+        for rec in records:
+            batch.append(rec)
+            if len(batch) == 256:
+                fn, packer = self._setup(batch, fn, packer)
+                yield from self._emit(fn, packer, batch, index, split)
+                index += len(batch)
+                batch = []
+        if batch:
+            fn, packer = self._setup(batch, fn, packer)
+            yield from self._emit(fn, packer, batch, index, split)
+
+    def _setup(self, batch, fn, packer):
+        if fn is None:
+            chat = "messages" in batch[0]
+            if not chat and self.spec.text_field not in batch[0]:
+                raise DataError(f"{self.spec.source} has no '{self.spec.text_field}' column (columns: "
+                                f"{sorted(batch[0])}); set text_field=")
+            if chat and getattr(self.tokenizer, "chat_template", None) is None:
+                raise DataError(f"{self.spec.source} is in chat format but the tokenizer has no chat template")
+            fn = _tokenize_fn(self.tokenizer, self.spec, self.settings, chat)
+            packer = _Packer(self.seq_len, chat and self.settings.completion_only)
+        return fn, packer
+
+    @staticmethod
+    def _emit(fn, packer: _Packer, batch: list[dict], index: int, split: str):
+        cols = {k: [r.get(k) for r in batch] for k in batch[0]}
+        out = fn(cols, list(range(index, index + len(batch))))
+        for j, ids in enumerate(out["ids"]):
+            if ids and bool(out["heldout"][j]) == (split == "eval"):
+                yield from packer.add(ids, out["mask"][j] if "mask" in out else None)
+
+    def _read(self, k: int) -> tuple[np.ndarray, np.ndarray | None]:
+        if self._last is not None and k == self._pos - 1:
+            return self._last
+        if self._it is None or k < self._pos:
+            if self._it is not None:
+                warnings.warn(f"stream rewound to block {k}: re-reading from the start", stacklevel=3)
+            self._it, self._pos = self.blocks("train"), 0
+        while True:
+            try:
+                block = next(self._it)
+            except StopIteration:  # a new pass over the stream continues the numbering
+                if self._pos == 0:
+                    raise DataError(f"stream {self.spec.source} gives no training block of {self.seq_len} tokens; "
+                                    "add data or lower seq_len") from None
+                self.restarts += 1
+                self._it = self.blocks("train")
+                continue
+            self._pos += 1
+            if self._pos - 1 == k:
+                self._last = block
+                return block
+
+    def __getitem__(self, index) -> torch.Tensor:
+        ks = np.asarray(index, dtype=np.int64).reshape(-1)
+        return torch.from_numpy(np.stack([self._read(int(k))[0] for k in ks]))
+
+    def loss_mask(self, index) -> torch.Tensor | None:
+        ks = np.asarray(index, dtype=np.int64).reshape(-1)
+        rows = [self._read(int(k))[1] for k in ks]
+        if all(r is None for r in rows):
+            return None
+        return torch.from_numpy(np.stack(rows))
+
+
+def build_streaming(tokenizer, spec: SourceSpec, *, seq_len: int, eval_blocks: int, eval_fraction: float,
+                    completion_only: bool, read_heldout: bool = True):
+    """:class:`~distill.data.corpus.PackedData` over a stream: held-out blocks read now, training on demand.
+
+    ``read_heldout=False``: the caller brings its own held-out set; the stream's held-out documents
+    are still left out of training (the split does not depend on where the held-out set comes from).
+    """
+    from distill.data.corpus import PackedData, SourceReport
+
+    warnings.warn(RESUME_NOTE, stacklevel=3)
+    settings = PackSettings(seq_len, eval_fraction, completion_only, "split")
+    train = StreamBlocks(spec, tokenizer, settings)
+    held, masks = [], []
+    for ids, mask in (train.blocks("eval") if read_heldout else []):
+        held.append(ids)
+        masks.append(mask)
+        if len(held) == eval_blocks:
+            break
+    if not read_heldout:
+        return PackedData(train=train, eval=torch.empty(0, seq_len, dtype=torch.long), weights=[spec.weight],
+                          sources=[SourceReport(spec.name, spec.weight, None, 0, None, None, 0.0)])
+    if not held:
+        raise DataError(f"stream {spec.source} leaves no held-out block of {seq_len} tokens; add data or set "
+                        "eval_dataset=")
+    eval_mask = torch.from_numpy(np.stack(masks)) if masks[0] is not None else None
+    report = SourceReport(spec.name, spec.weight, None, len(held), None, None, 0.0)
+    return PackedData(train=train, eval=torch.from_numpy(np.stack(held)), eval_mask=eval_mask,
+                      weights=[spec.weight], sources=[report])

@@ -1,0 +1,209 @@
+"""Where training text comes from: the built-in offline corpus, user datasets, chat rendering.
+
+The built-in corpus is the docstrings of the Python standard library installed with the
+interpreter that runs the recipe. Why this one: it is real English prose written by people
+(explanations, caveats, examples), it is present on every machine that can run the toolkit so it
+needs no download, its licence (PSF) allows the use, and it is large enough (about 1 MB of text,
+~250K SmolLM2 tokens) for a demo. Held-out text comes from different *files* than training text
+(a stable hash of the file's path decides), so evaluation never sees a training docstring.
+
+User data goes through ``datasets``: local ``.jsonl`` / ``.json`` / ``.txt`` / ``.parquet`` files or
+directories, or a hub name when online. Records with a ``messages`` list (chat format) are
+rendered with the tokenizer's chat template; otherwise ``text_field`` is read.
+
+Documents are tokenized, joined with EOS, and packed into fixed ``[seq_len]`` blocks: no padding,
+so every micro-batch holds the same number of tokens and gradient accumulation is exact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from core.config import ConfigError
+from core.corpus import BUILTIN, stdlib_docs  # noqa: F401 - re-exported
+
+
+class DataError(ConfigError):
+    """A dataset problem; the message names the fix."""
+
+
+_KINDS = {".jsonl": "json", ".json": "json", ".txt": "text", ".parquet": "parquet"}
+
+
+def local_files(source: str) -> tuple[str, list[Path]] | None:
+    """``(datasets builder, files)`` of a local source, or None for a hub name."""
+    path = Path(source).expanduser()
+    if path.exists():
+        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+        suffixes = {p.suffix for p in files}
+        usable = [p for p in files if p.suffix in _KINDS]
+        if not usable:
+            raise DataError(f"{source} holds no .jsonl/.json/.txt/.parquet files (found {sorted(suffixes)})")
+        kind = _KINDS[usable[0].suffix]
+        if any(_KINDS[p.suffix] != kind for p in usable):
+            raise DataError(f"{source} mixes file types; keep one of jsonl/txt/parquet per dataset")
+        return kind, usable
+    if source.startswith((".", "/", "~")) or source.endswith((".jsonl", ".json", ".txt", ".parquet")):
+        raise DataError(f"dataset {source} does not exist; check the path")
+    return None
+
+
+def _load_records(source: str, split: str | None, streaming: bool = False):
+    import datasets
+
+    local = local_files(source)
+    if local is not None:
+        kind, files = local
+        return datasets.load_dataset(kind, data_files=[str(p) for p in files], split="train", streaming=streaming)
+    try:
+        return datasets.load_dataset(source, split=split or "train", streaming=streaming)
+    except Exception as err:  # noqa: BLE001 - report any hub failure in one line
+        raise DataError(f"cannot load dataset '{source}' ({type(err).__name__}); use a local file when offline") from None
+
+
+def source_identity(source: str, split: str | None) -> dict:
+    """What names a source's content for the cache key: files with sizes and times, or a hub name."""
+    if source == BUILTIN:
+        return {"builtin": source, "python": sys.version.split()[0], "stdlib": sysconfig.get_paths()["stdlib"]}
+    local = local_files(source)
+    if local is None:
+        # No revision is known offline: a hub dataset that changes upstream keeps its cache until it is
+        # cleared (the summary prints the cache folder).
+        return {"hub": source, "split": split or "train"}
+    _, files = local
+    return {"files": [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files]}
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A hash of everything that decides token ids: vocabulary, merges, normalizers, chat template, EOS."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    h = hashlib.sha256()
+    h.update(backend.to_str().encode() if backend is not None
+             else json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    h.update(f"|{type(tokenizer).__name__}|{tokenizer.eos_token_id}|{getattr(tokenizer, 'chat_template', None)}"
+             .encode())
+    return h.hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """One entry of ``datasets:``: where the text is, its mixture weight, how to read it."""
+
+    source: str
+    weight: float = 1.0
+    text_field: str = "text"
+    split: str | None = None
+    streaming: bool = False
+
+    @property
+    def name(self) -> str:
+        return Path(self.source).name if os.sep in self.source else self.source
+
+
+_SPEC_KEYS = {"source", "weight", "text_field", "split", "streaming"}
+
+
+def parse_sources(datasets: list | None, dataset: str | None = None, *, text_field: str = "text",
+                  streaming: bool = False) -> list[SourceSpec]:
+    """``datasets:`` entries (a string, or a mapping with source/weight/text_field/split/streaming) as specs.
+
+    The single ``dataset:`` key is the one-entry mixture ``[{source: dataset, weight: 1}]``.
+    """
+    if not datasets:
+        if not dataset:
+            raise DataError("no training data: set dataset= or datasets=[{source: ..., weight: ...}]")
+        return [SourceSpec(dataset, 1.0, text_field, None, streaming)]
+    specs = []
+    for entry in datasets:
+        if isinstance(entry, str):
+            entry = {"source": entry}
+        if not isinstance(entry, dict) or "source" not in entry:
+            raise DataError(f"datasets entry {entry!r} needs a source; write {{source: PATH_OR_NAME, weight: 1.0}}")
+        unknown = set(entry) - _SPEC_KEYS
+        if unknown:
+            raise DataError(f"datasets entry {entry['source']!r} has unknown keys {sorted(unknown)}; "
+                            f"use {sorted(_SPEC_KEYS)}")
+        try:
+            weight = float(entry.get("weight", 1.0))
+        except (TypeError, ValueError):
+            raise DataError(f"weight of {entry['source']!r} must be a number, got {entry.get('weight')!r}") from None
+        if not weight > 0:
+            raise DataError(f"weight of {entry['source']!r} is {weight}; weights must be > 0 (remove the source "
+                            "to leave it out)")
+        specs.append(SourceSpec(str(entry["source"]), weight, str(entry.get("text_field", text_field)),
+                                entry.get("split"), bool(entry.get("streaming", streaming))))
+    return specs
+
+
+def _assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the character spans of each assistant turn.
+
+    A turn's span runs from the end of the prompt rendered with ``add_generation_prompt`` to the end
+    of the conversation rendered through that turn, so it includes the template's end-of-turn marker
+    (the student must learn to stop) but not the role header.
+    """
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    spans = []
+    for i, m in enumerate(messages):
+        if m.get("role") != "assistant":
+            continue
+        prompt = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
+        through = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        if not (text.startswith(through) and through.startswith(prompt)):
+            raise DataError("the tokenizer's chat template does not render conversations prefix by prefix, so "
+                            "assistant turns cannot be located; set completion_only=false")
+        spans.append((len(prompt), len(through)))
+    return text, spans
+
+
+def encode_chat(tokenizer, conversations: list[list[dict]], completion_only: bool
+                ) -> tuple[list[list[int]], list[list[int]] | None]:
+    """Token ids of rendered conversations and, with ``completion_only``, a 0/1 mask per token (1 = assistant)."""
+    rendered = [_assistant_spans(tokenizer, c) if completion_only else
+                (tokenizer.apply_chat_template(c, tokenize=False), []) for c in conversations]
+    enc = tokenizer([t for t, _ in rendered], add_special_tokens=False, return_offsets_mapping=completion_only)
+    if not completion_only:
+        return enc["input_ids"], None
+    masks = []
+    for (_, spans), offsets in zip(rendered, enc["offset_mapping"]):
+        # A token counts when it overlaps an assistant span: a BPE token may carry the space before the
+        # reply (" the" after "assistant:"), and it is still the reply's first token.
+        masks.append([int(any(s < b and e > a for a, b in spans)) for s, e in offsets])
+    return enc["input_ids"], masks
+
+
+def texts_from(source: str, tokenizer, *, text_field: str = "text", split: str | None = None) -> list[str]:
+    """Documents of a dataset as strings (chat records rendered with the chat template)."""
+    records = _load_records(source, split)
+    cols = records.column_names
+    if "messages" in cols:
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise DataError(f"{source} is in chat format but the tokenizer has no chat template; use text records")
+        return [tokenizer.apply_chat_template(r["messages"], tokenize=False) for r in records]
+    if text_field not in cols:
+        raise DataError(f"{source} has no '{text_field}' column (columns: {cols}); set text_field=")
+    return [t for t in records[text_field] if isinstance(t, str) and t.strip()]
+
+
+def pack(texts: list[str], tokenizer, seq_len: int) -> torch.Tensor:
+    """Tokenize, join with EOS, and cut into ``[num_blocks, seq_len]`` (the remainder is dropped)."""
+    eos = tokenizer.eos_token_id
+    ids: list[int] = []
+    if not texts:
+        return torch.empty(0, seq_len, dtype=torch.long)
+    for enc in tokenizer(texts, add_special_tokens=False)["input_ids"]:
+        ids.extend(enc)
+        if eos is not None:
+            ids.append(eos)
+    n = len(ids) // seq_len
+    if n == 0:
+        return torch.empty(0, seq_len, dtype=torch.long)
+    return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)

@@ -1,0 +1,371 @@
+"""Prepared, memory-mapped, mixed, resumable and streamed data (distill.data, issue 18)."""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from core.corpus import heldout as _heldout
+from core.tiny import tiny_model, tiny_tokenizer
+from distill import data as D
+from distill.data import prepare as P
+from distill.data.order import MixtureOrder, permute
+from distill.data.text import DataError, SourceSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = "the quick brown fox jumps over the lazy dog distill teacher héllo wörld café naïve".split()
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+def _texts(n: int, seed: int) -> list[str]:
+    rng = np.random.default_rng(seed)
+    return [" ".join(rng.choice(WORDS, size=int(rng.integers(5, 60)))) for _ in range(n)]
+
+
+def _jsonl(path: Path, texts: list[str]) -> str:
+    path.write_text("\n".join(json.dumps({"text": t}) for t in texts) + "\n")
+    return str(path)
+
+
+def _chat(path: Path, n: int) -> str:
+    rows = []
+    for i in range(n):
+        rows.append({"messages": [{"role": "user", "content": f"the fox {i} over"},
+                                  {"role": "assistant", "content": "the lazy dog " * (1 + i % 3)},
+                                  {"role": "user", "content": "distill"},
+                                  {"role": "assistant", "content": "café naïve"}]})
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return str(path)
+
+
+def _reference_pack(texts: list[str], tok, seq_len: int, fraction: float):
+    """The pre-issue-18 path: hash-split documents, then data.pack in one process."""
+    held = [_heldout(f"{i}:{t[:64]}", fraction) for i, t in enumerate(texts)]
+    return (D.pack([t for t, h in zip(texts, held) if not h], tok, seq_len),
+            D.pack([t for t, h in zip(texts, held) if h], tok, seq_len))
+
+
+# -- prepare ---------------------------------------------------------------------------------
+
+def test_prepared_blocks_equal_the_in_memory_reference_and_are_compact(tmp_path, tok):
+    texts = _texts(400, 0)
+    src = _jsonl(tmp_path / "a.jsonl", texts)
+    prep = P.prepare_source(SourceSpec(src), tok, P.PackSettings(16, eval_fraction=0.2),
+                            data_cache=str(tmp_path / "c"), progress=False)
+    train, held = _reference_pack(texts, tok, 16, 0.2)
+    assert isinstance(prep.train, np.memmap) and prep.train.dtype == np.uint16  # vocab 320 fits in 16 bits
+    assert np.array_equal(np.asarray(prep.train, dtype=np.int64), train.numpy())
+    assert np.array_equal(np.asarray(prep.eval, dtype=np.int64), held.numpy())
+    assert (prep.path / "train.bin").stat().st_size == train.numel() * 2
+    assert prep.meta["train_blocks"] == train.shape[0] and prep.meta["bytes"] > 0
+    assert P.token_dtype(70_000) == np.uint32
+
+
+def test_multiprocess_prepare_equals_single_process(tmp_path, tok, monkeypatch):
+    src = _jsonl(tmp_path / "a.jsonl", _texts(300, 1))
+    monkeypatch.setattr(P, "_MIN_RECORDS_PER_PROC", 10)
+    one = P.prepare_source(SourceSpec(src), tok, P.PackSettings(16), data_cache=str(tmp_path / "c1"), num_proc=1,
+                           progress=False)
+    two = P.prepare_source(SourceSpec(src), tok, P.PackSettings(16), data_cache=str(tmp_path / "c2"), num_proc=2,
+                           progress=False)
+    assert two.meta["num_proc"] == 2
+    assert np.array_equal(one.train, two.train) and np.array_equal(one.eval, two.eval)
+
+
+def test_cache_is_reused_and_invalidated_by_source_tokenizer_and_seq_len(tmp_path, tok, monkeypatch):
+    src = _jsonl(tmp_path / "a.jsonl", _texts(200, 2))
+    cache = str(tmp_path / "c")
+    first = P.prepare_source(SourceSpec(src), tok, P.PackSettings(16), data_cache=cache, progress=False)
+
+    def boom(_spec):
+        raise AssertionError("a cached source was tokenized again")
+
+    monkeypatch.setattr(P, "_records", boom)
+    again = P.prepare_source(SourceSpec(src), tok, P.PackSettings(16), data_cache=cache, progress=False)
+    assert again.path == first.path
+    monkeypatch.undo()
+
+    paths = {first.path}
+    paths.add(P.prepare_source(SourceSpec(src), tok, P.PackSettings(32), data_cache=cache, progress=False).path)
+    other = tiny_tokenizer()
+    other.add_tokens(["distill"])  # another vocabulary
+    paths.add(P.prepare_source(SourceSpec(src), other, P.PackSettings(16), data_cache=cache, progress=False).path)
+    _jsonl(tmp_path / "a.jsonl", _texts(201, 2))  # the source changed
+    paths.add(P.prepare_source(SourceSpec(src), tok, P.PackSettings(16), data_cache=cache, progress=False).path)
+    assert len(paths) == 4
+
+    # A prepared folder passed as a source is opened only if it matches this run.
+    data = D.build_data(tok, dataset=str(first.path), seq_len=16, eval_blocks=2, data_cache=cache)
+    assert data.train.shape[1] == 16
+    with pytest.raises(DataError, match="prepared with seq_len=16 but this run uses seq_len=32; prepare it again"):
+        D.build_data(tok, dataset=str(first.path), seq_len=32, eval_blocks=2, data_cache=cache)
+    with pytest.raises(DataError, match="prepared with tokenizer=.* prepare it again"):
+        D.build_data(other, dataset=str(first.path), seq_len=16, eval_blocks=2, data_cache=cache)
+
+
+def test_interrupted_prepare_leaves_nothing_a_later_run_trusts(tmp_path, tok, monkeypatch):
+    src = _jsonl(tmp_path / "a.jsonl", _texts(200, 3))
+    cache = tmp_path / "c"
+
+    def killed(*_a, **_k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(P, "_pack", killed)
+    with pytest.raises(KeyboardInterrupt):
+        P.prepare_source(SourceSpec(src), tok, P.PackSettings(16), data_cache=str(cache), progress=False)
+    assert list(cache.iterdir()) == []
+    monkeypatch.undo()
+    # A torn file in a complete-looking folder is refused, not read.
+    prep = P.prepare_source(SourceSpec(src), tok, P.PackSettings(16), data_cache=str(cache), progress=False)
+    with open(prep.path / "train.bin", "r+b") as f:
+        f.truncate(10)
+    with pytest.raises(DataError, match="damaged: delete"):
+        P.open_prepared(prep.path)
+
+
+# -- mixtures and order ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 64, 1000, 4097])
+def test_permute_is_a_keyed_bijection(n):
+    a = permute(np.arange(n), n, key=5)
+    assert sorted(a.tolist()) == list(range(n))
+    if n > 8:
+        assert not np.array_equal(a, permute(np.arange(n), n, key=6))
+        assert not np.array_equal(a, np.arange(n))
+
+
+def test_mixture_proportions_epochs_and_sharding():
+    sizes, weights, batch = [5000, 700, 60], [0.6, 0.3, 0.1], 32
+    order = MixtureOrder(sizes, weights, batch, seed=7)
+    steps = 10_016 // batch  # >= 10K blocks
+    idx = np.concatenate([order.step_indices(t).numpy() for t in range(steps)])
+    src = order.source_of(idx)
+    frac = np.bincount(src, minlength=3) / idx.size
+    assert np.all(np.abs(frac - np.array(weights)) < 0.01), frac
+    # Stratified: after every step the running count is within a few blocks of n·p (slots are shuffled
+    # inside a step, so mid-step it may differ by up to a step's share).
+    running = np.cumsum(np.eye(3, dtype=int)[src], axis=0)[batch - 1::batch]
+    expect = np.arange(1, steps + 1)[:, None] * batch * np.array(weights)
+    assert np.abs(running - expect).max() <= 2
+    assert np.array_equal(order.draws_before(steps), np.bincount(src, minlength=3))
+    # Each source is drawn epoch by epoch: every block recurs equally often (±1), ~17 passes over the
+    # small source, ~1.2 over the big one.
+    for s, n in enumerate(sizes):
+        counts = np.bincount(idx[src == s] - order.offsets[s], minlength=n)
+        assert counts.size == n and counts.max() - counts.min() <= 1
+    assert order.epochs(steps)[2] > 16 and 1 < order.epochs(steps)[0] < 1.3
+    # Ranks split each step without overlap or loss.
+    blocks = torch.arange(sum(sizes)).unsqueeze(1)
+    got = [i for r in range(4) for i, _ in order.micro_batches(blocks, 5, r, 4, 4)]
+    assert sorted(torch.cat(got).tolist()) == sorted(order.step_indices(5).tolist())
+
+
+def test_resume_after_a_kill_reads_the_same_blocks(tmp_path, tok):
+    """A process killed mid-run, and a fresh one started at its step, read exactly the uninterrupted blocks."""
+    a = _jsonl(tmp_path / "a.jsonl", _texts(300, 4))
+    b = _jsonl(tmp_path / "b.jsonl", _texts(80, 5))
+    cache = str(tmp_path / "c")
+    mixture = [{"source": a, "weight": 3}, {"source": b, "weight": 1}]
+    data = D.build_data(tok, datasets=mixture, seq_len=16, eval_blocks=4, data_cache=cache, progress=False)
+    paths = [r.path for r in data.sources]
+    # The training process of a resumed run: maps the prepared folders, builds the order, reads its steps.
+    script = f"""
+import os, sys, json, hashlib
+sys.path.insert(0, {str(ROOT)!r})
+from distill.data import Blocks, MixtureOrder, open_prepared
+parts = [open_prepared(p) for p in {paths!r}]
+blocks = Blocks([p.train for p in parts], [p.train_mask for p in parts], 16)
+order = MixtureOrder(blocks.sizes, [3, 1], 6, seed=11)
+start, kill = int(sys.argv[1]), int(sys.argv[2])
+with open(sys.argv[3], 'a') as f:
+    for step in range(start, 12):
+        for rank in range(2):
+            for index, b in order.micro_batches(blocks, step, rank, 2, 3):
+                f.write(json.dumps([step, rank, index.tolist(), hashlib.sha1(b.numpy().tobytes()).hexdigest()]) + '\\n')
+        f.flush()
+        if step + 1 == kill:
+            os._exit(137)
+"""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    resumed = tmp_path / "resumed.jsonl"
+    for args, code in ((["0", "5"], 137), (["5", "0"], 0)):
+        r = subprocess.run([sys.executable, "-c", script, *args, str(resumed)], env=env, capture_output=True, text=True)
+        assert r.returncode == code, r.stderr[-2000:]
+    # The uninterrupted run, in this process through build_data's own order.
+    order = data.order(6, seed=11)
+    full = []
+    for step in range(12):
+        for rank in range(2):
+            for index, b in order.micro_batches(data.train, step, rank, 2, 3):
+                full.append([step, rank, index.tolist(), hashlib.sha1(b.numpy().tobytes()).hexdigest()])
+    assert [json.loads(line) for line in resumed.read_text().splitlines()] == full
+
+
+# -- build_data: mixtures, budget, bad input ---------------------------------------------------
+
+def test_mixture_build_reports_sources_and_splits_heldout_by_weight(tmp_path, tok):
+    a = _jsonl(tmp_path / "a.jsonl", _texts(300, 6))
+    b = _jsonl(tmp_path / "b.jsonl", _texts(300, 7))
+    data = D.build_data(tok, datasets=[{"source": a, "weight": 0.75}, {"source": b, "weight": 0.25}], seq_len=16,
+                        eval_blocks=8, data_cache=str(tmp_path / "c"), progress=False)
+    assert [r.eval_blocks for r in data.sources] == [6, 2] and data.eval.shape == (8, 16)
+    ref_a, _ = _reference_pack(_texts(300, 6), tok, 16, 0.05)
+    assert torch.equal(data.train[torch.arange(5)], ref_a[:5])
+    n_a = ref_a.shape[0]
+    assert data.train.sizes[0] == n_a and data.train.shape[0] == n_a + data.train.sizes[1]
+    order = data.order(8, seed=0)
+    rows = data.summary(order, 100)
+    assert rows["a.jsonl"]["weight"] == 0.75
+    assert rows["a.jsonl"]["epochs"] == pytest.approx(600 / n_a, rel=0.02)
+    assert D.steps_for_tokens(10_000, 8, 16) == 79  # ceil(10000 / 128)
+
+
+def test_bad_input_gives_one_line_errors_that_name_the_fix(tmp_path, tok):
+    a = _jsonl(tmp_path / "a.jsonl", _texts(30, 8))
+    cache = str(tmp_path / "c")
+    cases = [
+        (dict(datasets=[{"source": str(tmp_path / "missing.jsonl")}]), "does not exist; check the path"),
+        (dict(datasets=[{"source": a, "weight": 0}]), r"weights must be > 0 \(remove the source"),
+        (dict(datasets=[{"source": a, "weight": -1}]), "weights must be > 0"),
+        (dict(datasets=[{"source": a, "wieght": 1}]), "unknown keys"),
+        (dict(dataset=a, min_train_blocks=10_000), "add data, lower seq_len, or lower max_steps/batch size"),
+    ]
+    for kw, msg in cases:
+        with pytest.raises(DataError, match=msg) as err:
+            D.build_data(tok, seq_len=16, eval_blocks=1, data_cache=cache, progress=False, **kw)
+        assert "\n" not in str(err.value)
+    with pytest.raises(DataError, match="cannot fill one global batch of 64; add data or lower"):
+        MixtureOrder([30, 20], [1, 1], 64, 0)
+
+
+# -- completion-only chat ------------------------------------------------------------------------
+
+def test_chat_mask_marks_assistant_tokens_only(tmp_path, tok):
+    src = _chat(tmp_path / "chat.jsonl", 60)
+    prep = P.prepare_source(SourceSpec(src), tok, P.PackSettings(32, eval_fraction=0.0), data_cache=str(tmp_path / "c"),
+                            progress=False)
+    assert prep.meta["has_mask"] and prep.train_mask.shape == prep.train.shape
+    # Reference: render one conversation and mark the characters of each assistant reply by hand.
+    msgs = json.loads(Path(src).read_text().splitlines()[0])["messages"]
+    ids, masks = D.text.encode_chat(tok, [msgs], True)
+    text = tok.apply_chat_template(msgs, tokenize=False)
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    assert ids[0] == enc["input_ids"]
+    target = "".join(tok.decode([t]) for t, m in zip(ids[0], masks[0]) if m)
+    # Each reply, its end-of-turn token and the template's newline after it (core.tiny.CHAT_TEMPLATE).
+    assert target == "the lazy dog </s>\ncafé naïve</s>\n"
+    flat_ids = np.asarray(prep.train).reshape(-1)
+    flat_mask = np.asarray(prep.train_mask).reshape(-1)
+    n = len(ids[0])
+    assert flat_ids[:n].tolist() == ids[0] and flat_mask[:n].tolist() == masks[0]
+    assert flat_mask[n] == 0  # the joining EOS is context, not a target
+    off = P.prepare_source(SourceSpec(src), tok, P.PackSettings(32, eval_fraction=0.0, completion_only=False),
+                           data_cache=str(tmp_path / "c"), progress=False)
+    assert off.train_mask is None and np.array_equal(off.train, prep.train)
+
+
+def test_completion_only_mask_reaches_every_loss_term(tmp_path, tok):
+    from distill import losses
+    from distill.losses import normalized_mse
+    from distill.model import DistillModel, LossConfig
+
+    def loss_config(**kw) -> LossConfig:  # LossConfig has no defaults of its own
+        base = dict(kd_weight=1.0, kd_kind="forward_kl", temperature=1.0, beta=0.5, kd_chunk_size=None, ce_weight=0.0,
+                    focal_weight=0.0, focal_alpha=0.25, focal_gamma=2.0, hidden_weight=0.0, hidden_layers=[],
+                    hidden_kind="nmse", attn_weight=0.0, attn_layers=[], attn_num_queries=64)
+        return LossConfig(**(base | kw))
+
+    src = _chat(tmp_path / "chat.jsonl", 40)
+    data = D.build_data(tok, dataset=src, seq_len=32, eval_blocks=1, data_cache=str(tmp_path / "c"), progress=False)
+    index = torch.arange(4)
+    ids, mask = data.train[index], data.train.loss_mask(index)
+    assert mask is not None and 0 < mask.float().mean() < 1
+    student, teacher = tiny_model(seed=0, vocab=len(tok)), tiny_model(seed=1, layers=3, vocab=len(tok))
+    cfg = loss_config(kd_weight=1.0, ce_weight=0.5, hidden_weight=0.3, hidden_layers=["0:1"], kd_chunk_size=None,
+                      temperature=1.0)
+    model = DistillModel(student, teacher, cfg)
+    out = model(input_ids=ids, loss_mask=mask)
+    out.loss.backward()
+    grads = [p.grad.clone() for p in student.parameters()]
+
+    # Naive reference: full logits, terms restricted by hand to positions that predict an assistant token.
+    student.zero_grad()
+    valid = mask[:, 1:]
+    s_out = student(input_ids=ids, output_hidden_states=True)
+    with torch.no_grad():
+        t_out = teacher(input_ids=ids, output_hidden_states=True)
+    kd = losses.kd_loss(s_out.logits[:, :-1], t_out.logits[:, :-1], valid)
+    ce = losses.ce_loss(s_out.logits[:, :-1], ids[:, 1:].masked_fill(~valid, -100))
+    pos = torch.cat([valid, torch.zeros(4, 1, dtype=torch.bool)], dim=1)
+    hid = normalized_mse(s_out.hidden_states[1], t_out.hidden_states[2], pos)  # outputs of layers 0 and 1
+    ref = kd + 0.5 * ce + 0.3 * hid
+    ref.backward()
+    torch.testing.assert_close(out.kd, kd, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.ce, ce, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.hidden, hid, rtol=1e-5, atol=1e-6)
+    for g, p in zip(grads, student.parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-6)
+    # The chunked path (the recipes' default) agrees, and the mask really changes the loss.
+    chunked = DistillModel(student, teacher, loss_config(kd_weight=1.0, ce_weight=0.5, kd_chunk_size=8,
+                                                         temperature=1.0))
+    c = chunked(input_ids=ids, loss_mask=mask)
+    torch.testing.assert_close(c.kd, kd, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(c.ce, ce, rtol=1e-5, atol=1e-6)
+    assert not torch.isclose(chunked(input_ids=ids).kd, kd)
+
+
+# -- streaming -----------------------------------------------------------------------------------
+
+@pytest.mark.filterwarnings("ignore:streamed data resumes")
+def test_streaming_reads_the_prepared_blocks_in_order_and_resumes(tmp_path, tok):
+    texts = _texts(300, 9)
+    src = _jsonl(tmp_path / "a.jsonl", texts)
+    with pytest.warns(UserWarning, match="resumes by re-reading the stream .* exact only if the source yields"):
+        streamed = D.build_data(tok, dataset=src, seq_len=16, eval_blocks=3, streaming=True)
+    prepared = D.build_data(tok, dataset=src, seq_len=16, eval_blocks=3, data_cache=str(tmp_path / "c"),
+                            progress=False)
+    assert torch.equal(streamed.eval, prepared.eval)
+    order = streamed.order(4, seed=0)
+    run = [torch.cat([b for _, b in order.micro_batches(streamed.train, t, r, 2, 1)]) for t in range(6)
+           for r in range(2)]
+    assert torch.equal(torch.cat(run), prepared.train[torch.arange(24)])
+    # A fresh process resuming at step 4 (rank 1) reads the uninterrupted run's blocks.
+    fresh = D.build_data(tok, dataset=src, seq_len=16, eval_blocks=3, streaming=True)
+    got = torch.cat([b for _, b in fresh.order(4, seed=0).micro_batches(fresh.train, 4, 1, 2, 1)])
+    assert torch.equal(got, prepared.train[torch.arange(18, 20)])
+    held = _jsonl(tmp_path / "held.jsonl", _texts(50, 12))
+    with_held = D.build_data(tok, dataset=src, eval_dataset=held, seq_len=16, eval_blocks=3, streaming=True,
+                             data_cache=str(tmp_path / "c"), progress=False)
+    assert torch.equal(with_held.eval, D.pack(_texts(50, 12), tok, 16)[:3])
+    with pytest.raises(DataError, match="cannot be mixed"):
+        D.build_data(tok, datasets=[{"source": src, "streaming": True}, {"source": src}], seq_len=16, eval_blocks=1)
+
+
+# -- the prepare command -------------------------------------------------------------------------
+
+def test_prepare_command_reads_a_recipe_config_and_reports(tmp_path, capsys):
+    from core.config import ConfigError
+    from distill.data.__main__ import main
+
+    a = _jsonl(tmp_path / "a.jsonl", _texts(200, 10))
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"teacher: tiny-random\nseq_len: 16\nkd_weight: 1.0\nmax_steps: 3\n"
+                   f"datasets:\n  - source: {a}\n    weight: 2\n")
+    main(["prepare", "--config", str(cfg), f"data_cache={tmp_path / 'c'}"])
+    out = capsys.readouterr().out
+    assert "a.jsonl" in out and "tokens in" in out and "blocks of 16" in out
+    row = next(line for line in out.splitlines() if line.startswith("a.jsonl"))
+    tokens, blocks, nbytes = (int(x.replace(",", "")) for x in row.split()[2:5])
+    assert tokens == blocks * 16 and nbytes > tokens * 2  # uint16 train blocks plus held-out blocks
+    with pytest.raises(ConfigError, match="unknown config key 'seqlen'"):
+        main(["prepare", "--config", str(cfg), "seqlen=8"])
