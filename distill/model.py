@@ -29,7 +29,7 @@ from distill.layers import parse_layer_pairs
 from distill.student import kept_layers
 
 SUPPORTED = ("llama", "mistral", "qwen2")
-KD_KINDS = ("forward_kl", "reverse_kl", "jsd", "tvd")
+KD_KINDS = ("forward_kl", "reverse_kl", "jsd", "tvd", "skew_kl")
 # nmse: per-token MSE divided by the teacher state's mean square. Residual streams of real LMs carry a few
 # huge "massive activation" features (hundreds in SmolLM2), so raw MSE is in the thousands and
 # swamps every other term; the normalized form is scale-free and comparable to KD.
