@@ -27,6 +27,7 @@ from distill import losses
 from distill.config import ConfigError
 from distill.layers import parse_layer_pairs
 from distill.student import kept_layers
+from distill.teacher_cache import CachedTargets, cached_kd_loss
 
 SUPPORTED = ("llama", "mistral", "qwen2")
 KD_KINDS = ("forward_kl", "reverse_kl", "jsd", "tvd", "skew_kl")
@@ -254,7 +255,7 @@ class DistillModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None,
-                teacher_topk: tuple[torch.Tensor, torch.Tensor] | None = None) -> DistillOutput:
+                teacher_topk=None) -> DistillOutput:
         """One teacher–student step.
 
         Args:
@@ -263,8 +264,9 @@ class DistillModel(nn.Module):
             labels: ``[batch, seq]`` next-token targets aligned with ``input_ids`` (the usual HF
                 convention: position t predicts ``labels[t+1]``); ``-100`` is ignored. Defaults to
                 ``input_ids`` with padding ignored.
-            teacher_topk: cached teacher ``([batch, seq, k] token ids, [batch, seq, k] log-probs)``
-                at each position, for ``cached_teacher`` models.
+            teacher_topk: cached teacher targets at each position, for ``cached_teacher`` models: a
+                :class:`distill.teacher_cache.CachedTargets` (top-k or sampled) or a top-k pair
+                ``([batch, seq, k] token ids, [batch, seq, k] log-probs)``.
         """
         cfg = self.loss_config
         if labels is None:
@@ -283,13 +285,11 @@ class DistillModel(nn.Module):
         head_s = self.student.get_output_embeddings()
 
         if self.cached_teacher and cfg.kd_weight > 0:
-            from distill.teacher_cache import topk_kd_loss
-
             if teacher_topk is None:
                 raise DistillSetupError("this model distills from a teacher cache: pass teacher_topk=")
-            idx, logp = teacher_topk
-            kd = topk_kd_loss(head_s(h_s[:, :-1])[..., : self.vocab], idx[:, :-1], logp[:, :-1], valid,
-                              temperature=cfg.temperature)
+            targets = CachedTargets(*teacher_topk) if isinstance(teacher_topk, tuple) else teacher_topk
+            kd = cached_kd_loss(head_s(h_s[:, :-1])[..., : self.vocab], targets.positions(slice(None, -1)), valid,
+                                temperature=cfg.temperature)
 
         # CE rides along in the chunked KD pass when it can: one head pass instead of two.
         fuse_ce = (cfg.ce_weight > 0 and cfg.kd_weight > 0 and cfg.kd_chunk_size is not None

@@ -1,11 +1,13 @@
-"""Run the teacher once over the training data and cache its top-k log-probabilities.
+"""Run the teacher once over the training data and cache a sparse view of its distributions.
 
     python recipes/cache_teacher.py --config recipes/configs/cache_teacher_demo.yaml
     python recipes/cache_teacher.py teacher=DIR dataset=data.jsonl seq_len=2048 topk=64 output_dir=cache/
+    python recipes/cache_teacher.py mode=sampled samples=48 temperature=1.0 output_dir=cache/   # unbiased
 
 Then train without the teacher: ``accelerate launch recipes/distill.py teacher_cache=cache/ student=DIR
 hidden_weight=0 attn_weight=0`` (the data keys must match: the cache checks a fingerprint of the
-packed blocks). See ``distill/teacher_cache.py`` for the format and the tail-bucket approximation.
+packed blocks, a sampled cache its temperature). See ``distill/teacher_cache.py`` for the format, the
+top-k tail-bucket approximation and the unbiased sampled estimate.
 """
 
 from __future__ import annotations
@@ -26,7 +28,17 @@ from tqdm.auto import tqdm  # noqa: E402
 
 from distill.config import ConfigError, field, parse_config, run_cli, save_config  # noqa: E402
 from distill.data import BUILTIN, build_data, eval_batches  # noqa: E402
-from distill.teacher_cache import META, bytes_per_token, fingerprint, topk_logprobs, write_shard  # noqa: E402
+from distill.teacher_cache import (  # noqa: E402
+    META,
+    MODES,
+    bytes_per_token,
+    fingerprint,
+    sample_teacher,
+    tail_mass,
+    tokenizer_fingerprint,
+    topk_logprobs,
+    write_shard,
+)
 from eval.metrics import evaluate_lm  # noqa: E402
 
 
@@ -40,7 +52,12 @@ class CacheTeacherConfig:
     seq_len: int = field(256, help="packed block length (must match the distill run)")
     eval_blocks: int = field(16, help="held-out blocks for the teacher perplexity recorded in the cache")
     max_blocks: int | None = field(None, help="cache only the first N training blocks (and train on them)")
-    topk: int = field(32, help="teacher tokens kept per position")
+    mode: str = field("topk", help="topk: the k most likely tokens + a tail bucket (biased); sampled: `samples` "
+                      "draws from the teacher at `temperature` with counts (unbiased KD loss and gradient)")
+    topk: int = field(32, help="mode=topk: teacher tokens kept per position")
+    samples: int = field(48, help="mode=sampled: draws per position (1-255); stored as distinct ids + counts")
+    temperature: float = field(1.0, help="mode=sampled: KD temperature the draws are made at (the distill run "
+                               "must use the same)")
     batch_size: int = field(8, help="blocks per teacher forward")
     shard_blocks: int = field(256, help="blocks per shard file")
     seed: int = field(0, help="seed (tiny-random teacher)")
@@ -51,8 +68,14 @@ class CacheTeacherConfig:
     keep_layers: str = field("10", help="unused")
 
     def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"mode '{self.mode}' is unknown; use one of {', '.join(MODES)}")
         if self.topk < 1:
             raise ConfigError(f"topk must be >= 1, got {self.topk}")
+        if not 1 <= self.samples <= 255:
+            raise ConfigError(f"samples must be in [1, 255] (counts are stored as uint8), got {self.samples}")
+        if self.temperature <= 0:
+            raise ConfigError(f"temperature must be > 0, got {self.temperature}")
         if self.batch_size < 1 or self.shard_blocks < 1 or self.seq_len < 2:
             raise ConfigError("batch_size and shard_blocks must be >= 1 and seq_len >= 2")
 
@@ -68,27 +91,46 @@ def main() -> None:
     teacher, _, tokenizer = load_pair(cfg_for_load)
     data = build_data(tokenizer, dataset=cfg.dataset, eval_dataset=cfg.eval_dataset, seq_len=cfg.seq_len,
                       eval_blocks=cfg.eval_blocks, text_field=cfg.text_field, max_train_blocks=cfg.max_blocks)
-    if cfg.topk > teacher.config.vocab_size:
-        raise ConfigError(f"topk {cfg.topk} exceeds the vocabulary ({teacher.config.vocab_size})")
+    vocab = teacher.config.vocab_size
+    if cfg.mode == "topk" and cfg.topk > vocab:
+        raise ConfigError(f"topk {cfg.topk} exceeds the vocabulary ({vocab})")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         t0 = time.time()
         n = data.train.shape[0]
-        with torch.inference_mode(), tqdm(total=n * cfg.seq_len, unit="tok", desc="teacher top-k") as bar:
+        slots = cfg.topk if cfg.mode == "topk" else cfg.samples
+        gen = torch.Generator().manual_seed(cfg.seed)
+        tail_sum, tokens = 0.0, 0
+        with torch.inference_mode(), tqdm(total=n * cfg.seq_len, unit="tok", desc=f"teacher {cfg.mode}") as bar:
             for shard, start in enumerate(range(0, n, cfg.shard_blocks)):
-                idx, val = [], []
+                idx, val, cnt = [], [], []
                 for b in range(start, min(n, start + cfg.shard_blocks), cfg.batch_size):
                     blocks = data.train[b: min(b + cfg.batch_size, start + cfg.shard_blocks, n)]
-                    i, v = topk_logprobs(teacher(input_ids=blocks).logits, cfg.topk)
+                    logits = teacher(input_ids=blocks).logits
+                    if cfg.mode == "topk":
+                        i, v = topk_logprobs(logits, cfg.topk)
+                        tail_sum += float(tail_mass(v).sum())
+                        tokens += v.shape[0] * v.shape[1]
+                    else:
+                        i, c, v = sample_teacher(logits, cfg.samples, cfg.temperature, gen)
+                        cnt.append(c)
                     idx.append(i)
                     val.append(v)
                     bar.update(blocks.numel())
-                write_shard(tmp / f"shard-{shard:05d}.safetensors", torch.cat(idx), torch.cat(val))
+                write_shard(tmp / f"shard-{shard:05d}.safetensors", torch.cat(idx), torch.cat(val),
+                            torch.cat(cnt) if cnt else None)
             teacher_ppl = evaluate_lm(teacher, eval_batches(data.eval, cfg.batch_size)).perplexity
-        meta = {"k": cfg.topk, "seq_len": cfg.seq_len, "blocks": n, "fingerprint": fingerprint(data.train),
-                "teacher": cfg.teacher, "dataset": cfg.dataset, "bytes_per_token": bytes_per_token(cfg.topk),
-                "teacher_ppl": teacher_ppl, "seconds": time.time() - t0}
+        meta = {"mode": cfg.mode, "k": slots, "seq_len": cfg.seq_len, "blocks": n,
+                "fingerprint": fingerprint(data.train), "teacher": cfg.teacher, "dataset": cfg.dataset,
+                "vocab_size": vocab, "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
+                "bytes_per_token": bytes_per_token(cfg.mode, slots), "teacher_ppl": teacher_ppl,
+                "seconds": time.time() - t0}
+        if cfg.mode == "topk":
+            meta["tail_mass"] = tail_sum / max(tokens, 1)  # mean teacher mass the truncation drops
+        else:
+            meta["samples"] = cfg.samples
+            meta["temperature"] = cfg.temperature
         (tmp / META).write_text(json.dumps(meta, indent=1))
         save_config(cfg, tmp / "config.yaml")
         if out.exists():
@@ -98,8 +140,10 @@ def main() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     size = sum(p.stat().st_size for p in out.iterdir())
-    print(f"teacher cache: {out}  ({n} blocks × {cfg.seq_len} tokens, top-{cfg.topk}, "
-          f"{size / (n * cfg.seq_len):.0f} bytes/token on disk, teacher held-out ppl {teacher_ppl:.2f})")
+    what = (f"top-{cfg.topk}, mean tail mass {meta['tail_mass']:.3f}" if cfg.mode == "topk"
+            else f"{cfg.samples} samples at T={cfg.temperature}")
+    print(f"teacher cache: {out}  ({n} blocks × {cfg.seq_len} tokens, {what}, {meta['bytes_per_token']} bytes/token "
+          f"stored ({size / (n * cfg.seq_len):.0f} on disk), teacher held-out ppl {teacher_ppl:.2f})")
 
 
 if __name__ == "__main__":

@@ -74,7 +74,8 @@ class DistillConfig:
     kd_weight: float = field(1.0, help="logits KD term weight")
     kd_kind: str = field("forward_kl", help=f"divergence: {', '.join(KD_KINDS)}")
     temperature: float = field(1.0, help="KD temperature T (the term is scaled by T²)")
-    beta: float = field(0.5, help="JSD interpolation (0 = forward KL, 1 = reverse KL)")
+    beta: float = field(0.5, help="JSD interpolation (0 = forward KL, 1 = reverse KL); skew_kl: the teacher's share "
+                        "alpha of the mixture (DistiLLM: 0.1)")
     kd_chunk_size: int | None = field(1024, help="tokens per chunk of the fused KD loss; empty = full logits")
     ce_weight: float = field(1.0, help="cross-entropy on the data term weight")
     focal_weight: float = field(0.0, help="focal CE term weight (long-tail tokens)")
@@ -89,7 +90,7 @@ class DistillConfig:
     attn_layers: list[str] = field(default_factory=list, help="layer pairs for the attention-map term")
     attn_num_queries: int = field(64, help="query positions sampled per sequence for the attention-map term")
     teacher_cache: str | None = field(None, help="folder written by recipes/cache_teacher.py: train from cached "
-                                      "top-k teacher log-probs without loading the teacher")
+                                      "teacher targets (top-k or sampled) without loading the teacher")
     # eval, logging, outputs
     eval_every: int = field(12, help="held-out evaluation every N steps (0: only at start and end)")
     log_every: int = field(1, help="tracker logging every N steps")
@@ -196,6 +197,11 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: 
     # ---- models -------------------------------------------------------------------------
     from distill.sources import load_pair  # heavy imports after the config is known good
 
+    if cfg.teacher_cache:  # mode/temperature/divergence mismatches fail before any model loads
+        from distill.teacher_cache import check_meta, read_meta
+
+        check_meta(read_meta(cfg.teacher_cache), cfg.teacher_cache, temperature=cfg.temperature, kd_kind=cfg.kd_kind)
+
     teacher, student, tokenizer = load_pair(cfg)
     if cfg.seq_len > student.config.max_position_embeddings:
         raise ConfigError(f"seq_len {cfg.seq_len} exceeds the model's maximum of "
@@ -223,7 +229,8 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: 
     if cfg.teacher_cache:
         from distill.teacher_cache import TeacherCache
 
-        cache = TeacherCache(cfg.teacher_cache, data.train)
+        cache = TeacherCache(cfg.teacher_cache, data.train, vocab_size=student.config.vocab_size, tokenizer=tokenizer,
+                             temperature=cfg.temperature)
     model = DistillModel(student, None if cache else teacher, loss_cfg, tokenizer_size=len(tokenizer),
                          cached_teacher=cache is not None)
     plugin = accelerator.state.deepspeed_plugin
