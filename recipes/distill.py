@@ -29,6 +29,7 @@ from accelerate.utils import set_seed  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from distill import checkpoint as ckpt  # noqa: E402
+from distill import on_policy  # noqa: E402  (issue 15: on-policy rollouts)
 from distill.config import ConfigError, field, parse_config, run_cli, save_config  # noqa: E402
 from distill.data import BUILTIN, BlockOrder, build_data, eval_batches  # noqa: E402
 from distill.model import KD_KINDS, DistillModel, LossConfig, loss_config_from  # noqa: E402
@@ -91,6 +92,15 @@ class DistillConfig:
     attn_num_queries: int = field(64, help="query positions sampled per sequence for the attention-map term")
     teacher_cache: str | None = field(None, help="folder written by recipes/cache_teacher.py: train from cached "
                                       "teacher targets (top-k or sampled) without loading the teacher")
+    # on-policy distillation (distill/on_policy.py)
+    on_policy_fraction: float = field(0.0, help="share of micro-batches whose continuations the student generates "
+                                      "(with serve's engine) from prompts; loss on the generated tokens only")
+    gen_max_new_tokens: int = field(64, help="on-policy: tokens generated per prompt")
+    gen_temperature: float = field(1.0, help="on-policy: sampling temperature of the rollouts (0 = greedy)")
+    gen_prompt_tokens: int = field(64, help="on-policy: prompt length (prefix of each block) or, with "
+                                   "gen_prompts=chat, the longest user-turn prompt used")
+    gen_prompts: str = field("prefix", help="on-policy prompts: prefix (the start of each training block) | chat "
+                             "(the first user turn of each chat record in dataset)")
     # eval, logging, outputs
     eval_every: int = field(12, help="held-out evaluation every N steps (0: only at start and end)")
     log_every: int = field(1, help="tracker logging every N steps")
@@ -131,6 +141,7 @@ class DistillConfig:
             self.losses()
         except ValueError as err:
             raise ConfigError(str(err)) from None
+        on_policy.settings_from(self).check(self.seq_len, kd_weight=self.kd_weight, cached_teacher=bool(self.teacher_cache))
 
     def losses(self) -> LossConfig:
         return loss_config_from(self)
@@ -246,6 +257,9 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: 
         if cache is None:
             accelerator.unwrap_model(model).set_teacher(teacher)
 
+    # ---- on-policy rollouts (issue 15): serve's engine over the live student -------------
+    policy = on_policy.build(cfg, accelerator, model, tokenizer)
+
     # ---- resume -------------------------------------------------------------------------
     start_step, history, evals, init = 0, [], [], dict(known_init or {})
     if init:
@@ -311,11 +325,14 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: 
         sums: dict[str, float] = {}
         micro = order.micro_batches(data.train, step, accelerator.process_index, accelerator.num_processes,
                                     cfg.micro_batch_size)
-        for index, blocks in micro:
+        for j, (index, blocks) in enumerate(micro):
             ids = blocks.to(accelerator.device)
             topk = cache.lookup(index, accelerator.device) if cache is not None else None
             with accelerator.accumulate(model):
-                output = model(input_ids=ids, teacher_topk=topk)
+                if policy is not None and policy.wants(step, j, cfg.grad_accum):  # on-policy micro-batch
+                    output = policy.forward(blocks, step, j, accelerator.device)
+                else:
+                    output = model(input_ids=ids, teacher_topk=topk)
                 loss = output.loss
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and cfg.max_grad_norm > 0:
@@ -334,6 +351,8 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: 
             raise ckpt.TrainingDiverged(
                 f"loss became {terms['loss']} at step {step + 1}; the last good checkpoint is "
                 f"{last or 'none'}: lower lr or enable clipping, then resume=latest")
+        if policy is not None:  # rollout tokens/s and share of time generating (this rank)
+            terms |= policy.stats(time.time() - t_start)
         trained_tokens += tokens_per_step
         elapsed = time.time() - t_start
         history.append({"step": step + 1, "lr": scheduler.get_last_lr()[0], **terms})
@@ -380,6 +399,8 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: 
         "tokens_seen": cfg.max_steps * tokens_per_step,
         "final_dir": str(out / "final"),
     }
+    if policy is not None:
+        summary["on_policy"] = policy.stats(time.time() - t_start)
     if main:
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
         plot_training(history, evals, out / "loss.png", title=f"{cfg.teacher} → student ({out.name})")
@@ -423,7 +444,7 @@ def main() -> None:
         base = dataclasses.replace(
             cfg, output_dir=str(out / "ce_only"), kd_weight=0.0, hidden_weight=0.0, attn_weight=0.0,
             focal_weight=0.0, ce_weight=1.0, compare_ce_only=False, gate=False, resume=None, overwrite=True,
-            save_every=0, teacher_cache=None, debug_exit_at_step=None,
+            save_every=0, teacher_cache=None, debug_exit_at_step=None, on_policy_fraction=0.0,
         )
         if accelerator.is_main_process:
             print("\nablation: training a CE-only student for the same steps")
