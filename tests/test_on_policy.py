@@ -185,3 +185,19 @@ def test_recipe_on_policy_run(tmp_path):
                          text=True, timeout=600)
     assert bad.returncode == 2 and "on_policy_fraction must be in [0, 1]" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_recipe_on_policy_under_two_process_ddp(tmp_path):
+    """Both ranks pick the same on-policy micro-batches (no DDP hang) and train to a final student."""
+    from tests.test_distributed import _launch
+
+    out = tmp_path / "ddp"
+    _launch("cpu_ddp_2proc.yaml", [str(ROOT / "recipes" / "distill.py"), "--config", "recipes/configs/tiny.yaml",
+                                   f"output_dir={out}", "max_steps=2", "save_every=0", "eval_every=0",
+                                   "compare_ce_only=false", "on_policy_fraction=0.5", "grad_accum=2",
+                                   "gen_max_new_tokens=8", "gen_prompt_tokens=8"], cpu_ddp=True, timeout=600)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["num_processes"] == 2 and summary["on_policy"]["rollout_tokens"] > 0
+    assert (out / "final" / "model.safetensors").exists()
