@@ -202,7 +202,7 @@ class DistillModel(nn.Module):
             ``None`` when no term needs it (CE/focal only) or when logits come from a cache.
         losses: the term weights and settings.
         tokenizer_size: the tokenizer's length, to allow vocabularies that differ only in padding.
-        cached_teacher: the logits term comes from cached top-k teacher log-probs passed to
+        cached_teacher: the logits term comes from cached teacher targets (top-k or sampled) passed to
             ``forward(teacher_topk=...)`` (``recipes/cache_teacher.py``); no live teacher.
     """
 
