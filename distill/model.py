@@ -255,7 +255,7 @@ class DistillModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None,
-                teacher_topk=None) -> DistillOutput:
+                teacher_topk: CachedTargets | tuple[torch.Tensor, torch.Tensor] | None = None) -> DistillOutput:
         """One teacher–student step.
 
         Args:
