@@ -18,6 +18,8 @@ Closed-form gradients w.r.t. the (temperature-scaled) student logits ``z``, with
 * JSD_beta (GKD):           ``(1 - beta) * p_s * (log p_s - log m - KL(p_s || m))``,
   ``m = beta * p_t + (1 - beta) * p_s`` (the ``beta * KL(p_t || m)`` term's derivative through
   ``m`` cancels against the ``p_s / m`` part of the second term)
+* skew KL(p_t || m), ``m = beta * p_t + (1 - beta) * p_s`` (DistiLLM): ``g = -(1 - beta) * p_t / m``,
+  so ``p_s * (g - <p_s, g>)``
 * TVD 0.5 * sum|p_t - p_s|: ``p_s * (g - <p_s, g>)`` with ``g = 0.5 * sign(p_s - p_t)`` (sign(0) = 0,
   the same subgradient autograd uses for ``abs``)
 """
@@ -29,7 +31,7 @@ import math
 import torch
 from torch import Tensor
 
-KINDS = ("forward_kl", "reverse_kl", "jsd", "tvd")
+KINDS = ("forward_kl", "reverse_kl", "jsd", "tvd", "skew_kl")
 
 
 def divergence_and_grad(zs: Tensor, zt: Tensor, kind: str, beta: float, need_grad: bool
@@ -44,6 +46,8 @@ def divergence_and_grad(zs: Tensor, zt: Tensor, kind: str, beta: float, need_gra
         kind = "forward_kl"
     elif kind == "jsd" and beta == 1.0:
         kind = "reverse_kl"
+    elif kind == "skew_kl" and beta == 0.0:
+        kind = "forward_kl"
     # In-place log-softmax: the raw logits are not needed again, so their buffers are reused.
     log_pt = zt.sub_(torch.logsumexp(zt, dim=-1, keepdim=True))
     # A teacher may mask out vocabulary entries with -inf; clamping keeps 0 * log 0 at 0, not NaN.
@@ -75,6 +79,19 @@ def divergence_and_grad(zs: Tensor, zt: Tensor, kind: str, beta: float, need_gra
         loss = kl_t.mul_(beta).add_(kl_s, alpha=1.0 - beta)
         if need_grad:
             grad = f.sub_(kl_s[:, None]).mul_(ps).mul_(1.0 - beta)
+    elif kind == "skew_kl":
+        if beta == 1.0:  # m = p_t: zero divergence, zero gradient
+            loss = zs.new_zeros(zs.shape[0])
+            if need_grad:
+                grad = zs.zero_()
+            return loss, grad
+        log_m = torch.logaddexp(log_pt + math.log(beta), log_ps + math.log1p(-beta))
+        pt = log_pt.exp()
+        loss = (pt * (log_pt - log_m)).sum(-1)
+        if need_grad:
+            g = log_pt.sub_(log_m).exp_().mul_(-(1.0 - beta))  # -(1 - beta) * p_t / m
+            ps = log_ps.exp_()
+            grad = g.sub_((ps * g).sum(-1, keepdim=True)).mul_(ps)
     elif kind == "tvd":
         ps = log_ps.exp_()
         d = torch.sub(ps, log_pt.exp_(), out=log_pt)

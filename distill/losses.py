@@ -14,6 +14,8 @@ Functions:
 * :func:`kd_loss` -- divergence between student and teacher token distributions from logits.
 * :func:`chunked_kd_loss` -- the same value and gradients from final hidden states and output heads,
   without ever materializing ``[tokens, vocab]`` logits (see ``distill/_chunked.py``).
+* :func:`sampled_kd_loss` -- forward KL estimated from token ids sampled from the teacher (a sampled
+  teacher cache): unbiased in value and gradient, unlike a top-k truncation.
 * :func:`ce_loss`, :func:`focal_loss` -- the hard-label term (focal reweights rare / hard tokens).
 * :func:`hidden_loss` -- intermediate hidden-state matching (MSE or cosine).
 * :func:`attention_map_loss` -- attention-probability map matching on sampled query rows.
@@ -36,12 +38,14 @@ __all__ = [
     "kd_loss",
     "chunked_kd_loss",
     "chunked_kd_ce_loss",
+    "sampled_kd_loss",
     "ce_loss",
     "focal_loss",
     "hidden_loss",
     "attention_map_loss",
     "KDLoss",
     "FocalLoss",
+    "SampledKDLoss",
 ]
 
 
@@ -99,8 +103,16 @@ def _divergence(zs: Tensor, zt: Tensor, kind: str, beta: float) -> Tensor:
         kind = "forward_kl"
     elif kind == "jsd" and beta == 1.0:
         kind = "reverse_kl"
+    if kind == "skew_kl" and beta == 0.0:
+        kind = "forward_kl"
     if kind == "forward_kl":
         return (log_pt.exp() * (log_pt - log_ps)).sum(-1)
+    if kind == "skew_kl":
+        if beta == 1.0:  # m = p_t: the divergence is 0 (log1p(-1) would be -inf)
+            return (log_ps * 0.0).sum(-1)
+        # KL(p_t || m), m = beta * p_t + (1 - beta) * p_s, in log space.
+        log_m = torch.logaddexp(log_pt + math.log(beta), log_ps + math.log1p(-beta))
+        return (log_pt.exp() * (log_pt - log_m)).sum(-1)
     if kind == "reverse_kl":
         return (log_ps.exp() * (log_ps - log_pt)).sum(-1)
     if kind == "jsd":
@@ -132,9 +144,11 @@ def kd_loss(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor | None 
               beta -> 0 and ``JSD_beta / (1 - beta) -> KL(p_s || p_t)`` as beta -> 1), so the
               endpoints switch to the KL they interpolate towards rather than continue the curve.
             * ``tvd``: total variation ``0.5 * sum |p_t - p_s|``.
+            * ``skew_kl``: DistiLLM's skew KL ``KL(p_t || beta * p_t + (1 - beta) * p_s)``; ``beta``
+              is the teacher's share of the mixture (DistiLLM uses 0.1); ``beta = 0`` is forward KL.
         temperature: T > 0 softens both distributions; the loss is multiplied by T^2 so gradient
             magnitudes stay comparable across temperatures.
-        beta: JSD interpolation weight in [0, 1] (ignored by the other kinds).
+        beta: JSD interpolation weight / skew KL teacher share in [0, 1] (ignored by the other kinds).
 
     Returns:
         fp32 (fp64 for fp64 inputs) scalar: mean over counted tokens of ``T^2 * divergence``; 0 (with a graph) when no
@@ -248,6 +262,54 @@ def chunked_kd_ce_loss(student_hidden: Tensor, student_head: Tensor, teacher_hid
                                 kind, float(temperature), float(beta), int(chunk_size), n, needs,
                                 lab.long(), float(ce_weight))
     return total, (total.detach() - ce_weight * ce), ce
+
+
+def sampled_kd_loss(student_logits: Tensor, sample_ids: Tensor, sample_weights: Tensor,
+                    mask: Tensor | None = None, *, temperature: float = 1.0,
+                    teacher_logprobs: Tensor | None = None) -> Tensor:
+    """Forward KL(p_t || p_s) estimated from tokens sampled from the teacher (Sparse Logit Sampling).
+
+    With ``N`` draws ``x_1..x_N ~ p_t`` (at temperature T) stored as distinct ids and weights
+    ``w_i = count_i / N``, the empirical distribution ``p_hat`` has ``E[p_hat] = p_t``. Forward KL
+    is ``-H(p_t) - <p_t, log p_s>``, linear in ``p_t``, so replacing ``p_t`` by ``p_hat`` gives an
+    unbiased estimate of its value (when the teacher log-probs of the sampled ids are given) and of
+    its gradient w.r.t. the student logits, ``T * (p_s - p_hat)``. A top-k truncation is biased
+    instead: it never pushes mass onto the teacher's tail tokens.
+
+    Args:
+        student_logits: ``[batch, seq, vocab]`` or ``[tokens, vocab]``, any float dtype.
+        sample_ids: ``[batch, seq, n]`` long, distinct sampled token ids per position (padding
+            slots carry weight 0; their id is ignored).
+        sample_weights: ``[batch, seq, n]`` float, ``count / N``; each counted row sums to 1.
+        mask: ``[batch, seq]`` / ``[tokens]`` bool, True = counts.
+        temperature: T the samples were drawn at; the student is softened by the same T and the
+            loss scaled by T^2, as in :func:`kd_loss`.
+        teacher_logprobs: ``[batch, seq, n]`` log p_t(x_i) at T. Given: the value estimates the KL;
+            omitted: the value is the cross-entropy ``-<p_hat, log p_s>`` (KL + teacher entropy),
+            with the same gradient.
+
+    Returns:
+        fp32 scalar: mean over counted tokens of ``T^2 *`` the per-token estimate; 0 with a graph
+        when no token counts.
+    """
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if sample_ids.shape != sample_weights.shape or sample_ids.shape[:-1] != student_logits.shape[:-1]:
+        raise ValueError(f"sample ids {tuple(sample_ids.shape)} / weights {tuple(sample_weights.shape)} do not "
+                         f"match logits {tuple(student_logits.shape)}; pass [batch, seq, n] samples per position")
+    m = _token_mask(mask, student_logits.shape[:-1], "logits' leading dims")
+    zs = _fp32(_rows(student_logits, m))
+    ids = _rows(sample_ids, m).long()
+    w = _fp32(_rows(sample_weights.detach(), m))
+    if temperature != 1.0:
+        zs = zs / temperature
+    log_ps = torch.log_softmax(zs, dim=-1).gather(-1, ids)
+    per_token = -(w * log_ps).sum(-1)
+    if teacher_logprobs is not None:
+        lp = _fp32(_rows(teacher_logprobs.detach(), m))
+        # w = 0 on padding slots: clamp keeps 0 * (-inf) out of the sum.
+        per_token = per_token + (w * lp.clamp(min=torch.finfo(lp.dtype).min)).sum(-1)
+    return _mean(per_token) * (temperature * temperature)
 
 
 # --------------------------------------------------------------------------- hard labels
@@ -480,6 +542,24 @@ class KDLoss(nn.Module):
 
     def extra_repr(self) -> str:
         return f"kind={self.kind!r}, temperature={self.temperature}, beta={self.beta}"
+
+
+class SampledKDLoss(nn.Module):
+    """:func:`sampled_kd_loss` with its temperature bound."""
+
+    def __init__(self, temperature: float = 1.0) -> None:
+        super().__init__()
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        self.temperature = temperature
+
+    def forward(self, student_logits: Tensor, sample_ids: Tensor, sample_weights: Tensor,
+                mask: Tensor | None = None, teacher_logprobs: Tensor | None = None) -> Tensor:
+        return sampled_kd_loss(student_logits, sample_ids, sample_weights, mask, temperature=self.temperature,
+                               teacher_logprobs=teacher_logprobs)
+
+    def extra_repr(self) -> str:
+        return f"temperature={self.temperature}"
 
 
 class FocalLoss(nn.Module):

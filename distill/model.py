@@ -28,6 +28,7 @@ from distill import losses
 from distill.layers import parse_layer_pairs
 from distill.losses import KD_KINDS
 from distill.student import kept_layers
+from distill.teacher_cache import CachedTargets, cached_kd_loss
 
 # nmse: per-token MSE divided by the teacher state's mean square. Residual streams of real LMs carry a few
 # huge "massive activation" features (hundreds in SmolLM2), so raw MSE is in the thousands and
@@ -215,7 +216,7 @@ class DistillModel(nn.Module):
             ``None`` when no term needs it (CE/focal only) or when logits come from a cache.
         losses: the term weights and settings.
         tokenizer_size: the tokenizer's length, to allow vocabularies that differ only in padding.
-        cached_teacher: the logits term comes from cached top-k teacher log-probs passed to
+        cached_teacher: the logits term comes from cached teacher targets (top-k or sampled) passed to
             ``forward(teacher_topk=...)`` (``recipes/cache_teacher.py``); no live teacher.
     """
 
@@ -230,7 +231,6 @@ class DistillModel(nn.Module):
         self.attn_pairs: list[tuple[int, int]] = []
         self.vocab = student.config.vocab_size
         self.cached_teacher = cached_teacher
-        self.kd_path = _kd_path(loss_config, cached_teacher)
         _base_model(student)
         if teacher is None:
             if cached_teacher and (loss_config.hidden_weight > 0 or loss_config.attn_weight > 0):
@@ -269,7 +269,7 @@ class DistillModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None,
-                teacher_topk: tuple[torch.Tensor, torch.Tensor] | None = None,
+                teacher_topk: CachedTargets | tuple[torch.Tensor, torch.Tensor] | None = None,
                 loss_mask: torch.Tensor | None = None) -> DistillOutput:
         """One teacher–student step.
 
@@ -279,8 +279,9 @@ class DistillModel(nn.Module):
             labels: ``[batch, seq]`` next-token targets aligned with ``input_ids`` (the usual HF
                 convention: position t predicts ``labels[t+1]``); ``-100`` is ignored (e.g. prompt
                 tokens of chat records). Defaults to ``input_ids`` with padding ignored.
-            teacher_topk: cached teacher ``([batch, seq, k] token ids, [batch, seq, k] log-probs)``
-                at each position, for ``cached_teacher`` models.
+            teacher_topk: cached teacher targets at each position, for ``cached_teacher`` models: a
+                :class:`distill.teacher_cache.CachedTargets` (top-k or sampled) or a top-k pair
+                ``([batch, seq, k] token ids, [batch, seq, k] log-probs)``.
             loss_mask: ``[batch, seq]`` bool, True where the token is a training target (completion-only
                 chat data: the assistant's tokens). KD, CE, focal and hidden terms count only at the
                 positions that predict a target; the other tokens stay in the input as context. The
@@ -327,6 +328,11 @@ class DistillModel(nn.Module):
 
     # ---- the pieces of a step -----------------------------------------------------------------
     @property
+    def kd_path(self) -> str:
+        """How the logits term is computed (:func:`_kd_path`); follows ``loss_config`` if it is swapped."""
+        return _kd_path(self.loss_config, self.cached_teacher)
+
+    @property
     def _live_teacher(self) -> bool:
         return self.loss_config.needs_teacher and not self.cached_teacher
 
@@ -366,12 +372,12 @@ class DistillModel(nn.Module):
         path = self.kd_path
         if path == "none":
             return zero, None, None
-        if path == "cached":
+        if path == "cached":  # top-k or sampled teacher targets (distill.teacher_cache)
             if teacher_topk is None:
                 raise DistillSetupError("this model distills from a teacher cache: pass teacher_topk=")
-            idx, logp = teacher_topk
-            kd = losses.topk_kd_loss(head_s(h_s[:, :-1])[..., : self.vocab], idx[:, :-1], logp[:, :-1], valid,
-                                     temperature=cfg.temperature)
+            targets = CachedTargets(*teacher_topk) if isinstance(teacher_topk, tuple) else teacher_topk
+            kd = cached_kd_loss(head_s(h_s[:, :-1])[..., : self.vocab], targets.positions(slice(None, -1)), valid,
+                                temperature=cfg.temperature)
             return kd, None, None
         head_t = self._teacher_module().get_output_embeddings()
         if path == "full":

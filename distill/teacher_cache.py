@@ -1,22 +1,33 @@
-"""Offline teacher: top-k log-probabilities cached once, then distilled from without the teacher.
+"""Offline teacher: its next-token distributions cached once, then distilled from without the teacher.
 
 For teachers too big to sit beside the student, ``recipes/cache_teacher.py`` runs the teacher over
-the packed training blocks once and stores, per token, the ``k`` most likely next tokens and their
-log-probabilities (T = 1). ``recipes/distill.py teacher_cache=DIR`` then computes the logits term
-from the shards. The rest of the vocabulary is one *tail bucket* holding the remaining mass, so the
-teacher distribution is exact on ``k + 1`` outcomes: KL over those buckets is a lower bound of the
-full KL that tightens as ``k`` grows (at T = 1; with T ≠ 1 the tail bucket is tempered as if it were
-one token, which is the price of not storing the tail).
+the packed training blocks once and stores, per position, a sparse view of its distribution;
+``recipes/distill.py teacher_cache=DIR`` then computes the logits term from the shards. Two modes:
 
-Layout of a cache folder: ``meta.json`` (k, seq_len, blocks, fingerprint of the packed data,
-bytes per token, teacher held-out perplexity) and ``shard-NNNNN.safetensors`` with ``index``
-``[blocks, seq, k]`` int32 and ``logprobs`` ``[blocks, seq, k]`` fp16.
+* ``topk``: the ``k`` most likely next tokens and their log-probabilities (T = 1). The rest of the
+  vocabulary is one *tail bucket* holding the remaining mass, so the teacher distribution is exact
+  on ``k + 1`` outcomes: KL over those buckets is a lower bound of the full KL that tightens as ``k``
+  grows (with T != 1 the tail bucket is tempered as if it were one token). Its gradient is *biased*:
+  the student's tail tokens are only pushed as a group, never towards the teacher's tail shape.
+  ``meta.json`` records the mean tail mass the truncation drops.
+* ``sampled`` (Sparse Logit Sampling, ACL 2025): ``N`` tokens drawn from the teacher distribution at
+  the KD temperature, stored as distinct ids with counts (and the teacher log-probs of those ids).
+  ``count / N`` is an unbiased estimate of the teacher distribution, so the forward-KL value and
+  gradient computed from it (:func:`distill.losses.sampled_kd_loss`) are unbiased; only their
+  variance shrinks with ``N``. The temperature is fixed when the cache is written.
+
+Layout of a cache folder: ``meta.json`` (mode, k or samples, temperature, vocab size, tokenizer
+fingerprint, seq_len, blocks, fingerprint of the packed data, bytes per token, teacher held-out
+perplexity) and ``shard-NNNNN.safetensors`` with ``index`` ``[blocks, seq, slots]`` int32,
+``logprobs`` ``[blocks, seq, slots]`` fp16 and, for ``sampled``, ``counts`` ``[blocks, seq, slots]``
+uint8 (0 on padding slots).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,17 +35,25 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from core.config import ConfigError
+from distill.losses import sampled_kd_loss, topk_kd_loss
 
 META = "meta.json"
+MODES = ("topk", "sampled")
 
 
 class TeacherCacheError(ConfigError):
-    """A cache that is missing, incomplete, or made from other data."""
+    """A cache that is missing, incomplete, made from other data, or for another tokenizer."""
 
 
 def fingerprint(blocks: torch.Tensor) -> str:
     """A hash of the packed token blocks: a cache only matches the exact data it was made from."""
     return hashlib.sha256(blocks.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A hash of the tokenizer's token → id table: ids only mean the same thing under the same table."""
+    items = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    return hashlib.sha256(json.dumps(items, ensure_ascii=False).encode()).hexdigest()[:16]
 
 
 @torch.no_grad()
@@ -45,22 +64,115 @@ def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
     return index.to(torch.int32), values
 
 
-def bytes_per_token(k: int) -> int:
-    return k * (4 + 2)
+@torch.no_grad()
+def tail_mass(topk_logprobs_: torch.Tensor) -> torch.Tensor:
+    """``[..., k]`` top-k log-probs → ``[...]`` probability mass outside the top-k."""
+    return (1.0 - topk_logprobs_.float().exp().sum(-1)).clamp(min=0.0)
 
 
-def write_shard(path: Path, index: torch.Tensor, logprobs: torch.Tensor) -> None:
-    save_file({"index": index.contiguous(), "logprobs": logprobs.to(torch.float16).contiguous()}, str(path))
+@torch.no_grad()
+def sample_teacher(logits: torch.Tensor, n: int, temperature: float = 1.0,
+                   generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Draw ``n`` tokens per position from ``softmax(logits / T)``, folded into distinct ids with counts.
+
+    Args:
+        logits: ``[..., vocab]`` teacher logits.
+        n: draws per position (with replacement), at most 255 (counts are stored as uint8).
+    Returns:
+        ``ids`` ``[..., n]`` int32 (distinct per position first, then 0 padding), ``counts``
+        ``[..., n]`` uint8 (0 on padding, summing to ``n``), ``logprobs`` ``[..., n]`` fp32: the
+        teacher's log-probs at T of those ids (``-inf`` on padding).
+    """
+    if not 1 <= n <= 255:
+        raise ValueError(f"samples must be in [1, 255] (stored as uint8 counts), got {n}")
+    lead, vocab = logits.shape[:-1], logits.shape[-1]
+    logp = F.log_softmax(logits.float().reshape(-1, vocab) / temperature, dim=-1)
+    draws = torch.multinomial(logp.exp(), n, replacement=True, generator=generator)  # [rows, n]
+    s = draws.sort(dim=-1).values
+    # Group equal ids: a run starts where the sorted id changes; its group number is the run index.
+    starts = torch.ones_like(s, dtype=torch.bool)
+    starts[:, 1:] = s[:, 1:] != s[:, :-1]
+    group = starts.long().cumsum(-1) - 1
+    counts = torch.zeros_like(s).scatter_add_(1, group, torch.ones_like(s))
+    ids = torch.zeros_like(s).scatter_(1, group, s)
+    lp = logp.gather(-1, ids).masked_fill(counts == 0, float("-inf"))
+    return (ids.to(torch.int32).reshape(*lead, n), counts.to(torch.uint8).reshape(*lead, n),
+            lp.reshape(*lead, n))
+
+
+def bytes_per_token(mode: str, slots: int) -> int:
+    """Stored bytes per position: int32 id + fp16 log-prob per slot, plus a uint8 count when sampled."""
+    return slots * (4 + 2 + (1 if mode == "sampled" else 0))
+
+
+def slots_for_bytes(mode: str, budget: int) -> int:
+    """The most slots (k or samples) that fit in ``budget`` bytes per token."""
+    return budget // bytes_per_token(mode, 1)
+
+
+def write_shard(path: Path, index: torch.Tensor, logprobs: torch.Tensor, counts: torch.Tensor | None = None) -> None:
+    tensors = {"index": index.contiguous(), "logprobs": logprobs.to(torch.float16).contiguous()}
+    if counts is not None:
+        tensors["counts"] = counts.to(torch.uint8).contiguous()
+    save_file(tensors, str(path))
+
+
+@dataclass
+class CachedTargets:
+    """The cached teacher targets of a micro-batch.
+
+    ``ids`` ``[batch, seq, slots]`` long; ``logprobs`` ``[batch, seq, slots]`` fp32;
+    ``weights`` ``[batch, seq, slots]`` fp32 (``count / N``) for a sampled cache, None for top-k.
+    """
+
+    ids: torch.Tensor
+    logprobs: torch.Tensor
+    weights: torch.Tensor | None = None
+
+    def positions(self, sl: slice) -> CachedTargets:
+        """The targets at sequence positions ``sl`` (e.g. ``slice(None, -1)``: every position with a next token)."""
+        w = None if self.weights is None else self.weights[:, sl]
+        return CachedTargets(self.ids[:, sl], self.logprobs[:, sl], w)
+
+
+def cached_kd_loss(student_logits: torch.Tensor, targets: CachedTargets | tuple[torch.Tensor, torch.Tensor],
+                   mask: torch.Tensor | None = None, *, temperature: float = 1.0) -> torch.Tensor:
+    """The logits term from cached targets: top-k + tail bucket, or the unbiased sampled estimate.
+
+    ``student_logits`` ``[batch, seq, vocab]`` aligned with ``targets`` (a ``(ids, logprobs)`` pair
+    is read as top-k); ``mask`` ``[batch, seq]``.
+    """
+    if isinstance(targets, tuple):
+        targets = CachedTargets(*targets)
+    if targets.weights is None:
+        return topk_kd_loss(student_logits, targets.ids, targets.logprobs, mask, temperature=temperature)
+    return sampled_kd_loss(student_logits, targets.ids, targets.weights, mask, temperature=temperature,
+                           teacher_logprobs=targets.logprobs)
 
 
 class TeacherCache:
-    """Cached top-k teacher log-probs for the blocks of a training set (loaded into memory)."""
+    """Cached teacher targets for the blocks of a training set (loaded into memory).
 
-    def __init__(self, path: str | Path, train_blocks: torch.Tensor):
+    Args:
+        path: the cache folder.
+        train_blocks: ``[blocks, seq]`` the run's packed training blocks (must match the cache's).
+        vocab_size, tokenizer: the student's; a cache written under another vocabulary or
+            tokenizer is refused (its ids would name other tokens).
+        temperature: the run's KD temperature; a sampled cache was drawn at one temperature and
+            is only unbiased at that one.
+    """
+
+    def __init__(self, path: str | Path, train_blocks: torch.Tensor, *, vocab_size: int | None = None,
+                 tokenizer=None, temperature: float | None = None):
         path = Path(path)
-        if not (path / META).is_file():
-            raise TeacherCacheError(f"{path} is not a teacher cache (no {META}); write one with recipes/cache_teacher.py")
-        self.meta = json.loads((path / META).read_text())
+        self.meta = read_meta(path)
+        check_meta(self.meta, path, temperature=temperature)
+        if vocab_size is not None and self.meta.get("vocab_size") not in (None, vocab_size):
+            raise TeacherCacheError(f"teacher cache {path} was written for a vocabulary of {self.meta['vocab_size']} "
+                                    f"tokens but the student has {vocab_size}; cache with the student's tokenizer")
+        if tokenizer is not None and self.meta.get("tokenizer_fingerprint") not in (None, tokenizer_fingerprint(tokenizer)):
+            raise TeacherCacheError(f"teacher cache {path} was written with another tokenizer; rerun "
+                                    "recipes/cache_teacher.py with this run's tokenizer")
         if self.meta["fingerprint"] != fingerprint(train_blocks):
             raise TeacherCacheError(
                 f"teacher cache {path} was made from other data (dataset/seq_len/tokenizer differ); rerun "
@@ -68,13 +180,51 @@ class TeacherCache:
             )
         shards = sorted(path.glob("shard-*.safetensors"))
         parts = [load_file(str(s)) for s in shards]
+        if not parts:
+            raise TeacherCacheError(f"teacher cache {path} has no shards; rerun recipes/cache_teacher.py")
         self.index = torch.cat([p["index"] for p in parts])
         self.logprobs = torch.cat([p["logprobs"] for p in parts])
+        self.counts = torch.cat([p["counts"] for p in parts]) if self.mode == "sampled" else None
         if self.index.shape[0] != train_blocks.shape[0]:
             raise TeacherCacheError(f"teacher cache {path} is incomplete ({self.index.shape[0]} of "
                                     f"{train_blocks.shape[0]} blocks); rerun recipes/cache_teacher.py")
+        if vocab_size is not None and int(self.index.max()) >= vocab_size:
+            raise TeacherCacheError(f"teacher cache {path} holds token ids beyond the student's vocabulary of "
+                                    f"{vocab_size}; cache with the student's tokenizer")
         self.k = self.index.shape[-1]
 
-    def lookup(self, blocks: torch.Tensor, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[micro]`` block indices → ``([micro, seq, k] int64 ids, [micro, seq, k] fp32 log-probs)``."""
-        return self.index[blocks].to(device, torch.long), self.logprobs[blocks].to(device, torch.float32)
+    @property
+    def mode(self) -> str:
+        return self.meta.get("mode", "topk")
+
+    def lookup(self, blocks: torch.Tensor, device: torch.device | str) -> CachedTargets:
+        """``[micro]`` block indices → the targets of those blocks (``[micro, seq, slots]`` each)."""
+        ids = self.index[blocks].to(device, torch.long)
+        logp = self.logprobs[blocks].to(device, torch.float32)
+        if self.counts is None:
+            return CachedTargets(ids, logp)
+        counts = self.counts[blocks].to(device, torch.float32)
+        return CachedTargets(ids, logp, counts / counts.sum(-1, keepdim=True).clamp(min=1))
+
+
+def read_meta(path: str | Path) -> dict:
+    """``meta.json`` of a cache folder, or a one-line error when it is not one."""
+    path = Path(path)
+    if not (path / META).is_file():
+        raise TeacherCacheError(f"{path} is not a teacher cache (no {META}); write one with recipes/cache_teacher.py")
+    return json.loads((path / META).read_text())
+
+
+def check_meta(meta: dict, path: str | Path, *, temperature: float | None = None, kd_kind: str | None = None) -> None:
+    """Checks that need only the cache's metadata (run before any model loads)."""
+    mode = meta.get("mode", "topk")
+    if mode not in MODES:
+        raise TeacherCacheError(f"teacher cache {path} has unknown mode {mode!r}; rewrite it with recipes/cache_teacher.py")
+    if kd_kind is not None and kd_kind != "forward_kl":
+        raise TeacherCacheError(f"a teacher cache gives forward-KL targets only; set kd_kind=forward_kl "
+                                f"(got {kd_kind}) or distill from the live teacher")
+    if mode == "sampled" and temperature is not None and abs(meta["temperature"] - temperature) > 1e-9:
+        raise TeacherCacheError(f"teacher cache {path} was sampled at temperature {meta['temperature']} but the run "
+                                f"uses {temperature}; set temperature={meta['temperature']} or re-sample the cache")
+
+

@@ -30,10 +30,10 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs
 
+from core import checkpoint as ckpt
 from core import rundir
 from core.config import ConfigError, check_resume_config, parse_config, save_config
 from core.fsio import atomic_write_text, replace_dir
-from distill import checkpoint as ckpt
 from distill.data import eval_batches
 from eval.metrics import LMStats, evaluate_lm
 

@@ -26,11 +26,12 @@ from accelerate.logging import get_logger
 from accelerate.utils import set_seed
 
 from core.config import ConfigError, check_fields, field, run_cli
+from distill import on_policy
 from distill.data import BUILTIN, build_data, parse_sources, steps_for_tokens
 from distill.distributed import is_zero3, prepare_teacher
 from distill.model import HIDDEN_KINDS, KD_KINDS, DistillModel, LossConfig
 from distill.sources import load_pair
-from distill.teacher_cache import TeacherCache
+from distill.teacher_cache import TeacherCache, check_meta, read_meta
 from distill.training import (
     PRECISIONS,
     TRACKERS,
@@ -95,7 +96,8 @@ class DistillConfig:
     kd_weight: float = field(1.0, ge=0, help="logits KD term weight")
     kd_kind: str = field("forward_kl", choices=KD_KINDS, help=f"divergence: {', '.join(KD_KINDS)}")
     temperature: float = field(1.0, gt=0, help="KD temperature T (the term is scaled by T²)")
-    beta: float = field(0.5, ge=0, le=1, help="JSD interpolation (0 = forward KL, 1 = reverse KL)")
+    beta: float = field(0.5, ge=0, le=1, help="JSD interpolation (0 = forward KL, 1 = reverse KL); skew_kl: the "
+                        "teacher's share alpha of the mixture (DistiLLM: 0.1)")
     kd_chunk_size: int | None = field(1024, ge=1,
                                       help="tokens per chunk of the fused KD loss; empty = full logits")
     ce_weight: float = field(1.0, ge=0, help="cross-entropy on the data term weight")
@@ -112,7 +114,17 @@ class DistillConfig:
     attn_num_queries: int = field(64, ge=1,
                                   help="query positions sampled per sequence for the attention-map term")
     teacher_cache: str | None = field(None, help="folder written by recipes/cache_teacher.py: train from cached "
-                                      "top-k teacher log-probs without loading the teacher")
+                                      "teacher targets (top-k or sampled) without loading the teacher")
+    # on-policy distillation (distill/on_policy.py)
+    on_policy_fraction: float = field(0.0, ge=0, le=1, help="share of micro-batches whose continuations the "
+                                      "student generates (with serve's engine) from prompts; loss on the generated "
+                                      "tokens only")
+    gen_max_new_tokens: int = field(64, ge=1, help="on-policy: tokens generated per prompt")
+    gen_temperature: float = field(1.0, ge=0, help="on-policy: sampling temperature of the rollouts (0 = greedy)")
+    gen_prompt_tokens: int = field(64, ge=1, help="on-policy: prompt length (prefix of each block) or, with "
+                                   "gen_prompts=chat, the longest user-turn prompt used")
+    gen_prompts: str = field("prefix", choices=("prefix", "chat"), help="on-policy prompts: prefix (the start of "
+                             "each training block) | chat (the first user turn of each chat record in dataset)")
     # eval, logging, outputs
     eval_every: int = field(12, ge=0, help="held-out evaluation every N steps (0: only at start and end)")
     log_every: int = field(1, ge=1, help="tracker logging every N steps")
@@ -147,6 +159,8 @@ class DistillConfig:
             self.losses()
         except ValueError as err:
             raise ConfigError(str(err)) from None
+        on_policy.settings_from(self).check(self.seq_len, kd_weight=self.kd_weight,
+                                            cached_teacher=bool(self.teacher_cache))
 
     def losses(self) -> LossConfig:
         return LossConfig(
@@ -155,6 +169,34 @@ class DistillConfig:
             focal_alpha=self.focal_alpha, focal_gamma=self.focal_gamma, hidden_weight=self.hidden_weight,
             hidden_layers=self.hidden_layers, hidden_kind=self.hidden_kind, attn_weight=self.attn_weight,
             attn_layers=self.attn_layers, attn_num_queries=self.attn_num_queries)
+
+
+# --------------------------------------------------------------------------------------------
+# Pieces of the recipe that read better with a name
+# --------------------------------------------------------------------------------------------
+
+def load_models(cfg: DistillConfig):
+    """``(teacher or None, student, tokenizer)``: the pair, the student ready to train."""
+    if cfg.teacher_cache:  # mode/temperature/divergence mismatches fail before any model loads
+        check_meta(read_meta(cfg.teacher_cache), cfg.teacher_cache, temperature=cfg.temperature, kd_kind=cfg.kd_kind)
+    teacher, student, tokenizer = load_pair(cfg)
+    if cfg.seq_len > student.config.max_position_embeddings:
+        raise ConfigError(f"seq_len {cfg.seq_len} exceeds the model's maximum of "
+                          f"{student.config.max_position_embeddings} positions; lower seq_len")
+    if cfg.gradient_checkpointing:
+        student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    student.config.use_cache = False
+    return teacher, student, tokenizer
+
+
+def losses_for(cfg: DistillConfig, accelerator: Accelerator) -> LossConfig:
+    """The loss settings of the config, with full-logits KD under ZeRO-3."""
+    loss_cfg = cfg.losses()
+    if is_zero3(accelerator) and loss_cfg.kd_chunk_size is not None:
+        logger.warning("ZeRO-3 keeps head weights only inside the head's forward: using full-logits KD",
+                       main_process_only=True)
+        loss_cfg = dataclasses.replace(loss_cfg, kd_chunk_size=None)
+    return loss_cfg
 
 
 # --------------------------------------------------------------------------------------------
@@ -169,13 +211,7 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: 
               resume_safe=RESUME_SAFE)
 
     # ---- models -------------------------------------------------------------------------
-    teacher, student, tokenizer = load_pair(cfg)
-    if cfg.seq_len > student.config.max_position_embeddings:
-        raise ConfigError(f"seq_len {cfg.seq_len} exceeds the model's maximum of "
-                          f"{student.config.max_position_embeddings} positions; lower seq_len")
-    if cfg.gradient_checkpointing:
-        student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    student.config.use_cache = False
+    teacher, student, tokenizer = load_models(cfg)
 
     # ---- data ---------------------------------------------------------------------------
     global_batch = cfg.micro_batch_size * cfg.grad_accum * accelerator.num_processes
@@ -190,12 +226,9 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: 
     order = data.order(global_batch, cfg.seed)
 
     # ---- teacher–student module, optimizer, schedule -------------------------------------
-    loss_cfg = cfg.losses()
-    if is_zero3(accelerator) and loss_cfg.kd_chunk_size is not None:
-        logger.warning("ZeRO-3 keeps head weights only inside the head's forward: using full-logits KD",
-                       main_process_only=True)
-        loss_cfg = dataclasses.replace(loss_cfg, kd_chunk_size=None)
-    cache = TeacherCache(cfg.teacher_cache, data.train) if cfg.teacher_cache else None
+    loss_cfg = losses_for(cfg, accelerator)
+    cache = TeacherCache(cfg.teacher_cache, data.train, vocab_size=student.config.vocab_size, tokenizer=tokenizer,
+                         temperature=cfg.temperature) if cfg.teacher_cache else None
     model = DistillModel(student, None if cache else teacher, loss_cfg, tokenizer_size=len(tokenizer),
                          cached_teacher=cache is not None)
     plugin = accelerator.state.deepspeed_plugin
@@ -211,6 +244,7 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: 
         if cache is None:
             accelerator.unwrap_model(model).set_teacher(teacher)
     unwrapped = accelerator.unwrap_model(model)
+    policy = on_policy.build(cfg, accelerator, model, tokenizer)  # rollouts: serve's engine over the live student
 
     # ---- resume, then held-out metrics at init -------------------------------------------
     state = run.resume()
@@ -219,7 +253,9 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: 
         state.init = initial_metrics(cfg, accelerator, run, unwrapped.student, teacher, data.eval, cache, known_init)
 
     def forward(micro):
-        index, blocks = micro
+        j, (index, blocks) = micro
+        if policy is not None and policy.wants(step, j, cfg.grad_accum):  # on-policy micro-batch (step: the loop's)
+            return policy.forward(blocks, step, j, accelerator.device)
         topk = cache.lookup(index, accelerator.device) if cache is not None else None
         loss_mask = data.train.loss_mask(index)  # completion-only chat targets (None: every token)
         return model(input_ids=blocks.to(accelerator.device), teacher_topk=topk,
@@ -233,10 +269,12 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: 
     # ---- loop ---------------------------------------------------------------------------
     model.train()
     for step in run.steps():
-        micro = order.micro_batches(data.train, step, accelerator.process_index, accelerator.num_processes,
-                                    cfg.micro_batch_size)
+        micro = enumerate(order.micro_batches(data.train, step, accelerator.process_index,
+                                              accelerator.num_processes, cfg.micro_batch_size))
         terms = train_step(accelerator, model, optimizer, scheduler, params, micro, forward,
                            grad_accum=cfg.grad_accum, max_grad_norm=cfg.max_grad_norm)
+        if policy is not None:  # rollout tokens/s and share of time generating (this rank)
+            terms |= policy.stats(run.loop_seconds)
         run.record(step, terms, scheduler.get_last_lr()[0], tokens=global_batch * cfg.seq_len)
         if run.due(step, cfg.eval_every) or run.last(step):
             s, _ = evaluate(accelerator, unwrapped.student, data.eval, cfg.micro_batch_size,
@@ -259,6 +297,8 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: 
     del full_state
     summary = build_summary(cfg, accelerator, run, tokens_per_step=global_batch * cfg.seq_len)
     summary["data"] = data.summary(order, cfg.max_steps)  # per source: weight, blocks, epochs
+    if policy is not None:
+        summary["on_policy"] = policy.stats(run.loop_seconds)
     run.write_records(summary, title=f"{cfg.teacher} → student ({Path(cfg.output_dir).name})")
     return summary
 
@@ -337,7 +377,7 @@ def main(argv: list[str] | None = None) -> None:
         base = dataclasses.replace(
             cfg, output_dir=str(out / "ce_only"), kd_weight=0.0, hidden_weight=0.0, attn_weight=0.0,
             focal_weight=0.0, ce_weight=1.0, compare_ce_only=False, gate=False, resume=None, overwrite=True,
-            save_every=0, teacher_cache=None, debug_exit_at_step=None,
+            save_every=0, teacher_cache=None, debug_exit_at_step=None, on_policy_fraction=0.0,
         )
         if accelerator.is_main_process:
             print("\nablation: training a CE-only student for the same steps")

@@ -34,10 +34,10 @@ import torch
 import yaml
 
 from attention.spec import CONFIG_KEY, HybridAttentionConfig
+from core.checkpoint import complete_checkpoints
 from core.config import ConfigError
 from core.fsio import fsync_dir, fsync_tree
 from core.models import DTYPES, load_causal_lm
-from distill.checkpoint import complete_checkpoints
 
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 

@@ -40,6 +40,8 @@ def naive_divergence(s: torch.Tensor, t: torch.Tensor, kind: str, beta: float) -
     if kind == "jsd":
         m = beta * pt + (1 - beta) * ps
         return beta * kl(pt, m) + (1 - beta) * kl(ps, m)
+    if kind == "skew_kl":  # DistiLLM: KL(p || beta p + (1 - beta) q), textbook form on probabilities
+        return kl(pt, beta * pt + (1 - beta) * ps)
     return 0.5 * (pt - ps).abs().sum()
 
 
@@ -76,7 +78,8 @@ def make_logits(batch=2, seq=5, vocab=11, seed=0, dtype=torch.float64, scale=3.0
     return s, t, mask
 
 
-KIND_BETAS = [(k, 0.5) for k in ("forward_kl", "reverse_kl", "tvd")] + [("jsd", b) for b in (0.0, 0.1, 0.5, 0.9, 1.0)]
+KIND_BETAS = ([(k, 0.5) for k in ("forward_kl", "reverse_kl", "tvd")] + [("jsd", b) for b in (0.0, 0.1, 0.5, 0.9, 1.0)]
+              + [("skew_kl", b) for b in (0.0, 0.1, 0.5, 1.0)])
 
 
 # --------------------------------------------------------------------------- kd_loss

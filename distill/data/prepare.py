@@ -34,8 +34,8 @@ from distill.data.text import (
     BUILTIN,
     DataError,
     SourceSpec,
-    _load_records,
     encode_chat,
+    load_records,
     source_identity,
     stdlib_docs,
     tokenizer_fingerprint,
@@ -191,7 +191,7 @@ def _records(spec: SourceSpec):
     if spec.source == BUILTIN:
         train, held = stdlib_docs("train"), stdlib_docs("eval")
         return datasets.Dataset.from_dict({"text": train + held, "heldout": [False] * len(train) + [True] * len(held)})
-    return _load_records(spec.source, spec.split)
+    return load_records(spec.source, spec.split)
 
 
 class _Writer:

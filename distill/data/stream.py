@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from distill.data.prepare import PackSettings, _tokenize_fn
-from distill.data.text import DataError, SourceSpec, _load_records
+from distill.data.text import DataError, SourceSpec, load_records
 
 RESUME_NOTE = ("streamed data resumes by re-reading the stream up to the checkpoint's block; exact only if the "
                "source yields the same records in the same order (same files / same hub revision)")
@@ -78,7 +78,7 @@ class StreamBlocks:
 
     def blocks(self, split: str) -> Iterator[tuple[np.ndarray, np.ndarray | None]]:
         """Every ``split`` ('train' / 'eval') block of one pass over the stream."""
-        records = _load_records(self.spec.source, self.spec.split, streaming=True)
+        records = load_records(self.spec.source, self.spec.split, streaming=True)
         batch: list[dict] = []
         index = 0
         packer: _Packer | None = None

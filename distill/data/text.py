@@ -56,7 +56,7 @@ def local_files(source: str) -> tuple[str, list[Path]] | None:
     return None
 
 
-def _load_records(source: str, split: str | None, streaming: bool = False):
+def load_records(source: str, split: str | None, streaming: bool = False):
     import datasets
 
     local = local_files(source)
@@ -182,7 +182,7 @@ def encode_chat(tokenizer, conversations: list[list[dict]], completion_only: boo
 
 def texts_from(source: str, tokenizer, *, text_field: str = "text", split: str | None = None) -> list[str]:
     """Documents of a dataset as strings (chat records rendered with the chat template)."""
-    records = _load_records(source, split)
+    records = load_records(source, split)
     cols = records.column_names
     if "messages" in cols:
         if getattr(tokenizer, "chat_template", None) is None:

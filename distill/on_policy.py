@@ -1,0 +1,273 @@
+"""On-policy distillation: the student continues prompts with the toolkit's own decode engine.
+
+Off-policy KD trains only on fixed text, so the student never sees (nor learns to recover from) the
+prefixes it produces itself. On a share ``fraction`` of the micro-batches, :class:`OnPolicy` instead
+
+1. takes prompts (text prefixes of the micro-batch's own packed blocks, or the user turns of a
+   chat dataset),
+2. lets the *current* student continue them with :class:`serve.engine.Engine` (batched, KV-cached,
+   seeded per row),
+3. runs the usual teacher–student forward on prompt + continuation — the teacher scores every
+   rollout in one forward — with the loss counted on the generated tokens only and only the
+   divergence terms on (CE on the student's own samples would just reinforce them).
+
+Weights: the engine is built once over the live student's modules with ``fast_weights=False``, so
+it reads the very parameters the optimizer updates — no copy, no sync, always the current weights.
+(The engine's fused decode copies would be stale after every optimizer step; they are never made.)
+
+Which micro-batches go on-policy is a fixed function of (step, micro-batch index): every rank makes
+the same choice (DDP ranks stay in step) and a resumed run makes the same choices again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from core.config import ConfigError
+from serve.engine import Engine
+from serve.sampling import SamplingParams
+
+PROMPT_SOURCES = ("prefix", "chat")
+
+
+class OnPolicyError(ConfigError):
+    """Settings or data that on-policy training cannot use; the message names the fix."""
+
+
+@dataclass
+class OnPolicySettings:
+    """The on-policy knobs of a recipe config (see ``recipes/distill.py`` for their help)."""
+
+    fraction: float = 0.0
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    prompt_tokens: int = 64
+    prompts: str = "prefix"
+    seed: int = 0
+
+    def check(self, seq_len: int, *, kd_weight: float, cached_teacher: bool) -> None:
+        """Everything that can be checked before a model loads; one-line errors."""
+        if not 0.0 <= self.fraction <= 1.0:
+            raise OnPolicyError(f"on_policy_fraction must be in [0, 1] (the share of on-policy micro-batches), "
+                                f"got {self.fraction}")
+        if self.fraction == 0:
+            return
+        if self.max_new_tokens < 1 or self.prompt_tokens < 1:
+            raise OnPolicyError("gen_max_new_tokens and gen_prompt_tokens must be >= 1")
+        if self.temperature < 0:
+            raise OnPolicyError(f"gen_temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.prompts not in PROMPT_SOURCES:
+            raise OnPolicyError(f"gen_prompts '{self.prompts}' is unknown; use one of {', '.join(PROMPT_SOURCES)}")
+        if self.prompt_tokens + self.max_new_tokens > seq_len:
+            raise OnPolicyError(f"gen_prompt_tokens ({self.prompt_tokens}) + gen_max_new_tokens ({self.max_new_tokens}) "
+                                f"exceeds seq_len {seq_len}; lower them or raise seq_len")
+        if kd_weight <= 0:
+            raise OnPolicyError("on-policy micro-batches train on the divergence only: set kd_weight > 0")
+        if cached_teacher:
+            raise OnPolicyError("on-policy rollouts need the live teacher to score them; drop teacher_cache or set "
+                                "on_policy_fraction=0")
+
+
+def is_on_policy(step: int, micro: int, grad_accum: int, fraction: float) -> bool:
+    """Whether micro-batch ``micro`` of optimizer step ``step`` is on-policy.
+
+    Spreads the on-policy share evenly: micro-batch ``i`` (counted over the whole run) is on-policy
+    when ``floor((i + 1) * fraction) > floor(i * fraction)``, so any window of ``n`` micro-batches
+    holds ``n * fraction`` of them, give or take one.
+    """
+    i = step * grad_accum + micro
+    return math.floor((i + 1) * fraction + 1e-9) > math.floor(i * fraction + 1e-9)
+
+
+def prefix_prompts(blocks: torch.Tensor, prompt_tokens: int) -> list[list[int]]:
+    """``[rows, seq]`` packed blocks → the first ``prompt_tokens`` ids of each row."""
+    return [row[:prompt_tokens].tolist() for row in blocks]
+
+
+def chat_prompts(dataset: str, tokenizer, prompt_tokens: int) -> list[list[int]]:
+    """Every chat record's conversation up to its first user turn, rendered for generation.
+
+    Records longer than ``prompt_tokens`` are skipped (never truncated). One-line error when the
+    dataset has no chat records or none fits.
+    """
+    from distill.data.text import load_records
+
+    records = load_records(dataset, None)
+    if "messages" not in records.column_names:
+        raise OnPolicyError(f"{dataset} has no chat records ('messages'); use gen_prompts=prefix")
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise OnPolicyError("gen_prompts=chat needs a tokenizer with a chat template; use gen_prompts=prefix")
+    out, seen = [], 0
+    for r in records:
+        msgs = r["messages"] or []
+        first = next((i for i, m in enumerate(msgs) if m.get("role") == "user" and m.get("content")), None)
+        if first is None:
+            continue
+        seen += 1
+        text = tokenizer.apply_chat_template(msgs[: first + 1], add_generation_prompt=True, tokenize=False)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) <= prompt_tokens:
+            out.append(list(ids))
+    if not out:
+        why = "no record has a user turn" if not seen else f"no user turn fits in gen_prompt_tokens={prompt_tokens}"
+        raise OnPolicyError(f"{dataset} has no usable prompts ({why}); raise gen_prompt_tokens or use gen_prompts=prefix")
+    return out
+
+
+def rollout_seed(seed: int, step: int, micro: int, rank: int, row: int) -> int:
+    """A distinct, reproducible sampling seed for every rollout row of the run."""
+    x = seed
+    for part in (step, micro, rank, row):
+        x = (x * 1_000_003 + part + 1) % (2**61 - 1)
+    return x
+
+
+def rollout_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: int
+                  ) -> dict[str, torch.Tensor]:
+    """Prompt + continuation rows, right-padded, with labels on the continuation only.
+
+    Returns ``input_ids`` ``[rows, longest]``, ``attention_mask`` ``[rows, longest]`` and ``labels``
+    ``[rows, longest]`` (the generated ids at their positions, -100 on prompt and padding), in the
+    HF convention :class:`distill.model.DistillModel` reads: position t predicts ``labels[t + 1]``.
+    """
+    longest = max(len(p) + len(c) for p, c in zip(prompts, completions))
+    ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    labels = torch.full_like(ids, -100)
+    for r, (p, c) in enumerate(zip(prompts, completions)):
+        n = len(p) + len(c)
+        ids[r, :n] = torch.tensor(p + c, dtype=torch.long)
+        mask[r, :n] = 1
+        if c:
+            labels[r, len(p):n] = torch.tensor(c, dtype=torch.long)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+class Rollouts:
+    """:class:`serve.engine.Engine` over a live student (its parameters used in place, never copied).
+
+    Args:
+        student: the HF causal LM being trained (unwrapped from DDP).
+        tokenizer: its tokenizer.
+        max_batch: rows decoded together (the micro-batch size).
+        max_seq_len: prompt + continuation budget (the engine refuses longer requests).
+    """
+
+    def __init__(self, student, tokenizer, max_batch: int, max_seq_len: int):
+        p = next(student.parameters())
+        was = student.training
+        self.student = student
+        self.engine = Engine(model=student, tokenizer=tokenizer, device=p.device, dtype=p.dtype, max_batch=max_batch,
+                             max_seq_len=max_seq_len, fast_weights=False)
+        student.train(was)  # the engine puts its model in eval mode; training continues in train mode
+
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+        """Continuations (token ids, stop token excluded) of ``prompts`` with the current weights."""
+        was = self.student.training
+        self.student.eval()
+        try:
+            return [c.token_ids for c in self.engine.generate(prompts, params)]
+        finally:
+            self.student.train(was)
+
+
+class OnPolicy:
+    """The on-policy micro-batch: rollouts from the current student, then a divergence-only step.
+
+    Args:
+        settings: the on-policy knobs.
+        model: the prepared (possibly DDP-wrapped) :class:`distill.model.DistillModel`.
+        unwrapped: the same module unwrapped (its ``student`` generates; its ``loss_config`` is
+            swapped for the divergence-only one during on-policy forwards).
+        tokenizer: the student's tokenizer.
+        micro_batch_size, rank: rows per micro-batch and this process's rank (seeds differ per rank).
+        prompts: fixed prompt pool (chat user turns); None = prefixes of each micro-batch's blocks.
+    """
+
+    def __init__(self, settings: OnPolicySettings, model, unwrapped, tokenizer, micro_batch_size: int, rank: int = 0,
+                 prompts: list[list[int]] | None = None):
+        self.s = settings
+        self.model, self.unwrapped = model, unwrapped
+        self.rank = rank
+        self.pool = prompts
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.rollouts = Rollouts(unwrapped.student, tokenizer, micro_batch_size,
+                                 settings.prompt_tokens + settings.max_new_tokens)
+        cfg = unwrapped.loss_config
+        # The divergence (and hidden/attention matching, which is valid on any shared text) only.
+        self.loss_config = dataclasses.replace(cfg, ce_weight=0.0, focal_weight=0.0)
+        self.gen_seconds = 0.0
+        self.gen_tokens = 0
+        self.micro_batches = 0
+
+    def wants(self, step: int, micro: int, grad_accum: int) -> bool:
+        return self.s.fraction > 0 and is_on_policy(step, micro, grad_accum, self.s.fraction)
+
+    def prompts_for(self, blocks: torch.Tensor, step: int, micro: int) -> list[list[int]]:
+        """Prompts of one micro-batch: its blocks' prefixes, or pool entries chosen by a seeded draw."""
+        if self.pool is None:
+            return prefix_prompts(blocks, self.s.prompt_tokens)
+        g = torch.Generator().manual_seed(rollout_seed(self.s.seed, step, micro, self.rank, 10**6))
+        pick = torch.randint(len(self.pool), (blocks.shape[0],), generator=g).tolist()
+        return [self.pool[i] for i in pick]
+
+    def params_for(self, n: int, step: int, micro: int) -> list[SamplingParams]:
+        return [SamplingParams(max_new_tokens=self.s.max_new_tokens, temperature=self.s.temperature,
+                               seed=rollout_seed(self.s.seed, step, micro, self.rank, r)) for r in range(n)]
+
+    def generate(self, blocks: torch.Tensor, step: int, micro: int) -> dict[str, torch.Tensor]:
+        """Roll out one micro-batch; returns the :func:`rollout_batch` tensors (on CPU)."""
+        prompts = self.prompts_for(blocks, step, micro)
+        t0 = time.perf_counter()
+        completions = self.rollouts.generate(prompts, self.params_for(len(prompts), step, micro))
+        self.gen_seconds += time.perf_counter() - t0
+        self.gen_tokens += sum(len(c) for c in completions)
+        self.micro_batches += 1
+        return rollout_batch(prompts, completions, self.pad_id)
+
+    def forward(self, blocks: torch.Tensor, step: int, micro: int, device: torch.device):
+        """Rollouts, then one teacher–student forward on them with the divergence-only losses."""
+        batch = {k: v.to(device) for k, v in self.generate(blocks, step, micro).items()}
+        saved = self.unwrapped.loss_config
+        self.unwrapped.loss_config = self.loss_config
+        try:
+            return self.model(**batch)
+        finally:
+            self.unwrapped.loss_config = saved
+
+    def stats(self, elapsed: float) -> dict[str, float]:
+        """Rollout tokens/s and the share of ``elapsed`` training seconds spent generating (this rank)."""
+        return {"rollout_tok_s": self.gen_tokens / max(self.gen_seconds, 1e-9),
+                "gen_time_share": self.gen_seconds / max(elapsed, 1e-9),
+                "rollout_tokens": float(self.gen_tokens)}
+
+
+def settings_from(cfg) -> OnPolicySettings:
+    """:class:`OnPolicySettings` from a recipe config's ``on_policy_fraction`` / ``gen_*`` fields."""
+    return OnPolicySettings(fraction=cfg.on_policy_fraction, max_new_tokens=cfg.gen_max_new_tokens,
+                            temperature=cfg.gen_temperature, prompt_tokens=cfg.gen_prompt_tokens,
+                            prompts=cfg.gen_prompts, seed=cfg.seed)
+
+
+def build(cfg, accelerator, model, tokenizer) -> OnPolicy | None:
+    """The recipe's on-policy helper (None when ``on_policy_fraction`` is 0), after ``accelerator.prepare``."""
+    settings = settings_from(cfg)
+    if settings.fraction == 0:
+        return None
+    from distill.distributed import is_zero3
+
+    if is_zero3(accelerator):
+        raise OnPolicyError("on-policy rollouts read the student's parameters in place, which ZeRO-3 shards; "
+                            "use DDP or ZeRO-2 (launch/deepspeed_zero2.yaml) or set on_policy_fraction=0")
+    unwrapped = accelerator.unwrap_model(model)
+    limit = unwrapped.student.config.max_position_embeddings
+    if settings.prompt_tokens + settings.max_new_tokens > limit:
+        raise OnPolicyError(f"gen_prompt_tokens + gen_max_new_tokens exceeds the student's context of {limit} "
+                            "tokens; lower them")
+    pool = chat_prompts(cfg.dataset, tokenizer, settings.prompt_tokens) if settings.prompts == "chat" else None
+    return OnPolicy(settings, model, unwrapped, tokenizer, cfg.micro_batch_size, accelerator.process_index, pool)

@@ -1,0 +1,206 @@
+"""On-policy distillation: rollouts from serve's engine over the live student, loss on generated tokens."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from core.config import ConfigError
+from core.tiny import tiny_model, tiny_tokenizer
+from distill.model import DistillModel, LossConfig
+from distill.on_policy import (
+    OnPolicy,
+    OnPolicyError,
+    OnPolicySettings,
+    chat_prompts,
+    is_on_policy,
+    rollout_batch,
+)
+from serve.engine import Engine
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _pair(kind="reverse_kl", temperature=1.0, beta=0.5):
+    teacher = tiny_model(seed=1, layers=2)
+    student = tiny_model(seed=2, layers=1).train()
+    # LossConfig has no defaults of its own: every term spelled out.
+    cfg = LossConfig(kd_weight=1.0, kd_kind=kind, temperature=temperature, beta=beta, kd_chunk_size=1024, ce_weight=1.0,
+                     focal_weight=0.0, focal_alpha=0.25, focal_gamma=2.0, hidden_weight=0.0, hidden_layers=["relative"],
+                     hidden_kind="nmse", attn_weight=0.0, attn_layers=[], attn_num_queries=64)
+    return teacher, student, DistillModel(student, teacher, cfg)
+
+
+def _policy(model, fraction=1.0, temperature=1.0, max_new=6, prompt=4, batch=3, seed=0):
+    s = OnPolicySettings(fraction=fraction, max_new_tokens=max_new, temperature=temperature, prompt_tokens=prompt,
+                         seed=seed)
+    return OnPolicy(s, model, model, tiny_tokenizer(), batch)
+
+
+def test_on_policy_share_is_exact_and_spread():
+    for fraction in (0.0, 0.25, 0.5, 1 / 3, 1.0):
+        picks = [is_on_policy(step, j, 4, fraction) for step in range(30) for j in range(4)]
+        assert sum(picks) == round(120 * fraction)
+    picks = [is_on_policy(s, 0, 1, 0.5) for s in range(6)]
+    assert picks == [False, True] * 3  # evenly spread, not all at the start
+
+
+def test_rollout_batch_labels_only_generated_tokens():
+    batch = rollout_batch([[5, 6, 7], [8]], [[9, 10], []], pad_id=0)
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 9, 10], [8, 0, 0, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
+    assert batch["labels"].tolist() == [[-100, -100, -100, 9, 10], [-100] * 5]
+
+
+def _hand_loss(student, teacher, prompts, completions, kind, temperature, beta):
+    """Per row, unpadded full forwards; the divergence at each position that predicts a generated token."""
+    terms = []
+    for p, c in zip(prompts, completions):
+        if not c:
+            continue
+        ids = torch.tensor([p + c])
+        zs = student(input_ids=ids).logits[0].double() / temperature
+        with torch.no_grad():
+            zt = teacher(input_ids=ids).logits[0].double() / temperature
+        for i in range(len(c)):
+            pos = len(p) - 1 + i  # this position predicts c[i]
+            log_q, log_p = zs[pos].log_softmax(-1), zt[pos].log_softmax(-1)
+            q, p_ = log_q.exp(), log_p.exp()
+            if kind == "reverse_kl":
+                d = (q * (log_q - log_p)).sum()
+            elif kind == "forward_kl":
+                d = (p_ * (log_p - log_q)).sum()
+            else:  # skew_kl: KL(p || beta p + (1 - beta) q)
+                m = beta * p_ + (1 - beta) * q
+                d = (p_ * (log_p - m.log())).sum()
+            terms.append(d * temperature**2)
+    return torch.stack(terms).mean()
+
+
+@pytest.mark.parametrize("kind,temperature,beta", [("reverse_kl", 1.0, 0.5), ("forward_kl", 2.0, 0.5),
+                                                   ("skew_kl", 1.0, 0.1)])
+def test_on_policy_step_equals_hand_computed_loss(kind, temperature, beta):
+    teacher, student, model = _pair(kind, temperature, beta)
+    policy = _policy(model)
+    blocks = torch.randint(3, 320, (3, 16), generator=torch.Generator().manual_seed(0))
+    reference = copy.deepcopy(student)
+    out = policy.forward(blocks, step=2, micro=1, device=torch.device("cpu"))
+    assert model.loss_config.ce_weight == 1.0  # restored after the on-policy forward
+    assert float(out.ce) == 0.0  # the divergence only: no CE on the student's own samples
+
+    # Same weights, same seeds, a stand-alone engine: the same continuations.
+    prompts = [row[:4].tolist() for row in blocks]
+    engine = Engine(model=reference, tokenizer=tiny_tokenizer(), max_batch=3, max_seq_len=10, fast_weights=False)
+    completions = [c.token_ids for c in engine.generate(prompts, policy.params_for(3, 2, 1))]
+    assert out.tokens == sum(len(c) for c in completions) > 0
+    reference.train()
+    hand = _hand_loss(reference, teacher, prompts, completions, kind, temperature, beta)
+    assert out.loss.item() == pytest.approx(hand.item(), rel=1e-4, abs=1e-6)
+    out.loss.backward()
+    hand.backward()
+    for (name, a), b in zip(student.named_parameters(), reference.parameters()):
+        assert torch.allclose(a.grad, b.grad.float(), rtol=1e-3, atol=1e-6), name
+
+
+def test_rollouts_during_training_follow_the_live_weights():
+    """After optimizer steps the training engine's rollouts equal a fresh engine's on a copy of the weights."""
+    _, student, model = _pair("forward_kl")
+    policy = _policy(model, temperature=0.8, max_new=8)
+    opt = torch.optim.SGD(student.parameters(), lr=0.5)
+    blocks = torch.randint(3, 320, (3, 16), generator=torch.Generator().manual_seed(1))
+    before = policy.generate(blocks, 0, 0)
+    for step in range(2):
+        policy.forward(blocks, step, 0, torch.device("cpu")).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert student.training  # rollouts leave the student in train mode
+    during = policy.generate(blocks, 5, 0)
+    prompts = [row[:4].tolist() for row in blocks]
+    fresh = Engine(model=copy.deepcopy(student), tokenizer=tiny_tokenizer(), max_batch=3, max_seq_len=12,
+                   fast_weights=False)
+    alone = rollout_batch(prompts, [c.token_ids for c in fresh.generate(prompts, policy.params_for(3, 5, 0))], 0)
+    assert torch.equal(during["input_ids"], alone["input_ids"])
+    # No copy: the engine decodes from the very tensors the optimizer updates, and holds no fused copies.
+    engine_model = policy.rollouts.engine.model
+    assert engine_model.hf is student and engine_model.fast_weight_bytes() == 0
+    assert engine_model.lm_head.weight.data_ptr() == student.lm_head.weight.data_ptr()
+    assert before["input_ids"].shape[0] == 3
+    assert policy.stats(1.0)["rollout_tokens"] > 0
+
+
+def test_settings_errors_are_one_line_and_early():
+    from recipes.distill import DistillConfig
+
+    cases = [
+        (dict(on_policy_fraction=1.5), "on_policy_fraction must be in [0, 1]"),
+        (dict(on_policy_fraction=-0.1), "on_policy_fraction must be in [0, 1]"),
+        (dict(on_policy_fraction=0.5, seq_len=64, gen_prompt_tokens=32, gen_max_new_tokens=64), "exceeds seq_len 64"),
+        (dict(on_policy_fraction=0.5, teacher_cache="x", hidden_weight=0, attn_weight=0), "live teacher"),
+        (dict(on_policy_fraction=0.5, kd_weight=0), "kd_weight > 0"),
+        (dict(on_policy_fraction=0.5, gen_prompts="files"), "gen_prompts must be one of prefix, chat, got 'files'"),
+    ]
+    for kwargs, match in cases:
+        with pytest.raises(ConfigError, match=match.replace("[", r"\[").replace("]", r"\]")) as err:
+            DistillConfig(**kwargs)
+        assert "\n" not in str(err.value)
+    DistillConfig(on_policy_fraction=0.5)  # the defaults fit in the default seq_len
+
+
+def test_chat_prompts_take_first_user_turn_and_refuse_unusable_data(tmp_path):
+    tok = tiny_tokenizer()
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("\n".join(json.dumps(r) for r in [
+        {"messages": [{"role": "user", "content": "the fox"}, {"role": "assistant", "content": "jumps"}]},
+        {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the dog"}]},
+        {"messages": [{"role": "assistant", "content": "no user here"}]},
+    ]))
+    prompts = chat_prompts(str(chat), tok, 64)
+    assert len(prompts) == 2
+    assert tok.decode(prompts[0]).endswith("assistant\n") and "jumps" not in tok.decode(prompts[0])
+    assert "be brief" in tok.decode(prompts[1])
+    with pytest.raises(OnPolicyError, match="no user turn fits"):
+        chat_prompts(str(chat), tok, 2)
+    text = tmp_path / "text.jsonl"
+    text.write_text(json.dumps({"text": "plain"}))
+    with pytest.raises(OnPolicyError, match="no chat records"):
+        chat_prompts(str(text), tok, 64)
+
+
+@pytest.mark.slow
+def test_recipe_on_policy_run(tmp_path):
+    out = tmp_path / "op"
+    proc = subprocess.run([sys.executable, "recipes/distill.py", "--config", "recipes/configs/tiny.yaml",
+                           f"output_dir={out}", "max_steps=3", "save_every=0", "compare_ce_only=false",
+                           "on_policy_fraction=0.5", "grad_accum=2", "gen_max_new_tokens=8", "gen_prompt_tokens=8"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["on_policy"]["rollout_tokens"] > 0 and 0 < summary["on_policy"]["gen_time_share"] < 1
+    assert summary["student_ppl_final"] is not None
+    bad = subprocess.run([sys.executable, "recipes/distill.py", "--config", "recipes/configs/tiny.yaml",
+                          f"output_dir={tmp_path / 'bad'}", "on_policy_fraction=2"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600)
+    assert bad.returncode == 2 and "on_policy_fraction must be in [0, 1]" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_recipe_on_policy_under_two_process_ddp(tmp_path):
+    """Both ranks pick the same on-policy micro-batches (no DDP hang) and train to a final student."""
+    from tests.test_distributed import _launch
+
+    out = tmp_path / "ddp"
+    _launch("cpu_ddp_2proc.yaml", [str(ROOT / "recipes" / "distill.py"), "--config", "recipes/configs/tiny.yaml",
+                                   f"output_dir={out}", "max_steps=2", "save_every=0", "eval_every=0",
+                                   "compare_ce_only=false", "on_policy_fraction=0.5", "grad_accum=2",
+                                   "gen_max_new_tokens=8", "gen_prompt_tokens=8"], cpu_ddp=True, timeout=600)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["num_processes"] == 2 and summary["on_policy"]["rollout_tokens"] > 0
+    assert (out / "final" / "model.safetensors").exists()

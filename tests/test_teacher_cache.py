@@ -1,0 +1,192 @@
+"""Teacher caches: the sampled estimator is unbiased (top-k is not), and foreign caches are refused."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from core.tiny import tiny_tokenizer
+from distill.losses import SampledKDLoss, kd_loss, sampled_kd_loss
+from distill.teacher_cache import (
+    META,
+    CachedTargets,
+    TeacherCache,
+    TeacherCacheError,
+    bytes_per_token,
+    cached_kd_loss,
+    check_meta,
+    fingerprint,
+    sample_teacher,
+    tail_mass,
+    tokenizer_fingerprint,
+    topk_kd_loss,
+    topk_logprobs,
+    write_shard,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _logits(positions=3, vocab=40, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    teacher = torch.randn(positions, vocab, generator=g, dtype=torch.float64) * 2.0
+    student = torch.randn(positions, vocab, generator=g, dtype=torch.float64)
+    return student, teacher
+
+
+def test_sample_teacher_counts_are_distinct_ids_summing_to_n():
+    _, teacher = _logits(positions=50)
+    ids, counts, lp = sample_teacher(teacher, 12, 1.0, torch.Generator().manual_seed(1))
+    assert ids.dtype == torch.int32 and counts.dtype == torch.uint8 and ids.shape == (50, 12)
+    assert (counts.long().sum(-1) == 12).all()
+    for row_ids, row_counts, row_lp, row_t in zip(ids, counts, lp, teacher):
+        used = row_counts > 0
+        assert len(set(row_ids[used].tolist())) == int(used.sum())  # distinct
+        assert torch.isinf(row_lp[~used]).all()
+        expected = torch.log_softmax(row_t.float(), -1)[row_ids[used].long()]
+        assert torch.allclose(row_lp[used], expected, atol=1e-5)
+    with pytest.raises(ValueError, match="255"):
+        sample_teacher(teacher, 256)
+
+
+def test_sampled_loss_matches_closed_form_for_one_draw():
+    """For a fixed draw: value = T² · mean Σ w (log p - log q_T), grad = T (q_T - p_hat) / tokens."""
+    student, teacher = _logits(positions=4)
+    t = 1.7
+    ids, counts, lp = sample_teacher(teacher, 9, t, torch.Generator().manual_seed(0))
+    w = counts.double() / 9
+    s = student.clone().requires_grad_(True)
+    loss = sampled_kd_loss(s, ids, w, temperature=t, teacher_logprobs=lp.double())
+    loss.backward()
+    logq = torch.log_softmax(student / t, -1)
+    p_hat = torch.zeros_like(student).scatter_add_(1, ids.long(), w)
+    ref = sum((w[i][counts[i] > 0] * (lp[i][counts[i] > 0].double() - logq[i][ids[i][counts[i] > 0].long()])).sum()
+              for i in range(4)) / 4 * t * t
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-6)
+    assert torch.allclose(s.grad, t * (logq.exp() - p_hat) / 4, atol=1e-9)
+    assert SampledKDLoss(t)(student, ids, w, teacher_logprobs=lp.double()).item() == pytest.approx(loss.item())
+    # Masked positions count for nothing; no counted position gives 0 with a graph.
+    mask = torch.tensor([True, False, True, False])
+    s.grad = None
+    sampled_kd_loss(s, ids, w, mask, temperature=t).backward()
+    assert (s.grad[~mask] == 0).all() and (s.grad[mask] != 0).any()
+    empty = sampled_kd_loss(s, ids, w, torch.zeros(4, dtype=torch.bool), temperature=t)
+    empty.backward()
+    assert empty.item() == 0.0
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_sampled_gradient_is_unbiased_and_topk_is_not(temperature):
+    """Averaged over many draws the sampled gradient equals full-logit forward KD's; top-k's stays off."""
+    positions, vocab, n, draws = 3, 40, 8, 4000
+    student, teacher = _logits(positions, vocab)
+    s = student.clone().requires_grad_(True)
+    full = torch.autograd.grad(kd_loss(s, teacher, temperature=temperature), s)[0]
+    full_value = kd_loss(student, teacher, temperature=temperature).item()
+
+    # `draws` independent caches of the same positions, as one batch: the mean over tokens makes the
+    # gradient w.r.t. the shared student logits the average of the per-draw gradients.
+    ids, counts, lp = sample_teacher(teacher.expand(draws, positions, vocab), n, temperature,
+                                     torch.Generator().manual_seed(0))
+    loss = sampled_kd_loss(s.expand(draws, positions, vocab), ids, counts.double() / n, temperature=temperature,
+                           teacher_logprobs=lp.double())
+    sampled = torch.autograd.grad(loss, s)[0]
+    # p_hat_j is a binomial share, std sqrt(p_j (1 - p_j) / n) per draw; the gradient is T (q - p_hat) / positions.
+    p = torch.softmax(teacher / temperature, -1)
+    std = temperature / positions * (p * (1 - p) / (n * draws)).sqrt()
+    assert ((sampled - full).abs() <= 5 * std + 1e-9).all()
+    assert loss.item() == pytest.approx(full_value, abs=5 * temperature**2 * 0.5 / draws**0.5)
+
+    k = 4
+    idx, top = topk_logprobs(teacher, k)
+    topk = torch.autograd.grad(topk_kd_loss(s, idx.long(), top, temperature=temperature), s)[0]
+    assert ((topk - full).abs() / (std + 1e-9)).max() > 20, "top-k gradient should be visibly biased"
+    assert tail_mass(top).min() > 0
+
+
+def _write_cache(path: Path, blocks: torch.Tensor, tokenizer, *, mode="sampled", vocab=320, temperature=1.0):
+    path.mkdir()
+    logits = torch.randn(*blocks.shape, vocab)
+    if mode == "sampled":
+        ids, counts, lp = sample_teacher(logits, 6, temperature)
+        write_shard(path / "shard-00000.safetensors", ids, lp, counts)
+    else:
+        ids, lp = topk_logprobs(logits, 6)
+        write_shard(path / "shard-00000.safetensors", ids, lp)
+    meta = {"mode": mode, "k": 6, "seq_len": blocks.shape[1], "blocks": blocks.shape[0],
+            "fingerprint": fingerprint(blocks), "vocab_size": vocab,
+            "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer), "bytes_per_token": bytes_per_token(mode, 6),
+            "temperature": temperature}
+    (path / META).write_text(json.dumps(meta))
+
+
+def test_cache_lookup_and_loss_dispatch(tmp_path):
+    tok = tiny_tokenizer()
+    blocks = torch.randint(0, 320, (3, 8))
+    _write_cache(tmp_path / "s", blocks, tok)
+    _write_cache(tmp_path / "k", blocks, tok, mode="topk")
+    sampled = TeacherCache(tmp_path / "s", blocks, vocab_size=320, tokenizer=tok, temperature=1.0)
+    topk = TeacherCache(tmp_path / "k", blocks, vocab_size=320, tokenizer=tok, temperature=3.0)
+    ts, tk = sampled.lookup(torch.tensor([2, 0]), "cpu"), topk.lookup(torch.tensor([2, 0]), "cpu")
+    assert ts.weights is not None and torch.allclose(ts.weights.sum(-1), torch.ones(2, 8))
+    assert tk.weights is None and ts.ids.shape == tk.ids.shape == (2, 8, 6)
+    logits = torch.randn(2, 7, 320)
+    a = cached_kd_loss(logits, ts.positions(slice(None, -1)))
+    assert a.item() == pytest.approx(sampled_kd_loss(logits, ts.ids[:, :-1], ts.weights[:, :-1],
+                                                     teacher_logprobs=ts.logprobs[:, :-1]).item())
+    b = cached_kd_loss(logits, (tk.ids[:, :-1], tk.logprobs[:, :-1]))
+    assert b.item() == pytest.approx(topk_kd_loss(logits, tk.ids[:, :-1], tk.logprobs[:, :-1]).item())
+    assert isinstance(tk, CachedTargets) and tk.positions(slice(1, None)).ids.shape == (2, 7, 6)
+
+
+def test_foreign_caches_are_refused_in_one_line(tmp_path):
+    tok = tiny_tokenizer()
+    blocks = torch.randint(0, 320, (2, 8))
+    _write_cache(tmp_path / "c", blocks, tok, temperature=2.0)
+    cases = [
+        (dict(vocab_size=321, tokenizer=tok, temperature=2.0), "vocabulary of 320"),
+        (dict(vocab_size=320, tokenizer=_other_tokenizer(), temperature=2.0), "another tokenizer"),
+        (dict(vocab_size=320, tokenizer=tok, temperature=1.0), "temperature=2.0"),
+    ]
+    for kwargs, match in cases:
+        with pytest.raises(TeacherCacheError, match=match) as err:
+            TeacherCache(tmp_path / "c", blocks, **kwargs)
+        assert "\n" not in str(err.value)
+    with pytest.raises(TeacherCacheError, match="other data"):
+        TeacherCache(tmp_path / "c", blocks + 1, vocab_size=320, tokenizer=tok, temperature=2.0)
+    with pytest.raises(TeacherCacheError, match="kd_kind=forward_kl"):
+        check_meta({"mode": "sampled", "temperature": 2.0}, tmp_path / "c", kd_kind="reverse_kl")
+    with pytest.raises(TeacherCacheError, match="not a teacher cache"):
+        TeacherCache(tmp_path, blocks)
+
+
+def _other_tokenizer():
+    tok = tiny_tokenizer()
+    tok.add_tokens(["<extra>"])
+    return tok
+
+
+@pytest.mark.slow
+def test_sampled_cache_recipe_round_trip(tmp_path):
+    cache = tmp_path / "cache"
+    proc = subprocess.run([sys.executable, "recipes/cache_teacher.py", "teacher=tiny-random", "seq_len=64",
+                           "max_blocks=16", "mode=sampled", "samples=12", "temperature=2.0",
+                           f"output_dir={cache}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    meta = json.loads((cache / "meta.json").read_text())
+    assert meta["mode"] == "sampled" and meta["bytes_per_token"] == 12 * 7 and "bytes/token" in proc.stdout
+    common = [sys.executable, "recipes/distill.py", "--config", "recipes/configs/tiny.yaml", f"teacher_cache={cache}",
+              "hidden_weight=0", "attn_weight=0", "max_steps=2", "save_every=0", "max_train_blocks=16",
+              "compare_ce_only=false"]
+    good = subprocess.run([*common, "temperature=2.0", f"output_dir={tmp_path / 'good'}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert good.returncode == 0, good.stderr[-2000:]
+    assert json.loads((tmp_path / "good" / "summary.json").read_text())["final_terms"]["kd"] > 0
+    bad = subprocess.run([*common, "temperature=1.0", f"output_dir={tmp_path / 'bad'}"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "temperature=2.0" in bad.stderr and "Traceback" not in bad.stderr
