@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eval.metrics import LMStats, evaluate_text, text_windows, window_stats
+from eval.metrics import LMStats, batch_stats, compact_reference, evaluate_text, text_windows, window_stats
 from tests.tiny import tiny_model, tiny_tokenizer
 
 TEXT = "the quick brown fox jumps over the lazy dog. héllo wörld ✓ naïve café. distill the teacher! " * 4
@@ -67,3 +67,69 @@ def test_agreement_and_kl_limits():
     for s in own2:
         t2.add(s)
     assert t2.kl > 0 and t2.top1_agreement < 1.0
+
+
+# ---- compact reference (top-k + tail bucket) ------------------------------------------------
+
+def _pair(vocab=40, ref_vocab=40, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (3, 9), generator=g)
+    logits = torch.randn(3, 9, vocab, generator=g) * 2
+    ref = torch.randn(3, 9, ref_vocab, generator=g) * 3
+    mask = torch.ones(3, 9, dtype=torch.long)
+    mask[1, 6:] = 0  # right padding: its positions never count
+    return logits, ref, ids, mask
+
+
+def _naive_bucket_kl(logits, ref, ids, mask, k):
+    """Per position, by hand: teacher top-k tokens plus everything else as one outcome."""
+    total = 0.0
+    for b in range(ids.shape[0]):
+        for t in range(ids.shape[1] - 1):
+            if not (mask[b, t] and mask[b, t + 1]):
+                continue
+            p = torch.softmax(ref[b, t].double(), -1)
+            q = torch.softmax(logits[b, t].double(), -1)
+            top = p.argsort(descending=True)[:k].tolist()
+            rest = [i for i in range(p.numel()) if i not in top]
+            total += sum(float(p[i] * (p[i].log() - q[i].log())) for i in top)
+            if rest:
+                pt, qt = p[rest].sum(), q[rest].sum()
+                total += float(pt * (pt.log() - qt.log()))
+    return total
+
+
+@pytest.mark.parametrize("k", [1, 5, 39])
+def test_compact_reference_bucket_kl_matches_naive(k):
+    logits, ref, ids, mask = _pair()
+    compact = compact_reference(ref, ids, mask, k=k)
+    st = batch_stats(logits, ids, mask, ref_topk=compact)
+    assert st.kl_sum == pytest.approx(_naive_bucket_kl(logits, ref, ids, mask, k), rel=1e-5)
+    exact = batch_stats(logits, ids, mask, ref_logits=ref)
+    assert 0 < st.kl_sum <= exact.kl_sum + 1e-5  # coarse-graining never increases KL
+    assert st.agree == exact.agree and st.ref_tokens == exact.ref_tokens == st.tokens == 8 * 3 - 3
+    assert st.nll_sum == exact.nll_sum
+
+
+def test_compact_reference_is_exact_with_full_k_and_keeps_the_teachers_loss():
+    logits, ref, ids, mask = _pair(vocab=40, ref_vocab=48)  # a padded reference vocabulary is sliced
+    compact = compact_reference(ref, ids, mask, k=40, vocab=40)
+    st, exact = batch_stats(logits, ids, mask, ref_topk=compact), batch_stats(logits, ids, mask, ref_logits=ref)
+    assert st.kl_sum == pytest.approx(exact.kl_sum, rel=1e-5) and st.agree == exact.agree
+    own = batch_stats(ref[..., :40], ids, mask)
+    assert compact.own_stats().nll_sum == pytest.approx(own.nll_sum, rel=1e-6)
+    assert compact.own_stats().tokens == own.tokens
+    # identical model and reference: zero KL, full agreement, whatever k
+    same = batch_stats(ref[..., :40], ids, mask, ref_topk=compact_reference(ref, ids, mask, k=3, vocab=40))
+    assert same.kl_sum == pytest.approx(0.0, abs=1e-5) and same.agree == same.ref_tokens
+    with pytest.raises(ValueError, match="vocab="):
+        batch_stats(logits, ids, mask, ref_topk=compact_reference(ref, ids, mask, k=48))
+
+
+def test_compact_reference_is_small():
+    vocab, k = 49_152, 256
+    ref = torch.randn(2, 64, vocab)
+    ids = torch.randint(0, vocab, (2, 64))
+    compact = compact_reference(ref, ids, k=k)
+    assert compact.nbytes() == 2 * 63 * (k * (8 + 4) + 4 + 4)
+    assert compact.nbytes() < ref.numel() * 4 / 15

@@ -1,0 +1,110 @@
+"""How many intra-op threads a training process uses on CPU: every core it is given.
+
+``accelerate launch`` without a config sets ``OMP_NUM_THREADS`` in the child to the user's value,
+or to 1 when the user set none — unless ``--cpu`` is given and psutil counts more than one
+*physical* core per process (``accelerate/commands/launch.py``, ``_validate_launch_command``). On a
+machine whose cores report as one physical core with two hyperthreads, or on a GPU box running a
+CPU smoke test, that leaves training on one thread while the process may use more (measured on the
+2-core dev machine: ~127 tokens/s on one thread vs ~237 on two for the SmolLM2 demo).
+
+So a ``1`` that accelerate wrote is not a choice the user made. The child cannot see the
+environment from before the launch in its own ``os.environ``, but its parent — the
+``accelerate launch`` process — still has it: ``/proc/<ppid>/environ`` is the environment the
+parent was started with (later ``os.environ`` edits do not show there). :func:`resolve_threads`
+reads it on Linux; where it cannot (another OS, no permission), it keeps the inherited value and
+says so, and ``threads=N`` in the recipe config always wins.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+#: Environment variables launchers use for the number of processes on this machine.
+LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE")
+#: Set in the child by every ``accelerate launch`` launcher (and not by ``Accelerator()`` itself).
+ACCELERATE_LAUNCH_MARKER = "ACCELERATE_DYNAMO_BACKEND"
+
+
+@dataclass(frozen=True)
+class ThreadChoice:
+    threads: int
+    reason: str
+
+    def describe(self) -> str:
+        return f"threads: {self.threads} intra-op ({self.reason})"
+
+
+def available_cores() -> int:
+    """CPUs this process may run on (its affinity mask, which cgroups/taskset narrow), at least 1."""
+    try:
+        return max(len(os.sched_getaffinity(0)), 1)
+    except AttributeError:  # macOS, Windows: no affinity API
+        return max(os.cpu_count() or 1, 1)
+
+
+def local_world_size(env: dict[str, str] | None = None) -> int:
+    """Training processes sharing this machine (1 when not launched distributed)."""
+    env = os.environ if env is None else env
+    for name in LOCAL_SIZE_VARS:
+        value = env.get(name, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 1
+
+
+def _parent_launch_env(ppid: int) -> tuple[dict[str, str] | None, list[str]]:
+    """The parent's start-up environment and command line, or ``(None, [])`` when unreadable."""
+    try:
+        raw_env = Path(f"/proc/{ppid}/environ").read_bytes()
+        raw_cmd = Path(f"/proc/{ppid}/cmdline").read_bytes()
+    except OSError:
+        return None, []
+    env = dict(item.split("=", 1) for item in raw_env.decode(errors="replace").split("\0") if "=" in item)
+    return env, raw_cmd.decode(errors="replace").split("\0")
+
+
+def resolve_threads(requested: int = 0, env: dict[str, str] | None = None,
+                    cores: int | None = None, ppid: int | None = None) -> ThreadChoice:
+    """The intra-op thread count for this process, and why.
+
+    Args:
+        requested: 0 for automatic, or a positive count (the recipe's ``threads`` key; a count wins).
+        env: the process environment (default ``os.environ``).
+        cores: CPUs available to the process (default: its affinity mask).
+        ppid: parent process id, read for the pre-launch environment (default ``os.getppid()``).
+    """
+    if requested < 0:
+        raise ValueError(f"threads must be >= 0 (0 = automatic), got {requested}")
+    if requested:
+        return ThreadChoice(int(requested), "threads= in the config")
+    env = os.environ if env is None else env
+    cores = available_cores() if cores is None else cores
+    per_process = max(cores // local_world_size(env), 1)
+    auto = ThreadChoice(per_process, f"{cores} cores / {local_world_size(env)} process(es) on this machine")
+    value = env.get("OMP_NUM_THREADS", "").strip()
+    if not value.isdigit() or int(value) < 1:
+        return auto
+    inherited = ThreadChoice(int(value), "OMP_NUM_THREADS")
+    if ACCELERATE_LAUNCH_MARKER not in env or int(value) >= per_process:
+        return inherited  # plain python/torchrun, or a value no smaller than ours: the user's (or as good)
+    parent_env, parent_cmd = _parent_launch_env(os.getppid() if ppid is None else ppid)
+    if parent_env is None:
+        return ThreadChoice(int(value), "OMP_NUM_THREADS from accelerate launch; set threads=N to use more")
+    if "OMP_NUM_THREADS" in parent_env or any(a.startswith("--num_cpu_threads_per_process") for a in parent_cmd):
+        return inherited  # the user asked accelerate for this number
+    return ThreadChoice(per_process, f"{cores} cores / {local_world_size(env)} process(es); ignoring the "
+                                     f"OMP_NUM_THREADS={value} accelerate launch set by default")
+
+
+def setup_threads(requested: int = 0, main_process: bool = True) -> ThreadChoice:
+    """Apply :func:`resolve_threads` to torch (and ``OMP_NUM_THREADS`` for libraries started later)."""
+    choice = resolve_threads(requested)
+    torch.set_num_threads(choice.threads)
+    os.environ["OMP_NUM_THREADS"] = str(choice.threads)
+    if main_process:
+        print(choice.describe(), flush=True)
+    return choice
