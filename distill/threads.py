@@ -1,4 +1,5 @@
-"""How many intra-op threads a training process uses on CPU: every core it is given.
+"""The CPU side of a training process: how many intra-op threads it uses (every core it is given),
+and how much memory each phase of the run peaks at (:class:`PeakRSS`).
 
 ``accelerate launch`` without a config sets ``OMP_NUM_THREADS`` in the child to the user's value,
 or to 1 when the user set none — unless ``--cpu`` is given and psutil counts more than one
@@ -18,7 +19,9 @@ says so, and ``threads=N`` in the recipe config always wins.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import resource
+import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -108,3 +111,52 @@ def setup_threads(requested: int = 0, main_process: bool = True) -> ThreadChoice
     if main_process:
         print(choice.describe(), flush=True)
     return choice
+
+
+# ---- memory ---------------------------------------------------------------------------------
+
+def _hiwater_kib() -> int:
+    """The process's peak resident set so far (KiB): ``VmHWM``, or ``ru_maxrss`` where /proc is absent."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak // 1024 if sys.platform == "darwin" else peak  # bytes on macOS, KiB on Linux
+
+
+@dataclass
+class PeakRSS:
+    """Peak resident memory of each phase of a run (GB), e.g. setup → train ⇄ eval → after.
+
+    ``mark(name)`` closes the current stretch of time and books its peak under ``name`` (the max
+    over every stretch booked there, so a loop can alternate ``train`` and ``eval``). On Linux the kernel's high-water mark is reset between
+    phases (``/proc/self/clear_refs``, value 5), so a phase's peak is its own; elsewhere the marks are
+    cumulative (each phase's number includes the ones before). ``whole`` is the process peak.
+    """
+
+    phases: dict[str, float] = field(default_factory=dict)
+    separate: bool = False
+
+    def __post_init__(self) -> None:
+        self.separate = self._reset()
+
+    @staticmethod
+    def _reset() -> bool:
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+            return True
+        except OSError:
+            return False
+
+    def mark(self, name: str) -> float:
+        self.phases[name] = max(self.phases.get(name, 0.0), _hiwater_kib() * 1024 / 1e9)
+        if self.separate:
+            self._reset()
+        return self.phases[name]
+
+    @property
+    def whole(self) -> float:
+        return max(self.phases.values(), default=_hiwater_kib() * 1024 / 1e9)

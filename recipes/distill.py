@@ -33,8 +33,9 @@ from distill.config import ConfigError, field, parse_config, run_cli, save_confi
 from distill.data import BUILTIN, BlockOrder, build_data, eval_batches  # noqa: E402
 from distill.model import KD_KINDS, DistillModel, LossConfig, loss_config_from  # noqa: E402
 from distill.plots import plot_training  # noqa: E402
+from distill.threads import PeakRSS, setup_threads  # noqa: E402
 from distill.training import check_output_dir, make_accelerator, reduce_stats, warmup_cosine  # noqa: E402
-from eval.metrics import LMStats, batch_stats  # noqa: E402
+from eval.metrics import LMStats, batch_stats, compact_reference  # noqa: E402
 
 logger = get_logger(__name__)
 TRACKERS = ("none", "tensorboard", "wandb")
@@ -69,6 +70,8 @@ class DistillConfig:
     mixed_precision: str = field("auto", help="no | bf16 | fp16 | auto (bf16 on GPUs that support it, fp32 on "
                                  "CPU where bf16 matmul is slower)")
     gradient_checkpointing: bool = field(False, help="recompute student activations in backward to save memory")
+    threads: int = field(0, help="CPU intra-op threads per process; 0 = the cores available / local processes, "
+                         "unless OMP_NUM_THREADS was set by you (distill/threads.py)")
     seed: int = field(0, help="seed for init, data order and sampling")
     # loss terms (weight 0 switches a term off)
     kd_weight: float = field(1.0, help="logits KD term weight")
@@ -112,7 +115,7 @@ class DistillConfig:
         for name in ("seq_len", "max_steps", "micro_batch_size", "grad_accum", "eval_blocks", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("save_every", "eval_every", "warmup_steps"):
+        for name in ("save_every", "eval_every", "warmup_steps", "threads"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.lr <= 0:
@@ -141,11 +144,13 @@ class DistillConfig:
 
 @torch.no_grad()
 def evaluate(accelerator: Accelerator, student, teacher, blocks: torch.Tensor, batch_size: int,
-             teacher_logits_cache: dict | None = None) -> tuple[LMStats, LMStats | None]:
+             teacher_ref_cache: dict | None = None) -> tuple[LMStats, LMStats | None]:
     """Held-out stats of ``student`` (with agreement/KL to ``teacher``) and of ``teacher`` itself.
 
-    Both come from one teacher pass; ``teacher_logits_cache`` keeps the teacher's logits between
-    calls (the held-out set and the teacher never change) when they are small enough.
+    Both come from one teacher pass. ``teacher_ref_cache`` keeps, between calls (the held-out set and
+    the teacher never change), the teacher's side as compact top-k statistics
+    (``eval.metrics.TopKReference``: ~3 MB for the demo, where its logits were ~0.8 GB): agreement
+    and the teacher's loss stay exact, KL is over the teacher's top-256 tokens plus a tail bucket.
     """
     was = student.training
     student.eval()
@@ -156,14 +161,14 @@ def evaluate(accelerator: Accelerator, student, teacher, blocks: torch.Tensor, b
         logits = student(input_ids=ids).logits
         ref = None
         if teacher is not None:
-            if teacher_logits_cache is not None and i in teacher_logits_cache:
-                ref = teacher_logits_cache[i]
-            else:
-                ref = teacher(input_ids=ids).logits
-                if teacher_logits_cache is not None and ref.numel() * 4 < 512 * 2**20:
-                    teacher_logits_cache[i] = ref
-            teacher_stats.add(batch_stats(ref, ids))
-        stats.add(batch_stats(logits, ids, None, ref))
+            ref = teacher_ref_cache.get(i) if teacher_ref_cache is not None else None
+            if ref is None:
+                ref = compact_reference(teacher(input_ids=ids).logits, ids, vocab=logits.shape[-1])
+                if teacher_ref_cache is not None:
+                    teacher_ref_cache[i] = ref
+            teacher_stats.add(ref.own_stats())
+        stats.add(batch_stats(logits, ids, None, ref_topk=ref))
+        del logits  # [batch, seq, vocab]: gone before the next batch's forward
     student.train(was)
     return reduce_stats(accelerator, stats), (reduce_stats(accelerator, teacher_stats) if teacher_stats else None)
 
@@ -191,6 +196,8 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: 
     """Train one student; ``known_init`` reuses held-out metrics already measured on the same pair."""
     out = Path(cfg.output_dir)
     main = accelerator.is_main_process
+    setup_threads(cfg.threads, main)  # issue 17: every core under `accelerate launch` (distill/threads.py)
+    t_wall, rss = time.perf_counter(), PeakRSS()  # issue 17: wall time and peak memory per phase of the run
     set_seed(cfg.seed)
 
     # ---- models -------------------------------------------------------------------------
@@ -264,12 +271,12 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: 
                                                             if isinstance(v, (int, float, str, bool))})
 
     unwrapped = accelerator.unwrap_model(model)
-    teacher_logits: dict = {}
+    teacher_refs: dict = {}
     if not init and cache is not None:
         init["teacher_ppl"] = cache.meta.get("teacher_ppl")
     if not init or "student_ppl_init" not in init:
         t0 = time.time()
-        s, t = evaluate(accelerator, unwrapped.student, teacher, data.eval, cfg.micro_batch_size, teacher_logits)
+        s, t = evaluate(accelerator, unwrapped.student, teacher, data.eval, cfg.micro_batch_size, teacher_refs)
         if t is not None:
             init["teacher_ppl"] = t.perplexity
         init.update(student_ppl_init=s.perplexity, top1_agreement_init=s.top1_agreement)
@@ -299,8 +306,10 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: 
     model.train()
     tokens_per_step = global_batch * cfg.seq_len
     bar = tqdm(total=cfg.max_steps, initial=start_step, disable=not main, desc="distill", dynamic_ncols=True)
-    t_start, trained_tokens = time.time(), 0
+    rss.mark("setup")
+    loop_s, trained_tokens = 0.0, 0  # issue 17: seconds inside training steps only (no eval, no saves)
     for step in range(start_step, cfg.max_steps):
+        t_step = time.perf_counter()
         sums: dict[str, float] = {}
         micro = order.micro_batches(data.train, step, accelerator.process_index, accelerator.num_processes,
                                     cfg.micro_batch_size)
@@ -328,7 +337,9 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: 
                 f"loss became {terms['loss']} at step {step + 1}; the last good checkpoint is "
                 f"{last or 'none'}: lower lr or enable clipping, then resume=latest")
         trained_tokens += tokens_per_step
-        elapsed = time.time() - t_start
+        loop_s += time.perf_counter() - t_step
+        rss.mark("train")
+        elapsed = loop_s
         history.append({"step": step + 1, "lr": scheduler.get_last_lr()[0], **terms})
         bar.update(1)
         bar.set_postfix({k: f"{v:.3g}" for k, v in terms.items() if v} | {"tok/s": f"{trained_tokens / elapsed:.0f}"})
@@ -337,7 +348,7 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: 
         done = step + 1 == cfg.max_steps
         if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or done:
             s, _ = evaluate(accelerator, unwrapped.student, teacher, data.eval, cfg.micro_batch_size,
-                            teacher_logits)
+                            teacher_refs)
             evals.append({"step": step + 1, "perplexity": s.perplexity, "top1_agreement": s.top1_agreement,
                           "kl_to_teacher": s.kl, "teacher_perplexity": init.get("teacher_ppl")})
             if cfg.tracker != "none":
@@ -349,8 +360,9 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: 
             save_checkpoint(step + 1)
         if cfg.debug_exit_at_step is not None and step + 1 == cfg.debug_exit_at_step:
             os._exit(137)  # simulate a kill: no cleanup, no final save
+        rss.mark("eval_save")
     bar.close()
-    tokens_per_s = trained_tokens / max(time.time() - t_start, 1e-9)
+    tokens_per_s = trained_tokens / max(loop_s, 1e-9)
 
     # ---- save ---------------------------------------------------------------------------
     save_student(accelerator, model, tokenizer, out / "final")
@@ -359,7 +371,11 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: 
         "steps": cfg.max_steps,
         "final_loss": history[-1]["loss"] if history else float("nan"),
         "final_terms": history[-1] if history else {},
-        "tokens_per_s": tokens_per_s,
+        "tokens_per_s": tokens_per_s,  # training steps only: evaluation and checkpoints excluded
+        "loop_s": loop_s,
+        "wall_s": time.perf_counter() - t_wall,
+        "peak_rss_gb": rss.phases | {"after": rss.mark("after"), "whole": rss.whole},
+        "threads": torch.get_num_threads(),
         "teacher_ppl": init.get("teacher_ppl"),
         "student_ppl_init": init.get("student_ppl_init"),
         "student_ppl_final": final_eval.get("perplexity"),
@@ -396,7 +412,10 @@ def print_summary(summary: dict, out: Path) -> None:
               f"(distilled student is {summary['ppl_ratio_vs_ce_only']:.2f}× its perplexity)")
     print(f"agreement      top-1 with teacher {f(summary['top1_agreement'])} "
           f"(init {f(summary['top1_agreement_init'])})")
-    print(f"throughput     {summary['tokens_per_s']:.0f} tokens/s over {summary['steps']} steps")
+    print(f"throughput     {summary['tokens_per_s']:.0f} tokens/s in the training steps ({summary['steps']} steps, "
+          f"{summary['threads']} threads; whole run {summary['wall_s']:.0f}s)")
+    print(f"peak memory    {summary['peak_rss_gb']['train']:.2f} GB while training, "
+          f"{summary['peak_rss_gb']['whole']:.2f} GB whole process")
     if "gate" in summary:
         print(f"release gate   {summary['gate']['verdict']}   ({summary['gate']['report']})")
     print("=" * 72)
@@ -426,6 +445,7 @@ def main() -> None:
         summary["ce_only_top1_agreement"] = ce["top1_agreement"]
         summary["ppl_ratio_vs_ce_only"] = summary["student_ppl_final"] / ce["student_ppl_final"]
         summary["beats_ce_only"] = summary["student_ppl_final"] < ce["student_ppl_final"]
+        summary["peak_rss_gb"]["whole"] = max(summary["peak_rss_gb"]["whole"], ce["peak_rss_gb"]["whole"])
     summary["beats_init"] = (summary["student_ppl_final"] or math.inf) < (summary["student_ppl_init"] or 0)
 
     if cfg.gate and accelerator.is_main_process:
