@@ -46,6 +46,7 @@ from distill import checkpoint as ckpt  # noqa: E402
 from distill.config import ConfigError, field, parse_config, run_cli, save_config  # noqa: E402
 from distill.data import BUILTIN, BlockOrder, build_data, eval_batches  # noqa: E402
 from distill.model import KD_KINDS, LossConfig, loss_config_from  # noqa: E402
+from distill.threads import setup_threads  # noqa: E402
 from distill.training import check_output_dir, make_accelerator, reduce_stats, warmup_cosine  # noqa: E402
 from eval.metrics import LMStats, batch_stats  # noqa: E402
 
@@ -99,6 +100,8 @@ class RetrofitConfig:
     mixed_precision: str = field("auto", help="no | bf16 | fp16 | auto (bf16 on GPUs that support it, fp32 on "
                                  "CPU where bf16 matmul is slower)")
     gradient_checkpointing: bool = field(False, help="recompute activations in backward to save memory")
+    threads: int = field(0, help="CPU intra-op threads per process; 0 = the cores available / local processes, "
+                         "unless OMP_NUM_THREADS was set by you (distill/threads.py)")
     seed: int = field(0, help="seed for LoRA init, data order and window sampling")
     # loss: self-distillation from the dense model
     kd_weight: float = field(1.0, help="logits KD to the dense teacher, weight")
@@ -126,7 +129,7 @@ class RetrofitConfig:
                      "lora_r"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("save_every", "eval_every", "warmup_steps"):
+        for name in ("save_every", "eval_every", "warmup_steps", "threads"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if any(n < 2 for n in self.eval_seq_lens):
@@ -308,6 +311,8 @@ def training_function(cfg: RetrofitConfig, accelerator: Accelerator) -> dict:
 
     out = Path(cfg.output_dir)
     main = accelerator.is_main_process
+    setup_threads(cfg.threads, main)  # issue 17: every core under `accelerate launch` (distill/threads.py)
+    t_wall = time.perf_counter()  # issue 17: wall time of the whole run, beside the loop-only throughput
     set_seed(cfg.seed)
     spec = cfg.spec()
 
@@ -402,8 +407,9 @@ def training_function(cfg: RetrofitConfig, accelerator: Accelerator) -> dict:
 
     distill_model.train()
     bar = tqdm(total=cfg.max_steps, initial=start_step, disable=not main, desc="retrofit", dynamic_ncols=True)
-    t_start, trained_tokens = time.time(), 0
+    loop_s, trained_tokens = 0.0, 0  # issue 17: seconds inside training steps only (no eval, no saves)
     for step in range(start_step, cfg.max_steps):
+        t_step = time.perf_counter()
         window, length = training_window(spec, cfg.seq_len, cfg.seed, step)
         step_window["window"] = window
         sums: dict[str, float] = {}
@@ -433,7 +439,8 @@ def training_function(cfg: RetrofitConfig, accelerator: Accelerator) -> dict:
                 f"loss became {terms['loss']} at step {step + 1}; the last good checkpoint is "
                 f"{last or 'none'}: lower lr, then resume=latest")
         trained_tokens += global_batch * length
-        elapsed = time.time() - t_start
+        loop_s += time.perf_counter() - t_step
+        elapsed = loop_s
         history.append({"step": step + 1, "lr": scheduler.get_last_lr()[0], "window": window, "tokens": length,
                         **terms})
         bar.update(1)
@@ -454,7 +461,7 @@ def training_function(cfg: RetrofitConfig, accelerator: Accelerator) -> dict:
         if cfg.debug_exit_at_step is not None and step + 1 == cfg.debug_exit_at_step:
             os._exit(137)  # simulate a kill: no cleanup, no final save
     bar.close()
-    tokens_per_s = trained_tokens / max(time.time() - t_start, 1e-9)
+    tokens_per_s = trained_tokens / max(loop_s, 1e-9)
 
     # ---- merge, save, measure what was saved ---------------------------------------------
     merged = peft_model.merge_and_unload()  # same module objects: folds LoRA into the base weights
@@ -481,7 +488,10 @@ def training_function(cfg: RetrofitConfig, accelerator: Accelerator) -> dict:
         "seq_len": cfg.seq_len,
         "final_loss": history[-1]["loss"] if history else float("nan"),
         "final_terms": history[-1] if history else {},
-        "tokens_per_s": tokens_per_s,
+        "tokens_per_s": tokens_per_s,  # training steps only: evaluation and checkpoints excluded
+        "loop_s": loop_s,
+        "wall_s": time.perf_counter() - t_wall,
+        "threads": torch.get_num_threads(),
         "tokens_seen": sum(h["tokens"] for h in history) * global_batch,
         "dense_ppl": init["dense"][key],
         "hybrid_before_ppl": init["hybrid_before"][key],
