@@ -7,7 +7,7 @@ computed in fp32 from the models' logits, and skip positions whose label is ``ig
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 
 import torch
@@ -58,12 +58,32 @@ class LMStats:
         }
 
 
-def _shift(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Align logits at t with labels at t+1; returns ``([N, vocab] logits, [N] labels, [b, s-1] valid)``."""
+#: Logit elements handled at once (128 MB in fp32): evaluation never holds more than a few such
+#: copies beside the model's own ``[batch, seq, vocab]`` output, whatever the sequence and vocabulary.
+CHUNK_ELEMENTS = 2**25
+
+
+def _scored_chunks(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                   *others: torch.Tensor | None) -> Iterator[tuple[torch.Tensor, ...]]:
+    """Scored positions in order (batch-major), a bounded chunk at a time.
+
+    Position t of row b is scored when it and its label t+1 are real tokens. Yields
+    ``(labels [n], logits [n, vocab] fp32, *others [n, vocab'])`` for each chunk; ``others`` are
+    more ``[batch, seq, vocab']`` tensors sliced the same way (None stays None).
+    """
+    b, s = input_ids.shape
     valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
     valid = valid[:, 1:] & valid[:, :-1]
-    return logits[:, :-1], input_ids[:, 1:], valid
+    step = max(1, CHUNK_ELEMENTS // logits.shape[-1])
+    for row in range(b):
+        for lo in range(0, s - 1, step):
+            hi = min(lo + step, s - 1)
+            keep = valid[row, lo:hi]
+            if not bool(keep.any()):
+                continue
+            labels = input_ids[row, lo + 1:hi + 1][keep]
+            yield (labels, logits[row, lo:hi][keep].float(),
+                   *(None if o is None else o[row, lo:hi][keep] for o in others))
 
 
 #: Top-k kept per token by :func:`compact_reference`; KL over k + 1 buckets is then within ~1e-3
@@ -96,9 +116,20 @@ class TopKReference:
         """The reference's own loss on the batch (what ``batch_stats(ref_logits, ...)`` gives)."""
         return LMStats(nll_sum=-float(self.target_logprob.double().sum()), tokens=self.target_logprob.numel())
 
+    def rows(self, lo: int, hi: int) -> TopKReference:
+        return TopKReference(self.ids[lo:hi], self.logprobs[lo:hi], self.tail_logprob[lo:hi],
+                             self.target_logprob[lo:hi])
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.ids, self.logprobs, self.tail_logprob,
                                                            self.target_logprob))
+
+
+def _count_scored(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> int:
+    if attention_mask is None:
+        return input_ids.shape[0] * (input_ids.shape[1] - 1)
+    m = attention_mask.bool()
+    return int((m[:, 1:] & m[:, :-1]).sum())
 
 
 @torch.inference_mode()
@@ -109,12 +140,17 @@ def compact_reference(ref_logits: torch.Tensor, input_ids: torch.Tensor, attenti
     ``vocab``: the evaluated model's vocabulary; a larger reference is sliced to it first, as
     :func:`batch_stats` does with ``ref_logits``.
     """
-    lg, labels, valid = _shift(ref_logits, input_ids, attention_mask)
-    logp = F.log_softmax(lg[valid].float()[..., :vocab], dim=-1)
-    labels = labels[valid]
-    values, ids = logp.topk(min(k, logp.shape[-1]), dim=-1)
-    target = logp.gather(-1, labels[:, None]).squeeze(-1)
-    tail = logp.scatter_(-1, ids, float("-inf")).logsumexp(-1)  # in place: logp is not needed after
+    parts: list[tuple[torch.Tensor, ...]] = []
+    for labels, lg in _scored_chunks(ref_logits, input_ids, attention_mask):
+        logp = F.log_softmax(lg[..., :vocab], dim=-1)
+        values, ids = logp.topk(min(k, logp.shape[-1]), dim=-1)
+        target = logp.gather(-1, labels[:, None]).squeeze(-1)
+        tail = logp.scatter_(-1, ids, float("-inf")).logsumexp(-1)  # in place: logp is not needed after
+        parts.append((ids, values, tail, target))
+    if not parts:
+        k = min(k, ref_logits.shape[-1] if vocab is None else vocab)
+        parts.append((torch.empty(0, k, dtype=torch.long), torch.empty(0, k), torch.empty(0), torch.empty(0)))
+    ids, values, tail, target = (torch.cat(x) for x in zip(*parts))
     return TopKReference(ids=ids, logprobs=values, tail_logprob=tail, target_logprob=target)
 
 
@@ -148,22 +184,27 @@ def batch_stats(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: t
     """
     if ref_logits is not None and ref_topk is not None:
         raise ValueError("pass ref_logits or ref_topk, not both")
-    lg, labels, valid = _shift(logits, input_ids, attention_mask)
-    lg = lg[valid].float()
-    labels = labels[valid]
-    stats = LMStats(nll_sum=F.cross_entropy(lg, labels, reduction="sum").item(), tokens=labels.numel())
-    if ref_logits is not None:
-        ref = ref_logits[:, :-1][valid].float()[..., : lg.shape[-1]]
-        stats.agree = int((lg.argmax(-1) == ref.argmax(-1)).sum())
-        ref_logp = F.log_softmax(ref, -1)
-        stats.kl_sum = F.kl_div(F.log_softmax(lg, -1), ref_logp, log_target=True, reduction="sum").item()
-        stats.ref_tokens = labels.numel()
-    elif ref_topk is not None:
-        if ref_topk.ids.shape[0] != labels.numel():
-            raise ValueError(f"ref_topk holds {ref_topk.ids.shape[0]} positions, this batch scores {labels.numel()}")
-        stats.agree = int((lg.argmax(-1) == ref_topk.ids[:, 0]).sum())
-        stats.kl_sum = float(_bucket_kl(F.log_softmax(lg, -1), ref_topk).double().sum())
-        stats.ref_tokens = labels.numel()
+    stats = LMStats()
+    if ref_topk is not None and ref_topk.ids.shape[0] != _count_scored(input_ids, attention_mask):
+        raise ValueError(f"ref_topk holds {ref_topk.ids.shape[0]} positions, this batch scores "
+                         f"{_count_scored(input_ids, attention_mask)}")
+    done = 0
+    for labels, lg, ref in _scored_chunks(logits, input_ids, attention_mask, ref_logits):
+        n = labels.numel()
+        stats.nll_sum += F.cross_entropy(lg, labels, reduction="sum").item()
+        stats.tokens += n
+        if ref is not None:
+            ref = ref.float()[..., : lg.shape[-1]]
+            stats.agree += int((lg.argmax(-1) == ref.argmax(-1)).sum())
+            stats.kl_sum += F.kl_div(F.log_softmax(lg, -1), F.log_softmax(ref, -1), log_target=True,
+                                     reduction="sum").item()
+            stats.ref_tokens += n
+        elif ref_topk is not None:
+            part = ref_topk.rows(done, done + n)
+            stats.agree += int((lg.argmax(-1) == part.ids[:, 0]).sum())
+            stats.kl_sum += float(_bucket_kl(F.log_softmax(lg, -1), part).double().sum())
+            stats.ref_tokens += n
+        done += n
     return stats
 
 

@@ -133,3 +133,23 @@ def test_compact_reference_is_small():
     compact = compact_reference(ref, ids, k=k)
     assert compact.nbytes() == 2 * 63 * (k * (8 + 4) + 4 + 4)
     assert compact.nbytes() < ref.numel() * 4 / 15
+
+
+def test_chunked_rows_give_the_same_stats(monkeypatch):
+    import eval.metrics as metrics
+
+    logits, ref, ids, mask = _pair()
+    whole = batch_stats(logits, ids, mask, ref_logits=ref)
+    whole_topk = batch_stats(logits, ids, mask, ref_topk=compact_reference(ref, ids, mask, k=5))
+    monkeypatch.setattr(metrics, "CHUNK_ELEMENTS", 3 * 40)  # 3 positions per chunk
+    small = batch_stats(logits, ids, mask, ref_logits=ref)
+    small_topk = batch_stats(logits, ids, mask, ref_topk=compact_reference(ref, ids, mask, k=5))
+    for a, b in ((whole, small), (whole_topk, small_topk)):
+        assert a.tokens == b.tokens and a.agree == b.agree and a.ref_tokens == b.ref_tokens
+        assert a.nll_sum == pytest.approx(b.nll_sum, rel=1e-6) and a.kl_sum == pytest.approx(b.kl_sum, rel=1e-6)
+    # the reference scored under one chunking is read correctly under another
+    assert batch_stats(logits, ids, mask, ref_topk=compact_reference(ref, ids, mask, k=5)).kl_sum == \
+        pytest.approx(whole_topk.kl_sum, rel=1e-6)
+    naive = F.cross_entropy(logits[:, :-1][(mask[:, 1:] & mask[:, :-1]).bool()], ids[:, 1:][(mask[:, 1:] & mask[:, :-1]).bool()],
+                            reduction="sum").item()
+    assert small.nll_sum == pytest.approx(naive, rel=1e-6)
