@@ -14,9 +14,10 @@ at weight 0; ``GKDTrainer`` with ``lmbda=0`` (no on-policy samples), ``beta=0`` 
   ``[tokens, vocab]`` logits are kept); numbers from its ``summary.json``.
 * **trl** — ``trl.experimental.gkd.GKDTrainer`` fed the same blocks by a sequential sampler.
 
-Shapes: **demo** — SmolLM2-135M-Instruct → the recipe's derived 10-layer student, 4 × 256 tokens,
+Shapes (``--shapes``): **demo** — SmolLM2-135M-Instruct → the recipe's derived 10-layer student, 4 × 256 tokens,
 vocab 49,152; **long** — a tiny Llama built here with DeepSeek's vocabulary size (102,400; 4
-layers, width 256, untied head) → its derived 2-layer student, 1 × 2048 tokens.
+layers, width 256, untied head) → its derived 2-layer student, 1 × 2048 tokens; **tiny** — the
+test suite's random model, for checking agreement in seconds (its speed means nothing).
 
 Each run is its own subprocess (ours, then TRL, per shape), so each peak RSS is that run's alone.
 Throughput is loop tokens/s: tokens over the seconds spent inside training steps (all steps,
@@ -29,7 +30,6 @@ process, ours / TRL), ``loss_diff``. Targets: ≥ 1.15×, ≥ 1.3×, ≤ 0.6×, 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
@@ -45,12 +45,18 @@ INSTALL = 'pip install "trl>=1.16"'
 #: Recipe overrides shared by both sides: forward KL only, nothing else that TRL would not do.
 OBJECTIVE = dict(kd_weight=1.0, kd_kind="forward_kl", temperature=1.0, ce_weight=0.0, focal_weight=0.0,
                  hidden_weight=0.0, attn_weight=0.0, lr=3e-4, min_lr_ratio=0.1, warmup_steps=1, weight_decay=0.0,
-                 max_grad_norm=1.0, grad_accum=1, mixed_precision="no", seed=0)
+                 max_grad_norm=1.0, grad_accum=1, seed=0)  # mixed_precision auto: fp32 on CPU
 LONG_MODEL = dict(vocab_size=102_400, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=4096, tie_word_embeddings=False)
 
 
+SHAPES = ("demo", "long", "tiny")
+
+
 def shape_overrides(shape: str, steps: int, workdir: Path) -> dict:
+    if shape == "tiny":  # the test suite's random 4-layer model: checks agreement in seconds, not speed
+        return dict(teacher="tiny-random", keep_layers="2", seq_len=64, micro_batch_size=2, max_steps=steps,
+                    **OBJECTIVE)
     if shape == "demo":
         return dict(teacher="smollm2-135m-instruct", keep_layers="0-3,24-29", seq_len=256, micro_batch_size=4,
                     max_steps=steps, **OBJECTIVE)
@@ -89,6 +95,8 @@ def run_ours(over: dict, threads: int, out: Path) -> dict:
         raise SystemExit(f"recipe failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     s = json.loads((out / "summary.json").read_text())
     return {"tokens_per_s": s["tokens_per_s"], "loop_s": s["loop_s"], "final_loss": s["final_loss"],
+            "losses": [h["loss"] for h in json.loads((out / "checkpoints" / f"step-{over['max_steps']}" /
+                                                     "trainer_state.json").read_text())["history"]],
             "rss_train_gb": s["peak_rss_gb"]["train"], "rss_whole_gb": s["peak_rss_gb"]["whole"],
             "threads": s["threads"]}
 
@@ -170,6 +178,7 @@ def trl_worker(over: dict, threads: int, out: Path) -> dict:
     rss.mark("after")
     tokens = cfg.max_steps * cfg.micro_batch_size * cfg.seq_len
     return {"tokens_per_s": tokens / timing.loop_s, "loop_s": timing.loop_s, "final_loss": timing.losses[-1],
+            "losses": timing.losses,
             "rss_train_gb": rss.phases["train"], "rss_whole_gb": rss.whole, "threads": torch.get_num_threads(),
             "steps_seen": len(timing.losses)}
 
@@ -195,7 +204,9 @@ def main() -> None:
         spec = json.loads(a.worker)
         print(json.dumps(trl_worker(spec["over"], spec["threads"], Path(spec["out"]))))
         return
-    if importlib.util.find_spec("trl") is None:
+    try:
+        import trl  # noqa: F401
+    except ImportError:
         print(f"bench/vs_trl.py compares against TRL, which is not installed; install it with: {INSTALL}")
         print(json.dumps({"skipped": "trl not installed", "install": INSTALL}))
         return
@@ -203,17 +214,18 @@ def main() -> None:
 
     threads = a.threads or available_cores()
     shapes = [s.strip() for s in a.shapes.split(",") if s.strip()]
-    bad = [s for s in shapes if s not in ("demo", "long")]
+    bad = [s for s in shapes if s not in SHAPES]
     if bad:
         raise SystemExit(f"unknown shape(s) {bad}; use --shapes demo,long")
     results: dict[str, dict[str, dict]] = {}
     with tempfile.TemporaryDirectory(prefix="vs-trl-") as tmp:
         work = Path(tmp)
         for shape in shapes:
-            over = shape_overrides(shape, a.demo_steps if shape == "demo" else a.long_steps, work)
+            over = shape_overrides(shape, a.long_steps if shape == "long" else a.demo_steps, work)
             results[shape] = {"ours": run_ours(over, threads, work / f"ours-{shape}"),
                               "trl": run_trl(over, threads, work / f"trl-{shape}")}
-            print(f"{shape}: done", file=sys.stderr, flush=True)
+            print(f"{shape}: losses per step, ours {results[shape]['ours']['losses']}, "
+                  f"trl {results[shape]['trl']['losses']}", file=sys.stderr, flush=True)
 
     print(f"\nours = recipes/distill.py (chunked KD); trl = GKDTrainer (lmbda=0, beta=0); {threads} threads, fp32")
     print(f"{'shape':<6} {'side':<5} {'tokens/s':>9} {'loop s':>7} {'RSS train GB':>13} {'RSS whole GB':>13} "
@@ -233,7 +245,8 @@ def main() -> None:
         out[f"loss_diff_{shape}"] = diff
     out["loss_diff"] = max(diffs) if diffs else None
     out["threads"] = threads
-    print(json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in out.items()}))
+    print(json.dumps({k: (round(v, 6) if isinstance(v, float) and not k.startswith("loss_diff") else v)
+                      for k, v in out.items()}))
 
 
 if __name__ == "__main__":
