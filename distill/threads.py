@@ -133,8 +133,9 @@ class PeakRSS:
 
     ``mark(name)`` closes the current stretch of time and books its peak under ``name`` (the max
     over every stretch booked there, so a loop can alternate ``train`` and ``eval``). On Linux the kernel's high-water mark is reset between
-    phases (``/proc/self/clear_refs``, value 5), so a phase's peak is its own; elsewhere the marks are
-    cumulative (each phase's number includes the ones before). ``whole`` is the process peak.
+    phases (``/proc/self/clear_refs``, value 5; the mark restarts from the current RSS), so a phase's
+    number is its own peak or what it started with, whichever is higher; elsewhere the marks are
+    cumulative (each includes the phases before). ``whole`` is the process peak.
     """
 
     phases: dict[str, float] = field(default_factory=dict)

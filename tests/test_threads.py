@@ -19,8 +19,10 @@ def parent():
     procs = []
 
     def start(env: dict, args=()):
-        p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", *args], env=env)
+        p = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)", *args],
+                             env=env, stdout=subprocess.PIPE, text=True)
         procs.append(p)
+        assert p.stdout.readline().strip() == "up"  # exec'd: /proc/<pid>/environ is its own now
         return p.pid
 
     yield start
@@ -78,3 +80,32 @@ def test_real_accelerate_launch_without_omp_uses_all_cores(tmp_path):
     assert line, proc.stderr[-2000:]
     # accelerate hands the child OMP_NUM_THREADS=1; the recipe still uses what it has
     assert line[0].split()[1:] == ["1", "6"]
+
+
+def test_peak_rss_books_each_phase_apart():
+    import torch
+
+    from distill.threads import PeakRSS
+
+    rss = PeakRSS()
+    big = torch.ones(64 * 2**20)  # 256 MiB, touched, then returned to the OS
+    del big
+    rss.mark("big")  # the phase's peak survives the free
+    small = torch.ones(1024)
+    rss.mark("small")
+    del small
+    assert rss.phases["big"] > 0.25
+    if rss.separate:  # Linux: the high-water mark was reset between phases
+        assert rss.phases["small"] < rss.phases["big"] - 0.2
+    assert rss.whole == max(rss.phases.values())
+
+
+def test_recipe_configs_refuse_negative_threads():
+    from distill.config import ConfigError
+    from recipes.distill import DistillConfig
+    from recipes.retrofit import RetrofitConfig
+
+    for cls in (DistillConfig, RetrofitConfig):
+        assert cls().threads == 0
+        with pytest.raises(ConfigError, match="threads"):
+            cls(threads=-1)
