@@ -135,7 +135,9 @@ class PeakRSS:
     over every stretch booked there, so a loop can alternate ``train`` and ``eval``). On Linux the kernel's high-water mark is reset between
     phases (``/proc/self/clear_refs``, value 5; the mark restarts from the current RSS), so a phase's
     number is its own peak or what it started with, whichever is higher; elsewhere the marks are
-    cumulative (each includes the phases before). ``whole`` is the process peak.
+    cumulative (each includes the phases before). ``whole`` is the process peak. The reset is
+    process-wide: a tool that reads the kernel's peak from outside afterwards (``/usr/bin/time``'s
+    "Maximum resident set size") sees only the last phase, so read ``whole`` instead.
     """
 
     phases: dict[str, float] = field(default_factory=dict)

@@ -158,15 +158,16 @@ def evaluate(accelerator: Accelerator, student, teacher, blocks: torch.Tensor, b
     for i, batch in enumerate(eval_batches(blocks, batch_size, accelerator.process_index,
                                            accelerator.num_processes)):
         ids = batch["input_ids"].to(accelerator.device)
-        logits = student(input_ids=ids).logits
         ref = None
-        if teacher is not None:
+        if teacher is not None:  # first, so the teacher's [batch, seq, vocab] logits are gone before the student's
             ref = teacher_ref_cache.get(i) if teacher_ref_cache is not None else None
             if ref is None:
-                ref = compact_reference(teacher(input_ids=ids).logits, ids, vocab=logits.shape[-1])
+                ref = compact_reference(teacher(input_ids=ids).logits, ids,
+                                        vocab=student.get_output_embeddings().weight.shape[0])
                 if teacher_ref_cache is not None:
                     teacher_ref_cache[i] = ref
             teacher_stats.add(ref.own_stats())
+        logits = student(input_ids=ids).logits
         stats.add(batch_stats(logits, ids, None, ref_topk=ref))
         del logits  # [batch, seq, vocab]: gone before the next batch's forward
     student.train(was)
