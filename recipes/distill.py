@@ -163,7 +163,7 @@ def evaluate(accelerator: Accelerator, student, teacher, blocks: torch.Tensor, b
             ref = teacher_ref_cache.get(i) if teacher_ref_cache is not None else None
             if ref is None:
                 ref = compact_reference(teacher(input_ids=ids).logits, ids,
-                                        vocab=student.get_output_embeddings().weight.shape[0])
+                                        vocab=student.config.vocab_size)  # = the student logits' width
                 if teacher_ref_cache is not None:
                     teacher_ref_cache[i] = ref
             teacher_stats.add(ref.own_stats())
