@@ -86,91 +86,9 @@ def _scored_chunks(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask
                    *(None if o is None else o[row, lo:hi][keep] for o in others))
 
 
-#: Top-k kept per token by :func:`compact_reference`; KL over k + 1 buckets is then within ~1e-3
-#: nats of the full KL for SmolLM2-size teachers (see tests/test_eval_metrics.py for the bound).
-REF_TOP_K = 256
-
-
-@dataclass
-class TopKReference:
-    """A reference model's next-token distributions on one batch, kept compact for re-use.
-
-    Held-out sets and the teacher do not change during training, so the teacher's side of every
-    evaluation can be computed once. Its full logits (``[batch, seq, vocab]`` fp32, ~0.8 GB for the
-    demo's 16 × 256 tokens × 49K vocabulary) would stay alive for the whole run; this keeps, per
-    scored position, what the metrics need: the top-k token ids and log-probs, the log of the mass
-    outside them (the *tail bucket*) and the log-prob of the actual next token. ~12 bytes × k per
-    token. Top-1 agreement and the teacher's own loss stay exact; KL to the reference becomes KL over
-    the k + 1 buckets (top-k tokens + tail), which is a lower bound of the full KL (coarse-graining
-    never increases KL) and equals it when the tail is empty.
-
-    Rows are the positions :func:`batch_stats` scores (label t+1 valid), in the same order.
-    """
-
-    ids: torch.Tensor  # [N, k] int64, most likely first
-    logprobs: torch.Tensor  # [N, k] fp32
-    tail_logprob: torch.Tensor  # [N] fp32, log of the mass outside ids (-inf when none)
-    target_logprob: torch.Tensor  # [N] fp32, log p(label)
-
-    def own_stats(self) -> LMStats:
-        """The reference's own loss on the batch (what ``batch_stats(ref_logits, ...)`` gives)."""
-        return LMStats(nll_sum=-float(self.target_logprob.double().sum()), tokens=self.target_logprob.numel())
-
-    def rows(self, lo: int, hi: int) -> TopKReference:
-        return TopKReference(self.ids[lo:hi], self.logprobs[lo:hi], self.tail_logprob[lo:hi],
-                             self.target_logprob[lo:hi])
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.ids, self.logprobs, self.tail_logprob,
-                                                           self.target_logprob))
-
-
-def _count_scored(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> int:
-    if attention_mask is None:
-        return input_ids.shape[0] * (input_ids.shape[1] - 1)
-    m = attention_mask.bool()
-    return int((m[:, 1:] & m[:, :-1]).sum())
-
-
-@torch.inference_mode()
-def compact_reference(ref_logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                      k: int = REF_TOP_K, vocab: int | None = None) -> TopKReference:
-    """``[batch, seq, vocab']`` reference logits → :class:`TopKReference` of the scored positions.
-
-    ``vocab``: the evaluated model's vocabulary; a larger reference is sliced to it first, as
-    :func:`batch_stats` does with ``ref_logits``.
-    """
-    parts: list[tuple[torch.Tensor, ...]] = []
-    for labels, lg in _scored_chunks(ref_logits, input_ids, attention_mask):
-        logp = F.log_softmax(lg[..., :vocab], dim=-1)
-        values, ids = logp.topk(min(k, logp.shape[-1]), dim=-1)
-        target = logp.gather(-1, labels[:, None]).squeeze(-1)
-        tail = logp.scatter_(-1, ids, float("-inf")).logsumexp(-1)  # in place: logp is not needed after
-        parts.append((ids, values, tail, target))
-    if not parts:
-        k = min(k, ref_logits.shape[-1] if vocab is None else vocab)
-        parts.append((torch.empty(0, k, dtype=torch.long), torch.empty(0, k), torch.empty(0), torch.empty(0)))
-    ids, values, tail, target = (torch.cat(x) for x in zip(*parts))
-    return TopKReference(ids=ids, logprobs=values, tail_logprob=tail, target_logprob=target)
-
-
-def _bucket_kl(logq: torch.Tensor, ref: TopKReference) -> torch.Tensor:
-    """``[N]`` KL(ref || q) over the reference's top-k tokens plus one tail bucket, from ``[N, vocab]`` log q."""
-    if ref.ids.numel() and int(ref.ids.max()) >= logq.shape[-1]:
-        raise ValueError(f"reference ids reach {int(ref.ids.max())} but the model has {logq.shape[-1]} logits; "
-                         "pass vocab= to compact_reference")
-    q_top = logq.gather(-1, ref.ids)
-    # Student tail without cancellation: log-sum-exp over everything outside the reference's top-k.
-    q_tail = logq.scatter(-1, ref.ids, float("-inf")).logsumexp(-1)
-    p_top, p_tail = ref.logprobs, ref.tail_logprob
-    top = torch.where(p_top > float("-inf"), p_top.exp() * (p_top - q_top), 0.0).sum(-1)
-    tail = torch.where(p_tail > float("-inf"), p_tail.exp() * (p_tail - q_tail), 0.0)
-    return top + tail
-
-
 @torch.inference_mode()
 def batch_stats(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                ref_logits: torch.Tensor | None = None, ref_topk: TopKReference | None = None) -> LMStats:
+                ref_logits: torch.Tensor | None = None) -> LMStats:
     """Stats of one batch.
 
     Args:
@@ -178,17 +96,12 @@ def batch_stats(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: t
         input_ids: ``[batch, seq]``; the label of position t is token t+1.
         attention_mask: ``[batch, seq]``, 1 = real token.
         ref_logits: ``[batch, seq, vocab']`` of a reference (teacher); vocab' ≥ vocab rows are
-            sliced to the evaluated model's vocabulary. Exact agreement and KL.
-        ref_topk: the same reference kept by :func:`compact_reference` (instead of ``ref_logits``):
-            exact agreement, KL over the top-k + tail buckets.
+            sliced to the evaluated model's vocabulary.
+
+    Positions are taken a bounded chunk at a time (``CHUNK_ELEMENTS``), so nothing beyond the
+    inputs is ``[tokens, vocab]``-sized.
     """
-    if ref_logits is not None and ref_topk is not None:
-        raise ValueError("pass ref_logits or ref_topk, not both")
     stats = LMStats()
-    if ref_topk is not None and ref_topk.ids.shape[0] != _count_scored(input_ids, attention_mask):
-        raise ValueError(f"ref_topk holds {ref_topk.ids.shape[0]} positions, this batch scores "
-                         f"{_count_scored(input_ids, attention_mask)}")
-    done = 0
     for labels, lg, ref in _scored_chunks(logits, input_ids, attention_mask, ref_logits):
         n = labels.numel()
         stats.nll_sum += F.cross_entropy(lg, labels, reduction="sum").item()
@@ -199,12 +112,6 @@ def batch_stats(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: t
             stats.kl_sum += F.kl_div(F.log_softmax(lg, -1), F.log_softmax(ref, -1), log_target=True,
                                      reduction="sum").item()
             stats.ref_tokens += n
-        elif ref_topk is not None:
-            part = ref_topk.rows(done, done + n)
-            stats.agree += int((lg.argmax(-1) == part.ids[:, 0]).sum())
-            stats.kl_sum += float(_bucket_kl(F.log_softmax(lg, -1), part).double().sum())
-            stats.ref_tokens += n
-        done += n
     return stats
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eval.metrics import LMStats, batch_stats, compact_reference, evaluate_text, text_windows, window_stats
+from eval.metrics import LMStats, batch_stats, evaluate_text, text_windows, window_stats
 from tests.tiny import tiny_model, tiny_tokenizer
 
 TEXT = "the quick brown fox jumps over the lazy dog. héllo wörld ✓ naïve café. distill the teacher! " * 4
@@ -69,70 +69,16 @@ def test_agreement_and_kl_limits():
     assert t2.kl > 0 and t2.top1_agreement < 1.0
 
 
-# ---- compact reference (top-k + tail bucket) ------------------------------------------------
+# ---- bounded chunks -------------------------------------------------------------------------
 
-def _pair(vocab=40, ref_vocab=40, seed=0):
+def _pair(vocab=40, seed=0):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (3, 9), generator=g)
     logits = torch.randn(3, 9, vocab, generator=g) * 2
-    ref = torch.randn(3, 9, ref_vocab, generator=g) * 3
+    ref = torch.randn(3, 9, vocab + 8, generator=g) * 3  # a padded reference vocabulary is sliced
     mask = torch.ones(3, 9, dtype=torch.long)
     mask[1, 6:] = 0  # right padding: its positions never count
     return logits, ref, ids, mask
-
-
-def _naive_bucket_kl(logits, ref, ids, mask, k):
-    """Per position, by hand: teacher top-k tokens plus everything else as one outcome."""
-    total = 0.0
-    for b in range(ids.shape[0]):
-        for t in range(ids.shape[1] - 1):
-            if not (mask[b, t] and mask[b, t + 1]):
-                continue
-            p = torch.softmax(ref[b, t].double(), -1)
-            q = torch.softmax(logits[b, t].double(), -1)
-            top = p.argsort(descending=True)[:k].tolist()
-            rest = [i for i in range(p.numel()) if i not in top]
-            total += sum(float(p[i] * (p[i].log() - q[i].log())) for i in top)
-            if rest:
-                pt, qt = p[rest].sum(), q[rest].sum()
-                total += float(pt * (pt.log() - qt.log()))
-    return total
-
-
-@pytest.mark.parametrize("k", [1, 5, 39])
-def test_compact_reference_bucket_kl_matches_naive(k):
-    logits, ref, ids, mask = _pair()
-    compact = compact_reference(ref, ids, mask, k=k)
-    st = batch_stats(logits, ids, mask, ref_topk=compact)
-    assert st.kl_sum == pytest.approx(_naive_bucket_kl(logits, ref, ids, mask, k), rel=1e-5)
-    exact = batch_stats(logits, ids, mask, ref_logits=ref)
-    assert 0 < st.kl_sum <= exact.kl_sum + 1e-5  # coarse-graining never increases KL
-    assert st.agree == exact.agree and st.ref_tokens == exact.ref_tokens == st.tokens == 8 * 3 - 3
-    assert st.nll_sum == exact.nll_sum
-
-
-def test_compact_reference_is_exact_with_full_k_and_keeps_the_teachers_loss():
-    logits, ref, ids, mask = _pair(vocab=40, ref_vocab=48)  # a padded reference vocabulary is sliced
-    compact = compact_reference(ref, ids, mask, k=40, vocab=40)
-    st, exact = batch_stats(logits, ids, mask, ref_topk=compact), batch_stats(logits, ids, mask, ref_logits=ref)
-    assert st.kl_sum == pytest.approx(exact.kl_sum, rel=1e-5) and st.agree == exact.agree
-    own = batch_stats(ref[..., :40], ids, mask)
-    assert compact.own_stats().nll_sum == pytest.approx(own.nll_sum, rel=1e-6)
-    assert compact.own_stats().tokens == own.tokens
-    # identical model and reference: zero KL, full agreement, whatever k
-    same = batch_stats(ref[..., :40], ids, mask, ref_topk=compact_reference(ref, ids, mask, k=3, vocab=40))
-    assert same.kl_sum == pytest.approx(0.0, abs=1e-5) and same.agree == same.ref_tokens
-    with pytest.raises(ValueError, match="vocab="):
-        batch_stats(logits, ids, mask, ref_topk=compact_reference(ref, ids, mask, k=48))
-
-
-def test_compact_reference_is_small():
-    vocab, k = 49_152, 256
-    ref = torch.randn(2, 64, vocab)
-    ids = torch.randint(0, vocab, (2, 64))
-    compact = compact_reference(ref, ids, k=k)
-    assert compact.nbytes() == 2 * 63 * (k * (8 + 4) + 4 + 4)
-    assert compact.nbytes() < ref.numel() * 4 / 15
 
 
 def test_chunked_rows_give_the_same_stats(monkeypatch):
@@ -140,16 +86,16 @@ def test_chunked_rows_give_the_same_stats(monkeypatch):
 
     logits, ref, ids, mask = _pair()
     whole = batch_stats(logits, ids, mask, ref_logits=ref)
-    whole_topk = batch_stats(logits, ids, mask, ref_topk=compact_reference(ref, ids, mask, k=5))
     monkeypatch.setattr(metrics, "CHUNK_ELEMENTS", 3 * 40)  # 3 positions per chunk
     small = batch_stats(logits, ids, mask, ref_logits=ref)
-    small_topk = batch_stats(logits, ids, mask, ref_topk=compact_reference(ref, ids, mask, k=5))
-    for a, b in ((whole, small), (whole_topk, small_topk)):
-        assert a.tokens == b.tokens and a.agree == b.agree and a.ref_tokens == b.ref_tokens
-        assert a.nll_sum == pytest.approx(b.nll_sum, rel=1e-6) and a.kl_sum == pytest.approx(b.kl_sum, rel=1e-6)
-    # the reference scored under one chunking is read correctly under another
-    assert batch_stats(logits, ids, mask, ref_topk=compact_reference(ref, ids, mask, k=5)).kl_sum == \
-        pytest.approx(whole_topk.kl_sum, rel=1e-6)
-    naive = F.cross_entropy(logits[:, :-1][(mask[:, 1:] & mask[:, :-1]).bool()], ids[:, 1:][(mask[:, 1:] & mask[:, :-1]).bool()],
-                            reduction="sum").item()
-    assert small.nll_sum == pytest.approx(naive, rel=1e-6)
+    assert whole.tokens == small.tokens == whole.ref_tokens == 8 * 3 - 3
+    assert whole.agree == small.agree
+    assert whole.nll_sum == pytest.approx(small.nll_sum, rel=1e-6) and whole.kl_sum == pytest.approx(small.kl_sum, rel=1e-6)
+    # naive references over the scored positions
+    v = (mask[:, 1:] & mask[:, :-1]).bool()
+    lg, rf, lab = logits[:, :-1][v], ref[:, :-1][v][:, :40], ids[:, 1:][v]
+    assert small.nll_sum == pytest.approx(F.cross_entropy(lg, lab, reduction="sum").item(), rel=1e-6)
+    p = torch.softmax(rf.double(), -1)
+    naive_kl = (p * (p.log() - torch.log_softmax(lg.double(), -1))).sum().item()
+    assert small.kl_sum == pytest.approx(naive_kl, rel=1e-5)
+    assert small.agree == int((lg.argmax(-1) == rf.argmax(-1)).sum())
