@@ -5,8 +5,8 @@ and how much memory each phase of the run peaks at (:class:`PeakRSS`).
 or to 1 when the user set none — unless ``--cpu`` is given and psutil counts more than one
 *physical* core per process (``accelerate/commands/launch.py``, ``_validate_launch_command``). On a
 machine whose cores report as one physical core with two hyperthreads, or on a GPU box running a
-CPU smoke test, that leaves training on one thread while the process may use more (measured on the
-2-core dev machine: ~127 tokens/s on one thread vs ~237 on two for the SmolLM2 demo).
+CPU smoke test, that leaves training on one thread while the process may use more (about half the
+demo's speed on the idle 2-core dev machine, issue 17).
 
 So a ``1`` that accelerate wrote is not a choice the user made. The child cannot see the
 environment from before the launch in its own ``os.environ``, but its parent — the
@@ -103,6 +103,27 @@ def resolve_threads(requested: int = 0, env: dict[str, str] | None = None,
                                      f"OMP_NUM_THREADS={value} accelerate launch set by default")
 
 
+def busy_warning(threads: int, cores: int | None = None, load: float | None = None) -> str | None:
+    """A hint when other work already keeps this machine's cores busy, else None.
+
+    OpenMP threads wait for each other at every parallel region; when another process holds the
+    core one of them needs, the others spin (on the 2-core dev machine under heavy load, one thread
+    ran the demo step ~2.5× faster than two; see the issue 17 report). The load average is machine-wide (in a container it may count work outside its CPUs), so this only
+    warns; it does not choose.
+    """
+    if threads < 2:
+        return None
+    cores = available_cores() if cores is None else cores
+    try:
+        load = os.getloadavg()[0] if load is None else load
+    except OSError:
+        return None
+    if load < cores:
+        return None
+    return (f"the machine is busy (load {load:.1f} on {cores} CPUs): {threads} threads may be slower than 1 "
+            "here; try threads=1")
+
+
 def setup_threads(requested: int = 0, main_process: bool = True) -> ThreadChoice:
     """Apply :func:`resolve_threads` to torch (and ``OMP_NUM_THREADS`` for libraries started later)."""
     choice = resolve_threads(requested)
@@ -110,6 +131,9 @@ def setup_threads(requested: int = 0, main_process: bool = True) -> ThreadChoice
     os.environ["OMP_NUM_THREADS"] = str(choice.threads)
     if main_process:
         print(choice.describe(), flush=True)
+        warning = busy_warning(choice.threads)
+        if warning and not requested:
+            print(f"warning: {warning}", flush=True)
     return choice
 
 

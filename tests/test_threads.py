@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from distill.threads import available_cores, local_world_size, resolve_threads
+from distill.threads import available_cores, busy_warning, local_world_size, resolve_threads
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHED = {"ACCELERATE_DYNAMO_BACKEND": "NO"}  # what every accelerate launcher puts in the child
@@ -109,3 +109,9 @@ def test_recipe_configs_refuse_negative_threads():
         assert cls().threads == 0
         with pytest.raises(ConfigError, match="threads"):
             cls(threads=-1)
+
+
+def test_busy_machine_gets_a_hint_not_a_different_choice():
+    assert busy_warning(2, cores=2, load=24.0) and "threads=1" in busy_warning(2, cores=2, load=24.0)
+    assert busy_warning(2, cores=2, load=0.3) is None
+    assert busy_warning(1, cores=2, load=24.0) is None
