@@ -35,6 +35,7 @@ from core import rundir
 from core.config import ConfigError, check_resume_config, parse_config, save_config
 from core.fsio import atomic_write_text, replace_dir
 from distill.data import eval_batches
+from distill.threads import PeakRSS, setup_threads
 from eval.metrics import LMStats, evaluate_lm
 
 TRACKERS = ("none", "tensorboard", "wandb")
@@ -77,6 +78,7 @@ def start_run(config_cls: type, argv: list[str] | None = None) -> tuple[Any, Acc
     cfg = parse_config(config_cls, argv)
     out = rundir.check_output_dir(cfg.output_dir, cfg.overwrite, cfg.resume)
     accelerator = make_accelerator(cfg, out)
+    setup_threads(cfg.threads, accelerator.is_main_process)  # every core, even under `accelerate launch`
     if accelerator.is_main_process:
         rundir.claim_output_dir(out, cfg.overwrite, cfg.resume)
     accelerator.wait_for_everyone()
@@ -199,6 +201,8 @@ class Run:
         self.bar = None
         self._t_step = 0.0
         self.loop_seconds = 0.0  # inside training steps only (no evaluation, no checkpoint)
+        self._t_wall = time.perf_counter()
+        self.rss = PeakRSS()  # peak memory per phase: setup, train, eval_save, after
         self.loop_tokens = 0
 
     # ---- start -----------------------------------------------------------------------------
@@ -242,9 +246,11 @@ class Run:
 
         self.bar = tqdm(total=self.cfg.max_steps, initial=self.state.step, disable=not self.main,
                         desc=self.progress, dynamic_ncols=True)
+        self.rss.mark("setup")
         for step in range(self.state.step, self.cfg.max_steps):
             self._t_step = time.perf_counter()
             yield step
+            self.rss.mark("eval_save")  # what the step did after its record: evaluation, checkpoint
         self.bar.close()
 
     def record(self, step: int, terms: dict[str, float], lr: float, tokens: int, **extra: Any) -> None:
@@ -256,6 +262,7 @@ class Run:
                 f"{last or 'none'}: lower lr or enable clipping, then resume=latest")
         self.loop_tokens += tokens
         self.loop_seconds += time.perf_counter() - self._t_step
+        self.rss.mark("train")
         elapsed = self.loop_seconds
         self.state.step = step + 1
         self.state.history.append({"step": step + 1, "lr": lr, **extra, **terms})
@@ -297,6 +304,13 @@ class Run:
         """Testing: die like a killed process after ``debug_exit_at_step`` (no cleanup, no final save)."""
         if self.cfg.debug_exit_at_step is not None and step + 1 == self.cfg.debug_exit_at_step:
             os._exit(137)
+
+    def timing(self) -> dict[str, Any]:
+        """Summary keys: the loop's own seconds, the run's wall time, threads, peak memory per phase (GB)."""
+        self.rss.mark("after")  # the final evaluation and save
+        return {"loop_s": self.loop_seconds, "wall_s": time.perf_counter() - self._t_wall,
+                "threads": torch.get_num_threads(),
+                "peak_rss_gb": {**self.rss.phases, "whole": self.rss.whole}}
 
     @property
     def tokens_per_s(self) -> float:

@@ -7,7 +7,7 @@ computed in fp32 from the models' logits, and skip positions whose label is ``ig
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 
 import torch
@@ -58,12 +58,32 @@ class LMStats:
         }
 
 
-def _shift(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Align logits at t with labels at t+1; returns ``([N, vocab] logits, [N] labels, [b, s-1] valid)``."""
+#: Logit elements handled at once (128 MB in fp32): evaluation never holds more than a few such
+#: copies beside the model's own ``[batch, seq, vocab]`` output, whatever the sequence and vocabulary.
+CHUNK_ELEMENTS = 2**25
+
+
+def _scored_chunks(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                   *others: torch.Tensor | None) -> Iterator[tuple[torch.Tensor, ...]]:
+    """Scored positions in order (batch-major), a bounded chunk at a time.
+
+    Position t of row b is scored when it and its label t+1 are real tokens. Yields
+    ``(labels [n], logits [n, vocab] fp32, *others [n, vocab'])`` for each chunk; ``others`` are
+    more ``[batch, seq, vocab']`` tensors sliced the same way (None stays None).
+    """
+    b, s = input_ids.shape
     valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
     valid = valid[:, 1:] & valid[:, :-1]
-    return logits[:, :-1], input_ids[:, 1:], valid
+    step = max(1, CHUNK_ELEMENTS // logits.shape[-1])
+    for row in range(b):
+        for lo in range(0, s - 1, step):
+            hi = min(lo + step, s - 1)
+            keep = valid[row, lo:hi]
+            if not bool(keep.any()):
+                continue
+            labels = input_ids[row, lo + 1:hi + 1][keep]
+            yield (labels, logits[row, lo:hi][keep].float(),
+                   *(None if o is None else o[row, lo:hi][keep] for o in others))
 
 
 @torch.inference_mode()
@@ -77,17 +97,21 @@ def batch_stats(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: t
         attention_mask: ``[batch, seq]``, 1 = real token.
         ref_logits: ``[batch, seq, vocab']`` of a reference (teacher); vocab' ≥ vocab rows are
             sliced to the evaluated model's vocabulary.
+
+    Positions are taken a bounded chunk at a time (``CHUNK_ELEMENTS``), so nothing beyond the
+    inputs is ``[tokens, vocab]``-sized.
     """
-    lg, labels, valid = _shift(logits, input_ids, attention_mask)
-    lg = lg[valid].float()
-    labels = labels[valid]
-    stats = LMStats(nll_sum=F.cross_entropy(lg, labels, reduction="sum").item(), tokens=labels.numel())
-    if ref_logits is not None:
-        ref = ref_logits[:, :-1][valid].float()[..., : lg.shape[-1]]
-        stats.agree = int((lg.argmax(-1) == ref.argmax(-1)).sum())
-        ref_logp = F.log_softmax(ref, -1)
-        stats.kl_sum = F.kl_div(F.log_softmax(lg, -1), ref_logp, log_target=True, reduction="sum").item()
-        stats.ref_tokens = labels.numel()
+    stats = LMStats()
+    for labels, lg, ref in _scored_chunks(logits, input_ids, attention_mask, ref_logits):
+        n = labels.numel()
+        stats.nll_sum += F.cross_entropy(lg, labels, reduction="sum").item()
+        stats.tokens += n
+        if ref is not None:
+            ref = ref.float()[..., : lg.shape[-1]]
+            stats.agree += int((lg.argmax(-1) == ref.argmax(-1)).sum())
+            stats.kl_sum += F.kl_div(F.log_softmax(lg, -1), F.log_softmax(ref, -1), log_target=True,
+                                     reduction="sum").item()
+            stats.ref_tokens += n
     return stats
 
 

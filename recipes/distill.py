@@ -91,6 +91,8 @@ class DistillConfig:
     mixed_precision: str = field("auto", help="no | bf16 | fp16 | auto (bf16 on GPUs that support it, fp32 on "
                                  "CPU where bf16 matmul is slower)", choices=PRECISIONS)
     gradient_checkpointing: bool = field(False, help="recompute student activations in backward to save memory")
+    threads: int = field(0, ge=0, help="CPU intra-op threads per process; 0 = the cores available / local "
+                         "processes, unless OMP_NUM_THREADS was set by you (distill/threads.py)")
     seed: int = field(0, ge=0, le=2**32 - 1, help="seed for init, data order and sampling")
     # loss terms (weight 0 switches a term off)
     kd_weight: float = field(1.0, ge=0, help="logits KD term weight")
@@ -329,7 +331,7 @@ def build_summary(cfg: DistillConfig, accelerator: Accelerator, run: Run, tokens
         "final_loss": history[-1]["loss"] if history else float("nan"),
         "final_terms": history[-1] if history else {},
         "tokens_per_s": run.tokens_per_s,
-        "loop_seconds": run.loop_seconds,
+        **run.timing(),  # loop_s (training steps only), wall_s, threads, peak_rss_gb per phase
         "teacher_ppl": init.get("teacher_ppl"),
         "student_ppl_init": init.get("student_ppl_init"),
         "student_ppl_final": final_eval.get("perplexity"),

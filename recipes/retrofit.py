@@ -124,6 +124,8 @@ class RetrofitConfig:
     mixed_precision: str = field("auto", help="no | bf16 | fp16 | auto (bf16 on GPUs that support it, fp32 on "
                                  "CPU where bf16 matmul is slower)", choices=PRECISIONS)
     gradient_checkpointing: bool = field(False, help="recompute activations in backward to save memory")
+    threads: int = field(0, ge=0, help="CPU intra-op threads per process; 0 = the cores available / local "
+                         "processes, unless OMP_NUM_THREADS was set by you (distill/threads.py)")
     seed: int = field(0, ge=0, le=2**32 - 1, help="seed for LoRA init, data order and window sampling")
     # loss: self-distillation from the dense model
     kd_weight: float = field(1.0, ge=0, help="logits KD to the dense teacher, weight")
@@ -428,7 +430,7 @@ def measure_and_summarize(cfg: RetrofitConfig, accelerator: Accelerator, run: Ru
         "final_loss": history[-1]["loss"] if history else float("nan"),
         "final_terms": history[-1] if history else {},
         "tokens_per_s": run.tokens_per_s,
-        "loop_seconds": run.loop_seconds,
+        **run.timing(),  # loop_s (training steps only), wall_s, threads, peak_rss_gb per phase
         "tokens_seen": sum(h["tokens_per_block"] for h in history) * global_batch,
         "dense_ppl": dense_ppl,
         "hybrid_before_ppl": state.init["hybrid_before"][key],

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from core.tiny import tiny_model, tiny_tokenizer
-from eval.metrics import LMStats, evaluate_text, text_windows, window_stats
+from eval.metrics import LMStats, batch_stats, evaluate_text, text_windows, window_stats
 
 TEXT = "the quick brown fox jumps over the lazy dog. héllo wörld ✓ naïve café. distill the teacher! " * 4
 
@@ -67,3 +67,35 @@ def test_agreement_and_kl_limits():
     for s in own2:
         t2.add(s)
     assert t2.kl > 0 and t2.top1_agreement < 1.0
+
+
+# ---- bounded chunks -------------------------------------------------------------------------
+
+def _pair(vocab=40, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (3, 9), generator=g)
+    logits = torch.randn(3, 9, vocab, generator=g) * 2
+    ref = torch.randn(3, 9, vocab + 8, generator=g) * 3  # a padded reference vocabulary is sliced
+    mask = torch.ones(3, 9, dtype=torch.long)
+    mask[1, 6:] = 0  # right padding: its positions never count
+    return logits, ref, ids, mask
+
+
+def test_chunked_rows_give_the_same_stats(monkeypatch):
+    import eval.metrics as metrics
+
+    logits, ref, ids, mask = _pair()
+    whole = batch_stats(logits, ids, mask, ref_logits=ref)
+    monkeypatch.setattr(metrics, "CHUNK_ELEMENTS", 3 * 40)  # 3 positions per chunk
+    small = batch_stats(logits, ids, mask, ref_logits=ref)
+    assert whole.tokens == small.tokens == whole.ref_tokens == 8 * 3 - 3
+    assert whole.agree == small.agree
+    assert whole.nll_sum == pytest.approx(small.nll_sum, rel=1e-6) and whole.kl_sum == pytest.approx(small.kl_sum, rel=1e-6)
+    # naive references over the scored positions
+    v = (mask[:, 1:] & mask[:, :-1]).bool()
+    lg, rf, lab = logits[:, :-1][v], ref[:, :-1][v][:, :40], ids[:, 1:][v]
+    assert small.nll_sum == pytest.approx(F.cross_entropy(lg, lab, reduction="sum").item(), rel=1e-6)
+    p = torch.softmax(rf.double(), -1)
+    naive_kl = (p * (p.log() - torch.log_softmax(lg.double(), -1))).sum().item()
+    assert small.kl_sum == pytest.approx(naive_kl, rel=1e-5)
+    assert small.agree == int((lg.argmax(-1) == rf.argmax(-1)).sum())

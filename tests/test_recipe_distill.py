@@ -42,6 +42,9 @@ def test_outputs_are_complete_and_deployable(tiny_run):
                 "top1_agreement"):
         assert summary[key] is not None, key
     assert summary["steps"] == 4 and summary["num_processes"] == 1
+    # issue 17: throughput over the training steps only, beside the wall time; peak memory per phase
+    assert 0 < summary["loop_s"] < summary["wall_s"] and summary["threads"] >= 1
+    assert summary["peak_rss_gb"]["whole"] >= summary["peak_rss_gb"]["train"] > 0
     assert (out / "loss.png").stat().st_size > 1000
     assert (out / "config.yaml").is_file()
     # keep_checkpoints=1: only the newest complete one remains, with everything resume and export need.
