@@ -69,6 +69,14 @@ class RetrofitConfig:
     global_rows: bool = field(False, help="global tokens also attend to every earlier key (unbounded cache)")
     window_policy: list[Any] | None = field(None, help="[[max_len, window], ..., [null, window]]: the window per "
                                             "input length; training samples one entry per step")
+    # per-KV-head roles (issue 14, attention.heads): the top share of heads by needle-retrieval score keep full
+    # attention, the rest stream; chosen on the dense model before LoRA, saved in the spec, plotted to heads.png
+    full_head_share: float = field(0.25, help="fraction of (layer, KV head) pairs that keep full attention "
+                                   "(retrieval heads); 0 = every head streams")
+    head_score: str = field("retrieval", help="how heads are ranked: retrieval (top-1 copy hits, Wu et al. 2024) "
+                            "or mass (attention mass on the needle)")
+    head_samples: int = field(12, help="synthetic needle samples (from the training text) for head scoring")
+    head_sample_len: int = field(1536, help="tokens per head-scoring sample (capped at seq_len)")
     # LoRA + extra trainable pieces
     lora_r: int = field(16, help="LoRA rank")
     lora_alpha: float = field(32.0, help="LoRA scaling numerator (the update is scaled by alpha / r)")
@@ -141,6 +149,11 @@ class RetrofitConfig:
             raise ConfigError(f"mixed_precision '{self.mixed_precision}' is unknown; use no, bf16, fp16 or auto")
         if self.tracker not in TRACKERS:
             raise ConfigError(f"tracker '{self.tracker}' is unknown; use one of {', '.join(TRACKERS)}")
+        if not 0.0 <= self.full_head_share <= 1.0 or self.head_score not in ("retrieval", "mass"):
+            raise ConfigError(f"full_head_share must be in [0, 1] and head_score retrieval or mass; got "
+                              f"{self.full_head_share}, {self.head_score!r}")
+        if self.head_samples < 1:
+            raise ConfigError(f"head_samples must be >= 1, got {self.head_samples}")
         if self.resume is not None and self.overwrite:
             raise ConfigError("resume= and overwrite=true contradict each other; pick one")
         self.spec()  # validates the attention keys
@@ -339,6 +352,17 @@ def training_function(cfg: RetrofitConfig, accelerator: Accelerator) -> dict:
     for length in cfg.eval_lengths():
         if length not in heldout:
             heldout[length] = heldout_blocks(cfg, tokenizer, length)
+
+    # ---- head roles (issue 14): which KV heads keep full attention, scored on the dense teacher --------
+    if cfg.full_head_share > 0:
+        from attention.heads import find_head_roles, plot_head_scores
+
+        spec = find_head_roles(teacher, tokenizer, spec, data.train, share=cfg.full_head_share,
+                               method=cfg.head_score, samples=cfg.head_samples,
+                               length=min(cfg.head_sample_len, cfg.seq_len), seed=cfg.seed, progress=main)
+        attention.retrofit(model, spec)  # the same model object under the LoRA wrapper: the new spec applies
+        if main:
+            plot_head_scores(spec, out / "heads.png", title=f"{cfg.teacher}: full heads ({cfg.head_score})")
 
     # ---- teacher–student module, optimizer, schedule -------------------------------------
     # The student is the retrofitted model with its LoRA layers; DistillModel runs the dense
