@@ -167,16 +167,20 @@ def head_scores(model, samples: list[NeedleSample], *, progress: bool = True) ->
 
 
 def choose_roles(spec: HybridAttentionConfig, scores: torch.Tensor, share: float, *, method: str,
-                 extra: dict[str, Any] | None = None) -> HybridAttentionConfig:
+                 tiebreak: torch.Tensor | None = None, extra: dict[str, Any] | None = None) -> HybridAttentionConfig:
     """``spec`` with the top ``share`` of (layer, KV head) pairs by ``scores`` ``[layers, kv_heads]`` full.
 
-    Ties go to the later pair in a stable sort of the scores (so "all zero" still picks ``share``).
+    Ties (many heads never retrieve: top-1 scores are mostly 0) are broken by ``tiebreak`` (same
+    shape, e.g. the attention mass), then by the earlier pair.
     """
     if not 0.0 <= share <= 1.0:
         raise HybridAttentionError(f"full_head_share must be in [0, 1], got {share}")
     layers, kv_heads = scores.shape
     count = round(share * layers * kv_heads)
-    order = torch.argsort(scores.flatten(), descending=True, stable=True)[:count].tolist()
+    order = torch.arange(layers * kv_heads)
+    if tiebreak is not None:
+        order = order[torch.argsort(tiebreak.flatten()[order], descending=True, stable=True)]
+    order = order[torch.argsort(scores.flatten()[order], descending=True, stable=True)][:count].tolist()
     full: dict[int, list[int]] = {}
     for flat in sorted(order):
         full.setdefault(flat // kv_heads, []).append(flat % kv_heads)
@@ -208,7 +212,8 @@ def find_head_roles(model, tokenizer, spec: HybridAttentionConfig, haystack: tor
     data = needle_samples(tokenizer, haystack, count=samples, length=length, min_distance=min_distance,
                           min_start=min_start, seed=seed)
     scores = head_scores(model, data, progress=progress)
-    return choose_roles(spec, scores[method], share, method=method,
+    other = scores["mass" if method == "retrieval" else "retrieval"]
+    return choose_roles(spec, scores[method], share, method=method, tiebreak=other,
                         extra={"samples": samples, "sample_len": length})
 
 

@@ -61,6 +61,7 @@ class Sample:
     answer_len: int
     key: str
     needle_pos: int  # token index where the asked-for needle starts
+    canonical: bool  # the question + answer tokenized together gives the same answer tokens
 
 
 def _enc(tok, text: str) -> list[int]:
@@ -111,7 +112,8 @@ def build_sample(tok, kind: str, length: int, depth: float, rng: random.Random, 
         if s < len(sentences):
             ids += sentences[s]
     ids += q_ids + a_ids
-    return Sample(kind, length, depth, trial, ids, len(a_ids), key, needle_pos)
+    canonical = _enc(tok, question + " " + key) == q_ids + a_ids
+    return Sample(kind, length, depth, trial, ids, len(a_ids), key, needle_pos, canonical)
 
 
 @torch.inference_mode()
@@ -151,7 +153,7 @@ def run_longctx(model, tok, *, lengths: list[int], depths: int, trials: int, kin
                 for t in range(trials):
                     rng = random.Random(f"{seed}-{kind}-{length}-{di}-{t}")
                     samples.append(build_sample(tok, kind, length, depth, rng, t))
-    canonical = all(_enc(tok, " " + s.key) == s.ids[-s.answer_len:] for s in samples)
+    canonical = all(s.canonical for s in samples)
     rows = []
     bar = tqdm(samples, desc="longctx", disable=not progress, dynamic_ncols=True)
     found_so_far = 0
