@@ -189,6 +189,18 @@ def choose_roles(spec: HybridAttentionConfig, scores: torch.Tensor, share: float
     return dataclasses.replace(spec, full_heads=full or None, full_layers=None, head_scores=record)
 
 
+def spread_roles(spec: HybridAttentionConfig, layers: int, kv_heads: int, share: float) -> HybridAttentionConfig:
+    """``spec`` with ``round(share * pairs)`` evenly spaced (layer, KV head) pairs full (benchmarks: the
+    cost depends on how many heads are full, not which)."""
+    pairs = layers * kv_heads
+    count = round(share * pairs)
+    full: dict[int, list[int]] = {}
+    for i in range(count):
+        flat = (i * pairs) // count
+        full.setdefault(flat // kv_heads, []).append(flat % kv_heads)
+    return dataclasses.replace(spec, full_heads=full or None, full_layers=None, head_scores=None)
+
+
 def find_head_roles(model, tokenizer, spec: HybridAttentionConfig, haystack: torch.Tensor, *, share: float,
                     method: str = "retrieval", samples: int = 12, length: int = 1536, seed: int = 0,
                     progress: bool = True) -> HybridAttentionConfig:
