@@ -148,3 +148,66 @@ def test_head_mask_reference_is_pattern_per_head():
     assert m.shape == (1, 4, 12, 12) and torch.equal(m[0, 0], torch.ones(12, 12, dtype=torch.bool).tril())
     m = head_query_key_mask(12, 12, spec, 1, 4, 2)
     assert torch.equal(m[0, 3], query_key_mask(12, 12, spec)[0, 0])
+
+
+# ---- head identification (attention.heads) ---------------------------------------------------------------
+
+class CharTokenizer:
+    """One token per character (ids 3..): digits tokenize the same in and out of context."""
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [3 + ord(c) % 300 for c in text]}
+
+
+def test_needle_samples_put_the_key_where_they_say():
+    from attention.heads import needle_samples
+
+    hay = torch.randint(3, 300, (3, 400), generator=torch.Generator().manual_seed(0))
+    samples = needle_samples(CharTokenizer(), hay, count=5, length=300, min_distance=120, min_start=20, seed=1)
+    for s in samples:
+        assert len(s.ids) == 300
+        answer = s.ids[s.answer_start:]
+        assert [s.ids[p] for p in s.key_positions] == answer
+        assert s.key_positions[0] >= 20 and s.answer_start - s.key_positions[-1] >= 120
+    with pytest.raises(HybridAttentionError, match="length"):
+        needle_samples(CharTokenizer(), hay, count=1, length=300, min_distance=290, seed=1)
+
+
+def test_head_scores_match_eager_attention_reference():
+    from attention.heads import head_scores, needle_samples
+
+    model = tiny_model("llama", seed=3, layers=2, heads=4, kv_heads=2)
+    hay = torch.randint(3, 300, (2, 300), generator=torch.Generator().manual_seed(0))
+    samples = needle_samples(CharTokenizer(), hay, count=3, length=260, min_distance=40, seed=2)
+    got = head_scores(model, samples, progress=False)
+    assert model.config._attn_implementation != "hybrid_heads_probe"  # restored
+    hit, mass, total = torch.zeros(2, 4), torch.zeros(2, 4), 0
+    eager = tiny_model("llama", seed=3, layers=2, heads=4, kv_heads=2, attn_implementation="eager")
+    for s in samples:
+        n = len(s.ids) - s.answer_start
+        with torch.no_grad():
+            att = eager(torch.tensor([s.ids[:-1]]), output_attentions=True).attentions
+        pos = torch.tensor(s.key_positions)
+        for li, a in enumerate(att):
+            rows = a[0, :, -n:]  # [heads, n, k]
+            hit[li] += (rows.argmax(-1) == pos).float().sum(-1)
+            mass[li] += rows[:, torch.arange(n), pos].sum(-1)
+        total += n
+    torch.testing.assert_close(got["retrieval"], (hit / total).view(2, 2, 2).amax(-1))
+    torch.testing.assert_close(got["mass"], (mass / total).view(2, 2, 2).amax(-1), atol=1e-5, rtol=0)
+
+
+def test_choose_roles_takes_the_top_share_with_tiebreak():
+    from attention.heads import choose_roles, plot_head_scores
+
+    scores = torch.tensor([[0.0, 0.9], [0.0, 0.0], [0.5, 0.0]])
+    tiebreak = torch.tensor([[0.1, 0.5], [0.0, 0.3], [0.4, 0.2]])
+    spec = choose_roles(HybridAttentionConfig(**BASE), scores, 0.5, method="retrieval", tiebreak=tiebreak)
+    assert spec.full_heads == {0: [1], 1: [1], 2: [0]}  # 0.9, 0.5, then the best tie (0.3)
+    assert spec.head_scores["scores"] == [[0.0, 0.9], [0.0, 0.0], [0.5, 0.0]]
+    assert spec.streaming() == HybridAttentionConfig(**BASE)
+    assert choose_roles(HybridAttentionConfig(**BASE), scores, 0.0, method="mass").full_heads is None
+    with pytest.raises(HybridAttentionError, match="full_head_share"):
+        choose_roles(HybridAttentionConfig(**BASE), scores, 1.5, method="mass")
+    with pytest.raises(HybridAttentionError, match="head scores"):
+        plot_head_scores(HybridAttentionConfig(**BASE), "unused.png")
