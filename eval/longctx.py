@@ -127,14 +127,31 @@ def score_sample(model, sample: Sample, device: str = "cpu") -> tuple[bool, str]
     return pred == gold, json.dumps(pred)
 
 
-def depths_for(count: int) -> list[float]:
-    """``count`` evenly spaced depths from 0 to 1 (one depth: the middle)."""
+def depths_for(depths: int | str | list[float]) -> list[float]:
+    """Needle depths: a count (evenly spaced from 0 to 1; one depth: the middle) or explicit fractions.
+
+    ``"0.25,0.5"`` (any text with a comma or a point) lists the depths themselves.
+    """
+    if isinstance(depths, str) and ("," in depths or "." in depths):
+        try:
+            depths = [float(x) for x in depths.split(",") if x.strip()]
+        except ValueError:
+            raise LongCtxError(f"--depths needs a count or fractions like 0.25,0.5; got {depths!r}") from None
+    if isinstance(depths, list):
+        if not depths or any(not 0.0 <= d <= 1.0 for d in depths):
+            raise LongCtxError(f"depths must be fractions in [0, 1], got {depths}")
+        return depths
+    try:
+        count = int(depths)
+    except ValueError:
+        raise LongCtxError(f"--depths needs a count or fractions like 0.25,0.5; got {depths!r}") from None
     if count < 1:
         raise LongCtxError(f"--depths must be >= 1, got {count}")
     return [0.5] if count == 1 else [i / (count - 1) for i in range(count)]
 
 
-def run_longctx(model, tok, *, lengths: list[int], depths: int, trials: int, kinds: list[str] | tuple[str, ...],
+def run_longctx(model, tok, *, lengths: list[int], depths: int | str | list[float], trials: int,
+                kinds: list[str] | tuple[str, ...],
                 seed: int = 0, device: str = "cpu", progress: bool = True) -> dict[str, Any]:
     """Accuracy per kind × length × depth over ``trials`` samples per cell (seeded, same prompts every run)."""
     from tqdm.auto import tqdm
@@ -250,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", required=True, help="HF model directory (hybrid if its config carries a spec) "
                    "or 'smollm2-135m-instruct'")
     p.add_argument("--lengths", default="1024,2048,4096,8192", help="comma-separated prompt lengths in tokens")
-    p.add_argument("--depths", type=int, default=10, help="number of needle depths from 0%% to 100%%")
+    p.add_argument("--depths", default="10", help="number of needle depths from 0%% to 100%%, or the depths "
+                   "themselves as fractions (0.25,0.5,0.75)")
     p.add_argument("--trials", type=int, default=2, help="samples per length × depth cell (different keys)")
     p.add_argument("--kinds", default="passkey", help=f"comma-separated: {', '.join(KINDS)}")
     p.add_argument("--seed", type=int, default=0, help="seed of keys, filler order and distractor depths")

@@ -90,3 +90,12 @@ def test_cli_writes_heatmap_and_json_and_loads_hybrid(tmp_path, tok, capsys):
     rc = longctx.main(["--model", str(dense_dir), "--lengths", "4096"])
     err = capsys.readouterr().err.strip().splitlines()[-1]  # after the weight-loading progress bar
     assert rc == 3 and err.startswith("error: ") and "max_position_embeddings=1024" in err
+
+
+def test_depths_are_a_count_or_explicit_fractions():
+    assert longctx.depths_for("3") == [0.0, 0.5, 1.0]
+    assert longctx.depths_for(1) == [0.5]
+    assert longctx.depths_for("0.25,0.75") == [0.25, 0.75]
+    for bad in ("0", "1.5,0.2", "x,y", "many"):
+        with pytest.raises(longctx.LongCtxError, match="depths"):
+            longctx.depths_for(bad)
