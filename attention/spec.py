@@ -141,8 +141,9 @@ class HybridAttentionConfig:
 
     @property
     def bounded(self) -> bool:
-        """True when a decode-time KV cache of constant size can serve this pattern."""
-        return not self.global_rows and (self.global_every == 0 or self.max_globals is not None)
+        """True when a decode-time KV cache of constant size can serve this pattern (full heads grow)."""
+        return (not self.global_rows and (self.global_every == 0 or self.max_globals is not None)
+                and not self.has_head_roles)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -142,6 +142,12 @@ def test_save_load_keeps_roles_and_scores(tmp_path):
         assert torch.equal(plain(ids).logits, tiny_model("qwen2")(ids).logits)
 
 
+def test_full_heads_make_the_pattern_unbounded():
+    bounded = HybridAttentionConfig(**BASE, max_globals=4)
+    assert bounded.bounded and not HybridAttentionConfig(**BASE, max_globals=4, full_layers=[0]).bounded
+    assert bounded.streaming() == bounded and MIXED.streaming().bounded is False  # max_globals None: unbounded
+
+
 def test_head_mask_reference_is_pattern_per_head():
     spec = HybridAttentionConfig(sink_tokens=1, window=3, global_every=0, full_layers=[2])
     m = head_query_key_mask(12, 12, spec, 2, 4, 2)
