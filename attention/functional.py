@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from attention import flex
 from attention.errors import HybridAttentionError
 from attention.kernel import blocksparse_attention
-from attention.masks import query_key_mask
+from attention.masks import dense_spec, query_key_mask
 from attention.spec import HybridAttentionConfig
 
 BACKENDS = ("auto", "blocksparse", "flex", "sdpa")
@@ -78,8 +78,12 @@ def resolve_window(spec: HybridAttentionConfig, length: int, window: int | None 
 def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: HybridAttentionConfig, *,
                      attention_mask: torch.Tensor | None = None, window: int | None = None,
                      backend: str | None = None, scale: float | None = None,
-                     query_start: int | None = None) -> torch.Tensor:
-    """Causal hybrid (sink + window + global) attention.
+                     query_start: int | None = None, layer: int | None = None) -> torch.Tensor:
+    """Causal hybrid (sink + window + global) attention, with per-KV-head roles when the spec has them.
+
+    Query heads whose KV head keeps full attention in ``layer`` (``spec.full_kv_heads``) run plain
+    causal attention (the dense flash path), the others the hybrid pattern on the chosen backend;
+    no ``[q, k]`` mask is built for either unless the backend is masked SDPA.
 
     Args:
         q: ``[batch, heads, q_len, head_dim]``.
@@ -94,6 +98,7 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Hy
         scale: softmax scale, default ``head_dim ** -0.5``.
         query_start: key index of the first query (default ``k_len - q_len``: queries are the last
             keys, as in cached decoding). Keys after the last query are ignored.
+        layer: the decoder layer index, for the spec's per-head roles (None: every head streams).
     Returns:
         ``[batch, heads, q_len, head_dim]`` in the dtype of ``q``.
     """
@@ -112,10 +117,9 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Hy
     if name not in BACKENDS:
         raise HybridAttentionError(f"unknown backend {name!r}; use one of {BACKENDS}")
 
-    if attention_mask is not None and attention_mask.ndim == 4:
-        return _sdpa_with_4d_mask(q, k, v, spec, w, attention_mask, qs, scale)
+    mask4 = attention_mask if attention_mask is not None and attention_mask.ndim == 4 else None
     padding = None
-    if attention_mask is not None:
+    if attention_mask is not None and mask4 is None:
         if attention_mask.ndim != 2 or attention_mask.shape != (q.shape[0], k_len):
             raise HybridAttentionError(f"attention_mask must be [batch, k_len] = {(q.shape[0], k_len)} or 4-D; "
                                        f"got {tuple(attention_mask.shape)}")
@@ -124,10 +128,45 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Hy
             padding = None
     # Keys stored after the last query are never seen (causal): drop them once here, so every backend
     # below works with "queries are the last q_len keys".
-    if length < k_len:
+    if mask4 is None and length < k_len:
         k, v = k[:, :, :length], v[:, :, :length]
         padding = None if padding is None else padding[:, :length]
 
+    full = spec.full_kv_heads(layer, kv_heads)
+    if not full:
+        return _run(q, k, v, spec, w, padding, mask4, qs, name, scale)
+    # Full heads: plain causal attention. On the block-sparse backend that is the dense flash path;
+    # masked SDPA and flex keep their own (reference / CUDA) implementations of it.
+    dense, dense_name = dense_spec(length), "auto" if name == "blocksparse" else name
+    if len(full) == kv_heads:
+        return _run(q, k, v, dense, length, padding, mask4, qs, dense_name, scale)
+    stream = [h for h in range(kv_heads) if h not in full]
+    b, _, n, d = q.shape
+    group = heads // kv_heads
+    fi = torch.tensor(full, device=q.device)
+    si = torch.tensor(stream, device=q.device)
+    qg = q.view(b, kv_heads, group, n, d)
+
+    def part(idx: torch.Tensor, pattern: HybridAttentionConfig, pw: int, pname: str) -> torch.Tensor:
+        m4 = mask4
+        if m4 is not None and m4.shape[1] == heads:  # a per-head 4-D mask follows its heads
+            m4 = m4.view(m4.shape[0], kv_heads, group, *m4.shape[2:]).index_select(1, idx).flatten(1, 2)
+        return _run(qg.index_select(1, idx).flatten(1, 2), k.index_select(1, idx), v.index_select(1, idx),
+                    pattern, pw, padding, m4, qs, pname, scale)
+
+    out_f, out_s = part(fi, dense, length, dense_name), part(si, spec, w, name)
+    # Back to the model's head order: [full groups, streaming groups] -> kv head order.
+    inverse = torch.argsort(torch.cat([fi, si]))
+    out = torch.cat([out_f.view(b, len(full), group, n, d), out_s.view(b, len(stream), group, n, d)], 1)
+    return out.index_select(1, inverse).view(b, heads, n, d)
+
+
+def _run(q, k, v, spec: HybridAttentionConfig, w: int, padding, mask4, qs: int, name: str, scale) -> torch.Tensor:
+    """One pattern for all heads given: keys already cut at the last query (unless ``mask4``)."""
+    if mask4 is not None:
+        return _sdpa_with_4d_mask(q, k, v, spec, w, mask4, qs, scale)
+    q_len, length = q.shape[2], k.shape[2]
+    heads, kv_heads = q.shape[1], k.shape[1]
     if name == "auto":
         name = _auto_backend(q, spec, w, padding, q_len, length)
     if name == "dense":

@@ -90,7 +90,7 @@ def hybrid_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         raise SequenceTooLongError(f"sequence of {length} tokens exceeds max_position_embeddings={limit}; "
                                    "truncate the input or raise max_position_embeddings (with RoPE scaling)")
     out = hybrid_attention(query, key, value, spec, attention_mask=mask4 if mask4 is not None else padding,
-                           scale=scaling, query_start=query_start)
+                           scale=scaling, query_start=query_start, layer=getattr(module, "layer_idx", None))
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -152,8 +152,9 @@ def retrofit(model: Any, config: HybridAttentionConfig | dict | None = None) -> 
         spec = HybridAttentionConfig.from_dict(config)
     else:
         spec = config
-    register()
     cfg = model.config
+    spec.check_model(cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+    register()
     if getattr(model, _REVERT_ATTR, None) is None:
         saved = {"attn": cfg._attn_implementation}
         for name in ("sliding_window", "use_sliding_window", "layer_types"):

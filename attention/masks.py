@@ -90,3 +90,29 @@ def query_key_mask(q_len: int, k_len: int, spec: HybridAttentionConfig, *,
     own = k_idx.unsqueeze(0) == q_idx.unsqueeze(1)
     m = m | (own & ~q_real.unsqueeze(-1))
     return m.unsqueeze(1)
+
+
+def head_query_key_mask(q_len: int, k_len: int, spec: HybridAttentionConfig, layer: int | None, heads: int,
+                        kv_heads: int, *, attention_mask: torch.Tensor | None = None, window: int | None = None,
+                        query_start: int | None = None, device: torch.device | str | None = None) -> torch.Tensor:
+    """``[batch or 1, heads, q_len, k_len]`` bool reference with per-head roles.
+
+    Query heads whose KV head keeps full attention in ``layer`` (``spec.full_kv_heads``) get the dense
+    causal mask (padding rules as in :func:`query_key_mask`), the others the hybrid pattern.
+    """
+    stream = query_key_mask(q_len, k_len, spec, attention_mask=attention_mask, window=window,
+                            query_start=query_start, device=device)
+    full = spec.full_kv_heads(layer, kv_heads)
+    if not full:
+        return stream.expand(-1, heads, -1, -1)
+    dense = query_key_mask(q_len, k_len, dense_spec(k_len), attention_mask=attention_mask,
+                           query_start=query_start, device=device)
+    is_full = torch.zeros(kv_heads, dtype=torch.bool, device=stream.device)
+    is_full[list(full)] = True
+    is_full = is_full.repeat_interleave(heads // kv_heads).view(1, heads, 1, 1)
+    return torch.where(is_full, dense, stream)
+
+
+def dense_spec(length: int) -> HybridAttentionConfig:
+    """A spec whose pattern is plain causal attention for sequences up to ``length`` tokens."""
+    return HybridAttentionConfig(sink_tokens=0, window=max(1, length), global_every=0)

@@ -18,6 +18,14 @@ bounded KV cache is impossible with it; that is why it is off by default.
 ``window_policy`` maps sequence length to window: ``[[1024, 256], [4096, 512], [None, 1024]]``
 reads "up to 1024 tokens: 256; up to 4096: 512; beyond: 1024". At inference the window follows
 the input length; in training the recipe samples a window from the table.
+
+Per-head roles (DuoAttention-style, and Gemma-style whole layers): ``full_heads`` maps a layer index
+to the KV heads of that layer that keep full causal attention ("retrieval heads"); ``full_layers``
+lists layers whose every head is full. Every other KV head streams (the pattern above). The query
+heads of a GQA group follow their KV head. ``head_scores`` keeps how the roles were chosen
+(``{"method": ..., "scores": [[per KV head] per layer], ...}``); it does not change the pattern.
+With no roles every head streams, as before. A full head needs its whole history at decode time:
+the serving cache keeps a full cache for those heads and the bounded one for the rest.
 """
 
 from __future__ import annotations
@@ -39,6 +47,9 @@ class HybridAttentionConfig:
     max_globals: int | None = None
     global_rows: bool = False
     window_policy: list[tuple[int | None, int]] | None = None
+    full_heads: dict[int, list[int]] | None = None
+    full_layers: list[int] | None = None
+    head_scores: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.sink_tokens < 0:
@@ -57,6 +68,64 @@ class HybridAttentionConfig:
             if bounds != sorted(bounds) or any(b is None for b, _ in policy[:-1]):
                 raise HybridAttentionError("window_policy bounds must increase; only the last may be None (no limit)")
             self.window_policy = policy
+        if self.full_heads is not None:
+            if not isinstance(self.full_heads, dict):
+                raise HybridAttentionError("full_heads needs {layer: [kv_head, ...]}, e.g. {0: [1], 5: [0, 2]}")
+            heads: dict[int, list[int]] = {}
+            for layer, hs in self.full_heads.items():
+                try:
+                    li, his = int(layer), sorted({int(h) for h in hs})
+                except (TypeError, ValueError):
+                    raise HybridAttentionError(f"full_heads[{layer!r}] must be a list of KV head indices, "
+                                               f"got {hs!r}") from None
+                if li < 0 or any(h < 0 for h in his):
+                    raise HybridAttentionError(f"full_heads has a negative layer or head index ({layer}: {hs})")
+                if his:
+                    heads[li] = his
+            self.full_heads = dict(sorted(heads.items())) or None
+        if self.full_layers is not None:
+            try:
+                layers = sorted({int(x) for x in self.full_layers})
+            except (TypeError, ValueError):
+                raise HybridAttentionError(f"full_layers must be a list of layer indices, got {self.full_layers!r}"
+                                           ) from None
+            if any(x < 0 for x in layers):
+                raise HybridAttentionError(f"full_layers has a negative layer index: {layers}")
+            self.full_layers = layers or None
+        if self.head_scores is not None and not isinstance(self.head_scores, dict):
+            raise HybridAttentionError("head_scores must be a dict ({'method': ..., 'scores': [[...], ...]})")
+
+    @property
+    def has_head_roles(self) -> bool:
+        """True when some KV heads keep full attention (the rest stream)."""
+        return bool(self.full_heads or self.full_layers)
+
+    def full_kv_heads(self, layer: int | None, kv_heads: int) -> tuple[int, ...]:
+        """The KV heads of ``layer`` that keep full causal attention (all of a full layer; none by default)."""
+        if layer is None or not self.has_head_roles:
+            return ()
+        if self.full_layers and layer in self.full_layers:
+            return tuple(range(kv_heads))
+        return tuple(h for h in (self.full_heads or {}).get(layer, ()) if h < kv_heads)
+
+    def check_model(self, num_layers: int, kv_heads: int) -> None:
+        """One-line error when the roles name a layer or KV head the model does not have."""
+        bad_layers = [x for x in (self.full_layers or []) + list(self.full_heads or {}) if x >= num_layers]
+        if bad_layers:
+            raise HybridAttentionError(f"hybrid attention head roles name layer(s) {sorted(set(bad_layers))} but the "
+                                       f"model has {num_layers} layers (0..{num_layers - 1}); fix full_heads/full_layers")
+        bad = [(x, h) for x, hs in (self.full_heads or {}).items() for h in hs if h >= kv_heads]
+        if bad:
+            raise HybridAttentionError(f"hybrid attention full_heads name (layer, kv_head) {bad} but the model has "
+                                       f"{kv_heads} KV heads per layer (0..{kv_heads - 1}); fix full_heads")
+
+    def full_head_count(self, num_layers: int, kv_heads: int) -> int:
+        """How many (layer, KV head) pairs keep full attention."""
+        return sum(len(self.full_kv_heads(x, kv_heads)) for x in range(num_layers))
+
+    def streaming(self) -> HybridAttentionConfig:
+        """The same pattern with every head streaming (no roles)."""
+        return dataclasses.replace(self, full_heads=None, full_layers=None, head_scores=None)
 
     def window_for(self, seq_len: int) -> int:
         """The window to use for an input of ``seq_len`` tokens (the policy's, else ``window``)."""
@@ -72,13 +141,16 @@ class HybridAttentionConfig:
 
     @property
     def bounded(self) -> bool:
-        """True when a decode-time KV cache of constant size can serve this pattern."""
-        return not self.global_rows and (self.global_every == 0 or self.max_globals is not None)
+        """True when a decode-time KV cache of constant size can serve this pattern (full heads grow)."""
+        return (not self.global_rows and (self.global_every == 0 or self.max_globals is not None)
+                and not self.has_head_roles)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         if d["window_policy"] is not None:
             d["window_policy"] = [list(p) for p in d["window_policy"]]
+        if d["full_heads"] is not None:
+            d["full_heads"] = {str(k): list(v) for k, v in d["full_heads"].items()}  # JSON object keys are strings
         return d
 
     @classmethod

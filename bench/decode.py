@@ -16,6 +16,9 @@ JSON keys:
 * ``speedup_8k``: engine hybrid bounded / HF dense at the 8K prompt, the number a user of a hybrid
   export sees; ``speedup_8k_dense`` is engine dense / HF and ``speedup_8k_bounded_vs_dense`` the cache alone.
 * ``kv_ratio_32k``: bounded / dense KV-cache bytes at 32K positions (``kv_ratio_8k`` likewise).
+* ``mixed_*``: the same for a third engine whose spec keeps 25 % of the (layer, KV head) pairs full
+  (``MixedKVCache``: full cache for those, bounded for the rest): ``mixed_speedup_8k`` vs HF,
+  ``mixed_kv_ratio_32k`` and the bytes per kind.
 """
 
 from __future__ import annotations
@@ -30,11 +33,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from attention.heads import spread_roles  # noqa: E402
 from attention.spec import HybridAttentionConfig  # noqa: E402
 from serve.engine import Engine  # noqa: E402
 from serve.sampling import SamplingParams  # noqa: E402
 
 SPEC = HybridAttentionConfig(sink_tokens=128, window=512, global_every=1024, max_globals=16)
+FULL_SHARE = 0.25  # mixed engine: this share of (layer, KV head) pairs keeps a full cache (issue 14)
+
+
+def mixed_spec(layers: int, kv_heads: int, share: float = FULL_SHARE) -> HybridAttentionConfig:
+    return spread_roles(SPEC, layers, kv_heads, share)
 
 
 def hf_decode(model, prompts: torch.Tensor, new: int) -> tuple[float, float]:
@@ -93,6 +102,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="2K instead of 8K prompt, 32 new tokens")
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cases", default="512_b1,512_b8,8k", help="comma-separated subset of 512_b1,512_b8,8k")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -110,6 +120,10 @@ def main() -> None:
     max_len = long_len + new
     dense = Engine(model=model, tokenizer=tok, max_batch=8, max_seq_len=max_len, dense=True)
     hybrid = Engine(model=model, tokenizer=tok, max_batch=8, max_seq_len=max_len)
+    mixed_sp = mixed_spec(model.config.num_hidden_layers, model.config.num_key_value_heads)
+    model.config.hybrid_attention = mixed_sp.to_dict()  # the engine reads the spec once, at construction
+    mixed = Engine(model=model, tokenizer=tok, max_batch=8, max_seq_len=max_len)
+    model.config.hybrid_attention = SPEC.to_dict()
     vocab = model.config.vocab_size
 
     def prompts(batch: int, n: int) -> torch.Tensor:
@@ -119,42 +133,57 @@ def main() -> None:
     hf_decode(model, warm, 4)
     engine_decode(dense, warm, 4)
     engine_decode(hybrid, warm, 4)
+    engine_decode(mixed, warm, 4)
 
     rows, result = [], {}
-    for name, batch, n in [("512_b1", 1, 512), ("512_b8", 8, 512), ("8k", 1, long_len)]:
+    cases = [c for c in [("512_b1", 1, 512), ("512_b8", 8, 512), ("8k", 1, long_len)] if c[0] in args.cases.split(",")]
+    for name, batch, n in cases:
         p = prompts(batch, n)
         with torch.inference_mode():
             hf = hf_decode(model, p, new)
         en = engine_decode(dense, p, new)
         hy = engine_decode(hybrid, p, new)
-        rows.append((name, hf, en, hy))
+        mx = engine_decode(mixed, p, new)
+        rows.append((name, hf, en, hy, mx))
         result[f"hf_tok_s_{name}"] = round(hf[1], 2)
         result[f"engine_dense_tok_s_{name}"] = round(en[1], 2)
         result[f"engine_hybrid_tok_s_{name}"] = round(hy[1], 2)
-        print(f"  {name}: HF {hf[1]:.1f} tok/s, engine dense {en[1]:.1f}, engine hybrid {hy[1]:.1f}",
-              file=sys.stderr, flush=True)
+        result[f"engine_mixed_tok_s_{name}"] = round(mx[1], 2)
+        print(f"  {name}: HF {hf[1]:.1f} tok/s, engine dense {en[1]:.1f}, engine hybrid {hy[1]:.1f}, "
+              f"engine mixed {mx[1]:.1f}", file=sys.stderr, flush=True)
 
     def kv_bytes(n: int, bounded: bool) -> int:
         return dense.model.new_cache(1, n, dense=not bounded).nbytes()
 
     kv = {n: (kv_bytes(n, False), kv_bytes(n, True)) for n in (8192, 32768)}
+    mixed_kv = {n: mixed.model.new_cache(1, n).nbytes_by_kind() for n in (8192, 32768)}
     print(f"\nSmolLM2-135M fp32, {torch.get_num_threads()} threads, {new} new tokens, decode tokens/s "
           f"(TTFT in parentheses); hybrid = {SPEC.to_json()}")
-    print(f"{'case':<14}{'HF generate':>22}{'engine dense':>22}{'engine hybrid':>22}")
-    for name, hf, en, hy in rows:
-        print(f"{name:<14}" + "".join(f"{t:>12.1f} ({f:6.2f}s)" for f, t in (hf, en, hy)))
-    print(f"\n{'KV cache bytes':<14}{'dense':>16}{'bounded':>16}{'ratio':>10}")
+    print(f"{'case':<14}{'HF generate':>22}{'engine dense':>22}{'engine hybrid':>22}{'engine mixed':>22}")
+    for name, hf, en, hy, mx in rows:
+        print(f"{name:<14}" + "".join(f"{t:>12.1f} ({f:6.2f}s)" for f, t in (hf, en, hy, mx)))
+    print(f"\n{'KV cache bytes':<14}{'dense':>16}{'bounded':>16}{'ratio':>10}{'mixed full':>16}{'mixed stream':>16}"
+          f"{'ratio':>10}")
     for n, (d, b) in kv.items():
-        print(f"{n:<14}{d:>16,}{b:>16,}{b / d:>10.4f}")
-    r = {name: (hf[1], en[1], hy[1]) for name, hf, en, hy in rows}
+        mf, ms = mixed_kv[n]["full"], mixed_kv[n]["streaming"]
+        print(f"{n:<14}{d:>16,}{b:>16,}{b / d:>10.4f}{mf:>16,}{ms:>16,}{(mf + ms) / d:>10.4f}")
+    r = {name: (hf[1], en[1], hy[1], mx[1]) for name, hf, en, hy, mx in rows}
+
+    def ratio(case: str, a: int, b: int) -> float | None:
+        return round(r[case][a] / r[case][b], 3) if case in r else None
+
     out = {
-        "speedup_512_b1": round(r["512_b1"][1] / r["512_b1"][0], 3),
-        "speedup_512_b8": round(r["512_b8"][1] / r["512_b8"][0], 3),
-        "speedup_8k": round(r["8k"][2] / r["8k"][0], 3),
-        "speedup_8k_dense": round(r["8k"][1] / r["8k"][0], 3),
-        "speedup_8k_bounded_vs_dense": round(r["8k"][2] / r["8k"][1], 3),
+        "speedup_512_b1": ratio("512_b1", 1, 0),
+        "speedup_512_b8": ratio("512_b8", 1, 0),
+        "speedup_8k": ratio("8k", 2, 0),
+        "speedup_8k_dense": ratio("8k", 1, 0),
+        "speedup_8k_bounded_vs_dense": ratio("8k", 2, 1),
+        "mixed_speedup_8k": ratio("8k", 3, 0),
         "kv_ratio_8k": round(kv[8192][1] / kv[8192][0], 5),
         "kv_ratio_32k": round(kv[32768][1] / kv[32768][0], 5),
+        "mixed_kv_ratio_32k": round(sum(mixed_kv[32768].values()) / kv[32768][0], 5),
+        "mixed_kv_bytes_32k": mixed_kv[32768],
+        "mixed_full_share": FULL_SHARE,
         "long_prompt": long_len,
         "new_tokens": new,
         **result,

@@ -70,8 +70,9 @@ def long_teacher(workdir: Path) -> Path:
     if (path / "config.json").is_file():
         return path
     import torch
-    from core.models import load_tokenizer, smollm2_dir
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from core.models import load_tokenizer, smollm2_dir
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**LONG_MODEL))

@@ -87,6 +87,14 @@ class RetrofitConfig:
     global_rows: bool = field(False, help="global tokens also attend to every earlier key (unbounded cache)")
     window_policy: list[Any] | None = field(None, help="[[max_len, window], ..., [null, window]]: the window per "
                                             "input length; training samples one entry per step")
+    # per-KV-head roles (attention.heads): the top share of heads by needle-retrieval score keep full
+    # attention, the rest stream; chosen on the dense model before LoRA, saved in the spec, plotted to heads.png
+    full_head_share: float = field(0.25, ge=0, le=1, help="fraction of (layer, KV head) pairs that keep full "
+                                   "attention (retrieval heads); 0 = every head streams")
+    head_score: str = field("retrieval", choices=("retrieval", "mass"), help="how heads are ranked: retrieval "
+                            "(top-1 copy hits, Wu et al. 2024) or mass (attention mass on the needle)")
+    head_samples: int = field(12, ge=1, help="synthetic needle samples (from the training text) for head scoring")
+    head_sample_len: int = field(1536, ge=16, help="tokens per head-scoring sample (capped at seq_len)")
     # LoRA + extra trainable pieces
     lora_r: int = field(16, ge=1, help="LoRA rank")
     lora_alpha: float = field(32.0, gt=0, help="LoRA scaling numerator (the update is scaled by alpha / r)")
@@ -208,6 +216,20 @@ def load_models(cfg: RetrofitConfig) -> tuple[torch.nn.Module, torch.nn.Module, 
     return model, teacher, tokenizer
 
 
+def make_hybrid(cfg: RetrofitConfig, model: torch.nn.Module, spec: HybridAttentionConfig) -> None:
+    """Switch ``model`` to the hybrid spec (in place), after checking it can hold the held-out lengths."""
+    longest = max(cfg.eval_lengths())
+    if longest > model.config.max_position_embeddings:
+        raise ConfigError(f"seq_len/eval_seq_lens up to {longest} exceed the model's maximum of "
+                          f"{model.config.max_position_embeddings} positions; lower them")
+    if getattr(model.config, "attention_dropout", 0.0):
+        model.config.attention_dropout = 0.0  # the hybrid kernel has none; LoRA dropout regularizes instead
+    try:
+        attention.retrofit(model, spec)
+    except HybridAttentionError as err:
+        raise ConfigError(str(err)) from None
+
+
 def add_adapters(model: torch.nn.Module, cfg: RetrofitConfig):
     """Wrap ``model`` with LoRA (in place) and unfreeze norms / embeddings; returns the PeftModel.
 
@@ -294,16 +316,7 @@ def training_function(cfg: RetrofitConfig, accelerator: Accelerator) -> dict:
 
     # ---- models -------------------------------------------------------------------------
     model, teacher, tokenizer = load_models(cfg)
-    longest = max(cfg.eval_lengths())
-    if longest > model.config.max_position_embeddings:
-        raise ConfigError(f"seq_len/eval_seq_lens up to {longest} exceed the model's maximum of "
-                          f"{model.config.max_position_embeddings} positions; lower them")
-    if getattr(model.config, "attention_dropout", 0.0):
-        model.config.attention_dropout = 0.0  # the hybrid kernel has none; LoRA dropout regularizes instead
-    try:
-        attention.retrofit(model, spec)
-    except HybridAttentionError as err:
-        raise ConfigError(str(err)) from None
+    make_hybrid(cfg, model, spec)
     model.config.use_cache = False
     peft_model = add_adapters(model, cfg)
     step_window: dict[str, int | None] = {"window": None}  # the sampled window of the running step
@@ -324,6 +337,9 @@ def training_function(cfg: RetrofitConfig, accelerator: Accelerator) -> dict:
     for length in cfg.eval_lengths():
         if length not in heldout:
             heldout[length] = heldout_blocks(cfg, tokenizer, length)
+
+    if cfg.full_head_share > 0:  # which KV heads keep full attention, scored on the dense teacher
+        spec = choose_head_roles(cfg, model, teacher, tokenizer, spec, data.train, accelerator.is_main_process)
 
     # ---- teacher–student module, optimizer, schedule -------------------------------------
     # The student is the retrofitted model with its LoRA layers; DistillModel runs the dense
@@ -385,6 +401,20 @@ def training_function(cfg: RetrofitConfig, accelerator: Accelerator) -> dict:
                                     global_batch=global_batch, trainable=trainable)
     run.write_records(summary, title=f"{cfg.teacher}: hybrid retrofit ({Path(cfg.output_dir).name})")
     return summary
+
+
+def choose_head_roles(cfg: RetrofitConfig, model, teacher, tokenizer, spec: HybridAttentionConfig, train_blocks,
+                      main: bool) -> HybridAttentionConfig:
+    """The spec with retrieval heads kept full (attention.heads), applied to ``model``; plotted to heads.png."""
+    from attention.heads import find_head_roles, plot_head_scores
+
+    spec = find_head_roles(teacher, tokenizer, spec, train_blocks, share=cfg.full_head_share, method=cfg.head_score,
+                           samples=cfg.head_samples, length=min(cfg.head_sample_len, cfg.seq_len), seed=cfg.seed,
+                           progress=main)
+    attention.retrofit(model, spec)  # the same model object under the LoRA wrapper: the new spec applies
+    if main:
+        plot_head_scores(spec, Path(cfg.output_dir) / "heads.png", title=f"{cfg.teacher}: full heads ({cfg.head_score})")
+    return spec
 
 
 def initial_perplexity(cfg: RetrofitConfig, accelerator: Accelerator, run: Run, model, teacher,

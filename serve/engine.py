@@ -185,11 +185,7 @@ class Engine:
         rows = min(self.max_batch, max(rows, 2 * (old.rows if old else 0), 1))
         new = self.model.new_cache(rows, self.max_seq_len, dense=self.dense)
         if old is not None:
-            n = old.rows
-            new.k[:, :n].copy_(old.k)
-            new.v[:, :n].copy_(old.v)
-            new.slot_pos[:n].copy_(old.slot_pos)
-            new.window[:n].copy_(old.window)
+            new.copy_rows_from(old)
         self.cache = new
         self._rows.extend([None] * (rows - len(self._rows)))
         return new

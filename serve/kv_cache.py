@@ -24,6 +24,10 @@ Memory: ``sink_tokens + globals + window`` slots per row whatever the generated 
 ``global_every > 0`` and ``max_globals=None`` the globals grow with the sequence; the cache then
 preallocates the globals for ``max_seq_len`` positions (``max_seq_len / global_every`` slots, still
 constant during generation). ``global_rows=True`` needs the whole history and is refused.
+
+Per-head roles (``spec.full_heads`` / ``full_layers``): :class:`MixedKVCache` keeps two of these
+caches over flat (layer, KV head) pairs, a dense one for the full heads and a bounded one for the
+streaming heads; each pair's keys sit in one head slot of its cache.
 """
 
 from __future__ import annotations
@@ -103,6 +107,18 @@ class KVCache(nn.Module):
             return self.ring
         return min(self.spec.window_for(total_len), self.ring)
 
+    def copy_rows_from(self, old: KVCache) -> None:
+        """Copy every row of ``old`` (a cache of the same layout with fewer rows) into the first rows."""
+        n = old.rows
+        self.k[:, :n].copy_(old.k)
+        self.v[:, :n].copy_(old.v)
+        self.slot_pos[:n].copy_(old.slot_pos)
+        self.window[:n].copy_(old.window)
+
+    def nbytes_by_kind(self) -> dict[str, int]:
+        """Bytes per kind of head: every head is full in a dense cache, streaming in a bounded one."""
+        return {"full": 0 if self.bounded else self.nbytes(), "streaming": self.nbytes() if self.bounded else 0}
+
     def reset_row(self, row: int, window: int) -> None:
         self.slot_pos[row].fill_(-1)
         self.window[row] = window
@@ -163,10 +179,10 @@ class KVCache(nn.Module):
         return idx, slot
 
     def write_prefill(self, layer: int, row: int, idx: torch.Tensor, slot: torch.Tensor,
-                      k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store a chunk's keys/values. ``k``, ``v``: ``[kv_heads, chunk, head_dim]``."""
-        self.k[layer, row][:, slot] = k[:, idx]
-        self.v[layer, row][:, slot] = v[:, idx]
+                      k: torch.Tensor, v: torch.Tensor, heads: slice = slice(None)) -> None:
+        """Store a chunk's keys/values. ``k``, ``v``: ``[kv_heads, chunk, head_dim]`` (of the ``heads`` range)."""
+        self.k[layer, row, heads][:, slot] = k[:, idx]
+        self.v[layer, row, heads][:, slot] = v[:, idx]
 
     def commit_prefill(self, row: int, positions: torch.Tensor, idx: torch.Tensor, slot: torch.Tensor) -> None:
         self.slot_pos[row, slot] = positions[idx]
@@ -183,12 +199,74 @@ class KVCache(nn.Module):
         return ring_slot, pslot
 
     def write_decode(self, layer: int, rows: slice, ring_slot: torch.Tensor, pslot: torch.Tensor,
-                     k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store one token per row. ``k``, ``v``: ``[batch, kv_heads, head_dim]``."""
+                     k: torch.Tensor, v: torch.Tensor, heads: slice = slice(None)) -> None:
+        """Store one token per row. ``k``, ``v``: ``[batch, kv_heads, head_dim]`` (of the ``heads`` range)."""
         r = torch.arange(k.shape[0], device=k.device)
-        kl, vl = self.k[layer, rows], self.v[layer, rows]
+        kl, vl = self.k[layer, rows, heads], self.v[layer, rows, heads]
         kl[r, :, ring_slot] = k
         vl[r, :, ring_slot] = v
         if self.persistent:
             kl[r, :, pslot] = k
             vl[r, :, pslot] = v
+
+
+class MixedKVCache(nn.Module):
+    """Full heads in a dense cache, streaming heads in a bounded one (per-head roles of the spec).
+
+    Each cache is a :class:`KVCache` with one "layer" whose heads are the flat (layer, KV head) pairs
+    of its kind, in layer order, so the pairs of one layer are a contiguous head range:
+    ``full.k[0, rows, a:b]`` for ``(a, b) = full_range[layer]``. Both keep their own slot positions
+    and masks; a row's window is the streaming cache's.
+    """
+
+    def __init__(self, *, layers: int, rows: int, kv_heads: int, head_dim: int, max_seq_len: int,
+                 spec: HybridAttentionConfig, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        spec.check_model(layers, kv_heads)
+        self.spec = spec
+        self.max_seq_len = max_seq_len
+        self.full_heads = [spec.full_kv_heads(li, kv_heads) for li in range(layers)]
+        self.stream_heads = [tuple(h for h in range(kv_heads) if h not in f) for f in self.full_heads]
+        self.full_range, self.stream_range = _ranges(self.full_heads), _ranges(self.stream_heads)
+        common = dict(layers=1, rows=rows, head_dim=head_dim, max_seq_len=max_seq_len, dtype=dtype, device=device)
+        self.full = KVCache(kv_heads=self.full_range[-1][1], spec=None, **common)
+        self.stream = KVCache(kv_heads=self.stream_range[-1][1], spec=spec.streaming(), **common)
+
+    @property
+    def rows(self) -> int:
+        return self.full.rows
+
+    @property
+    def bounded(self) -> bool:
+        return False  # the full heads grow with the context
+
+    def nbytes(self) -> int:
+        return self.full.nbytes() + self.stream.nbytes()
+
+    def nbytes_by_kind(self) -> dict[str, int]:
+        return {"full": self.full.nbytes(), "streaming": self.stream.nbytes()}
+
+    def window_for(self, total_len: int) -> int:
+        return self.stream.window_for(total_len)
+
+    def reset_row(self, row: int, window: int) -> None:
+        self.full.reset_row(row, self.full.ring)
+        self.stream.reset_row(row, window)
+
+    def used_slots(self, max_pos: int) -> int:
+        """Slots of the *full* cache in use (the streaming cache always attends over all of its own)."""
+        return self.full.used_slots(max_pos)
+
+    def copy_rows_from(self, old: MixedKVCache) -> None:
+        self.full.copy_rows_from(old.full)
+        self.stream.copy_rows_from(old.stream)
+
+
+def _ranges(per_layer: list[tuple[int, ...]]) -> list[tuple[int, int]]:
+    """Contiguous ``(start, end)`` head range of each layer's pairs in a flat cache."""
+    out, start = [], 0
+    for heads in per_layer:
+        out.append((start, start + len(heads)))
+        start += len(heads)
+    return out

@@ -34,7 +34,7 @@ from attention.integration import SUPPORTED_MODEL_TYPES
 from attention.kernel import cpu_flash_op, merge_partial_attention
 from attention.masks import allowed
 from attention.spec import CONFIG_KEY, HybridAttentionConfig
-from serve.kv_cache import KVCache
+from serve.kv_cache import KVCache, MixedKVCache
 
 
 def hybrid_spec(config) -> HybridAttentionConfig | None:
@@ -121,6 +121,38 @@ class _LayerWeights:
         self.down = _Fused([mlp.down_proj])
 
 
+class _LayerRoles:
+    """Index tensors of one layer's full and streaming heads (query heads follow their KV head)."""
+
+    def __init__(self, full: tuple[int, ...], n_kv: int, n_heads: int, device: torch.device) -> None:
+        group = n_heads // n_kv
+        stream = [h for h in range(n_kv) if h not in full]
+        self.n_full, self.n_stream = len(full), len(stream)
+        self.kv_full = torch.tensor(full, dtype=torch.long, device=device)
+        self.kv_stream = torch.tensor(stream, dtype=torch.long, device=device)
+        q_of = lambda kv: [h * group + j for h in kv for j in range(group)]  # noqa: E731
+        self.q_full = torch.tensor(q_of(full), dtype=torch.long, device=device)
+        self.q_stream = torch.tensor(q_of(stream), dtype=torch.long, device=device)
+        # Outputs come back as [full heads, streaming heads]: this puts them in the model's head order.
+        self.inverse = torch.argsort(torch.cat([self.q_full, self.q_stream]))
+
+    def split(self, x: torch.Tensor, query: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[b, heads, t, d]`` -> (full part, streaming part) along the head dim."""
+        f, s = (self.q_full, self.q_stream) if query else (self.kv_full, self.kv_stream)
+        if not self.n_stream:
+            return x, x[:, :0]
+        if not self.n_full:
+            return x[:, :0], x
+        return x.index_select(1, f), x.index_select(1, s)
+
+    def join(self, full: torch.Tensor | None, stream: torch.Tensor | None) -> torch.Tensor:
+        if stream is None:
+            return full
+        if full is None:
+            return stream
+        return torch.cat([full, stream], 1).index_select(1, self.inverse)
+
+
 class DecoderModel(nn.Module):
     """Wraps an HF ``*ForCausalLM`` (Llama / Mistral / Qwen2) for cached decoding.
 
@@ -148,6 +180,12 @@ class DecoderModel(nn.Module):
         self.lm_head = hf_model.lm_head
         if fast_weights is None:
             fast_weights = self.lm_head.weight.device.type == "cpu"
+        # Per-head roles: which query / KV heads of each layer are full, which stream (None: no roles).
+        self._roles: list[_LayerRoles] | None = None
+        if self.spec is not None and self.spec.has_head_roles:
+            self.spec.check_model(len(self.layers), self.n_kv)
+            self._roles = [_LayerRoles(self.spec.full_kv_heads(li, self.n_kv), self.n_kv, self.n_heads,
+                                       self.embed.weight.device) for li in range(len(self.layers))]
         self._fast: list[_LayerWeights] = []
         self._fast_head: _Fused | None = None
         if fast_weights:
@@ -170,8 +208,14 @@ class DecoderModel(nn.Module):
     def device(self) -> torch.device:
         return self.embed.weight.device
 
-    def new_cache(self, rows: int, max_seq_len: int, *, dense: bool = False) -> KVCache:
-        """A cache of ``rows`` sequences up to ``max_seq_len`` tokens (bounded for hybrid models)."""
+    def new_cache(self, rows: int, max_seq_len: int, *, dense: bool = False) -> KVCache | MixedKVCache:
+        """A cache of ``rows`` sequences up to ``max_seq_len`` tokens (bounded for hybrid models).
+
+        With per-head roles: a :class:`MixedKVCache`, full for the full heads, bounded for the rest.
+        """
+        if not dense and self._roles is not None:
+            return MixedKVCache(layers=len(self.layers), rows=rows, kv_heads=self.n_kv, head_dim=self.head_dim,
+                                max_seq_len=max_seq_len, spec=self.spec, dtype=self.dtype, device=self.device)
         return KVCache(layers=len(self.layers), rows=rows, kv_heads=self.n_kv, head_dim=self.head_dim,
                        max_seq_len=max_seq_len, spec=None if dense else self.spec, dtype=self.dtype,
                        device=self.device)
@@ -236,6 +280,8 @@ class DecoderModel(nn.Module):
         Returns:
             ``[vocab]`` fp32 logits of the chunk's last position.
         """
+        if isinstance(cache, MixedKVCache):
+            return self._prefill_mixed(cache, row, ids, start)
         t = ids.shape[0]
         pos = torch.arange(start, start + t, device=ids.device)
         h = self.embed(ids)[None]  # [1, t, hidden]
@@ -279,6 +325,8 @@ class DecoderModel(nn.Module):
         Returns:
             ``[batch, vocab]`` fp32 logits.
         """
+        if isinstance(cache, MixedKVCache):
+            return self._decode_mixed(cache, tokens, pos, n_slots)
         b = tokens.shape[0]
         rows = slice(0, b)
         h = self.embed(tokens)[:, None]  # [b, 1, hidden]
@@ -294,6 +342,98 @@ class DecoderModel(nn.Module):
             o = F.scaled_dot_product_attention(q, cache.k[li, rows, :, :n_slots], cache.v[li, rows, :, :n_slots],
                                                attn_mask=mask, scale=attn.scaling,
                                                enable_gqa=self.n_kv != self.n_heads)
+            h = self._finish_layer(layer, h, o) if fast is None else self._finish_layer_fast(fast, layer, h, o)
+        h = self.norm(h)
+        head = self.lm_head if self._fast_head is None else self._fast_head
+        return head(h)[:, 0].float()
+
+    # ---- per-head roles: full heads over the dense cache, streaming heads over the bounded one ----------
+
+    @torch.inference_mode()
+    def _prefill_mixed(self, cache: MixedKVCache, row: int, ids: torch.Tensor, start: int) -> torch.Tensor:
+        """:meth:`prefill` for a :class:`MixedKVCache` (same arguments and result)."""
+        fc, sc = cache.full, cache.stream
+        t = ids.shape[0]
+        pos = torch.arange(start, start + t, device=ids.device)
+        h = self.embed(ids)[None]
+        cos, sin = self.rotary(h, pos[None])
+        n_old_f = fc.used_slots(start - 1) if start > 0 else 0
+        n_old_s = sc.used_slots(start - 1) if start > 0 else 0
+        flash = cpu_flash_op() if h.device.type == "cpu" else None
+        smask = allowed(pos, pos, sc.spec, int(sc.window[row]))
+        if n_old_s:
+            smask = torch.cat([sc.visible(pos[None], slice(row, row + 1), n_old_s)[0, 0], smask], dim=-1)
+        fmask = None
+        if flash is None:
+            fmask = pos[None, :] <= pos[:, None]
+            if n_old_f:
+                fmask = torch.cat([fc.visible(pos[None], slice(row, row + 1), n_old_f)[0, 0], fmask], dim=-1)
+            fmask = fmask[None, None]
+        smask = smask[None, None]
+        idx_f, slot_f = fc.prefill_slots(row, pos)
+        idx_s, slot_s = sc.prefill_slots(row, pos)
+        for li, layer in enumerate(self.layers):
+            roles = self._roles[li]
+            x = layer.input_layernorm(h)
+            q, k, v = self._qkv(layer.self_attn, x, cos, sin)
+            scale = layer.self_attn.scaling
+            (qf, qs), (kf, ks), (vf, vs) = roles.split(q, True), roles.split(k, False), roles.split(v, False)
+            of = os = None
+            if roles.n_full:
+                a, b = cache.full_range[li]
+                old_k, old_v = fc.k[0, row, a:b, :n_old_f][None], fc.v[0, row, a:b, :n_old_f][None]
+                if flash is not None:
+                    of = self._dense_chunk_attention(flash, qf, kf, vf, old_k, old_v, scale)
+                else:
+                    of = F.scaled_dot_product_attention(qf, torch.cat([old_k, kf], 2), torch.cat([old_v, vf], 2),
+                                                        attn_mask=fmask, scale=scale, enable_gqa=roles.n_full != qf.shape[1])
+                fc.write_prefill(0, row, idx_f, slot_f, kf[0], vf[0], heads=slice(a, b))
+            if roles.n_stream:
+                c, d = cache.stream_range[li]
+                old_k, old_v = sc.k[0, row, c:d, :n_old_s][None], sc.v[0, row, c:d, :n_old_s][None]
+                os = F.scaled_dot_product_attention(qs, torch.cat([old_k, ks], 2), torch.cat([old_v, vs], 2),
+                                                    attn_mask=smask, scale=scale,
+                                                    enable_gqa=roles.n_stream != qs.shape[1])
+                sc.write_prefill(0, row, idx_s, slot_s, ks[0], vs[0], heads=slice(c, d))
+            h = self._finish_layer(layer, h, roles.join(of, os))
+        fc.commit_prefill(row, pos, idx_f, slot_f)
+        sc.commit_prefill(row, pos, idx_s, slot_s)
+        return self._logits(h[:, -1])[0]
+
+    @torch.inference_mode()
+    def _decode_mixed(self, cache: MixedKVCache, tokens: torch.Tensor, pos: torch.Tensor, n_slots: int
+                      ) -> torch.Tensor:
+        """:meth:`decode_one_token` for a :class:`MixedKVCache`; ``n_slots`` counts the full cache's slots."""
+        fc, sc = cache.full, cache.stream
+        b = tokens.shape[0]
+        rows = slice(0, b)
+        h = self.embed(tokens)[:, None]
+        cos, sin = self.rotary(h, pos[:, None])
+        ring_f, p_f = fc.decode_slots(rows, pos)
+        ring_s, p_s = sc.decode_slots(rows, pos)
+        mask_f = fc.visible(pos[:, None], rows, n_slots)
+        n_s = sc.used_slots(0)
+        mask_s = sc.visible(pos[:, None], rows, n_s)
+        for li, layer in enumerate(self.layers):
+            roles, attn = self._roles[li], layer.self_attn
+            x = layer.input_layernorm(h)
+            fast = self._fast[li] if self._fast else None
+            q, k, v = self._qkv(attn, x, cos, sin) if fast is None else self._qkv_fast(fast, x, cos, sin)
+            (qf, qs), (kf, ks), (vf, vs) = roles.split(q, True), roles.split(k, False), roles.split(v, False)
+            of = os = None
+            if roles.n_full:
+                a, e = cache.full_range[li]
+                fc.write_decode(0, rows, ring_f, p_f, kf[:, :, 0], vf[:, :, 0], heads=slice(a, e))
+                of = F.scaled_dot_product_attention(qf, fc.k[0, rows, a:e, :n_slots], fc.v[0, rows, a:e, :n_slots],
+                                                    attn_mask=mask_f, scale=attn.scaling,
+                                                    enable_gqa=roles.n_full != qf.shape[1])
+            if roles.n_stream:
+                c, d = cache.stream_range[li]
+                sc.write_decode(0, rows, ring_s, p_s, ks[:, :, 0], vs[:, :, 0], heads=slice(c, d))
+                os = F.scaled_dot_product_attention(qs, sc.k[0, rows, c:d, :n_s], sc.v[0, rows, c:d, :n_s],
+                                                    attn_mask=mask_s, scale=attn.scaling,
+                                                    enable_gqa=roles.n_stream != qs.shape[1])
+            o = roles.join(of, os)
             h = self._finish_layer(layer, h, o) if fast is None else self._finish_layer_fast(fast, layer, h, o)
         h = self.norm(h)
         head = self.lm_head if self._fast_head is None else self._fast_head

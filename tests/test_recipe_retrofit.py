@@ -42,7 +42,11 @@ def test_final_loads_dense_and_hybrid_without_adapter_keys(tiny_run):
     final = out / "final"
     config = json.loads((final / "config.json").read_text())
     spec = HybridAttentionConfig(sink_tokens=4, window=16, global_every=32)
-    assert config[CONFIG_KEY] == spec.to_dict()
+    saved = HybridAttentionConfig.from_dict(config[CONFIG_KEY])
+    assert saved.streaming() == spec
+    # Head roles (full_head_share 0.25 of 4 layers x 2 KV heads), chosen on the dense teacher and plotted.
+    assert saved.full_head_count(4, 2) == 2 and saved.head_scores["method"] == "retrieval"
+    assert (out / "heads.png").stat().st_size > 1000
     dense = AutoModelForCausalLM.from_pretrained(final)
     assert not attention.is_hybrid(dense)
     hybrid = attention.load(final)

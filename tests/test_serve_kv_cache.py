@@ -141,3 +141,52 @@ def test_unsupported_architecture_names_the_supported_ones():
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
     with pytest.raises(ValueError, match="llama, mistral, qwen2"):
         DecoderModel(model)
+
+
+MIXED_SPECS = {
+    "heads": HybridAttentionConfig(sink_tokens=3, window=8, global_every=5, max_globals=4,
+                                   full_heads={0: [1], 1: [0]}),
+    "layer + head": HybridAttentionConfig(sink_tokens=2, window=6, global_every=0, full_layers=[1], full_heads={0: [0]}),
+}
+
+
+@pytest.mark.parametrize("weights", ["model", "fast 3 rows"])
+@pytest.mark.parametrize("name", list(MIXED_SPECS))
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_mixed_cache_equals_full_recompute_with_per_head_roles(arch, name, weights):
+    import copy
+
+    import attention
+
+    spec = MIXED_SPECS[name]
+    fast, rows = WEIGHTS[weights]
+    model = tiny_model(arch, seed=1)
+    ref_model = attention.retrofit(copy.deepcopy(model), spec)
+    ids = torch.randint(3, 320, (70,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), attention.use_backend("sdpa"):  # the per-head boolean-mask reference
+        ref = ref_model(ids[None]).logits[0]
+    model.config.hybrid_attention = spec.to_dict()
+    dm = DecoderModel(model, fast_weights=fast)
+    cache = dm.new_cache(rows, 96)
+    kinds = cache.nbytes_by_kind()
+    assert kinds["full"] > 0 and kinds["streaming"] > 0 and sum(kinds.values()) == cache.nbytes()
+    for prompt, chunk in [(13, 5), (30, 64), (1, 1)]:
+        got = cached_logits(dm, ids, prompt, chunk, dense=False, row=rows - 1, rows=rows)
+        torch.testing.assert_close(got, ref[prompt - 1:-1], atol=1e-4, rtol=0)
+    # The roles matter: all-streaming decoding differs.
+    stream = reference_logits(tiny_model(arch, seed=1), ids, spec.streaming())
+    assert (stream[20:] - ref[20:]).abs().max() > 1e-2
+
+
+def test_mixed_cache_memory_full_heads_grow_streaming_heads_do_not():
+    spec = HybridAttentionConfig(sink_tokens=128, window=512, global_every=1024, max_globals=16,
+                                 full_heads={0: [1]})
+    model = tiny_model("llama")  # 2 layers x 2 KV heads: 1 of 4 pairs full
+    model.config.hybrid_attention = spec.to_dict()
+    dm = DecoderModel(model)
+    small, big = dm.new_cache(1, 32768), dm.new_cache(1, 65536)
+    assert small.nbytes_by_kind()["streaming"] == big.nbytes_by_kind()["streaming"]
+    assert 1.99 < big.nbytes_by_kind()["full"] / small.nbytes_by_kind()["full"] < 2.0  # (one trash slot each)
+    dense = dm.new_cache(1, 32768, dense=True)
+    assert small.nbytes() < 0.3 * dense.nbytes()
+    assert dense.nbytes_by_kind() == {"full": dense.nbytes(), "streaming": 0}

@@ -1,0 +1,257 @@
+"""Which KV heads keep full attention: training-free retrieval scores on synthetic needle data.
+
+Wu et al. 2024 ("Retrieval Head Mechanistically Explains Long-Context Factuality"): while a model
+copies a needle from far back in its context, a few heads put their strongest attention on exactly
+the needle token being copied. Those heads need the whole context; the others stream with sinks and
+a recent window (DuoAttention's split). Here, on the frozen dense model:
+
+1. ``needle_samples``: haystacks from the training text (packed token blocks), a random-digit key
+   hidden at a random depth outside the streaming window, the question at the end and the key as the
+   answer (teacher-forced: one forward pass per sample, no decoding).
+2. A probe attention implementation (registered with ``AttentionInterface`` for the duration, dense
+   causal SDPA for the output) reads, for the queries that predict the answer tokens, every query
+   head's attention row over all keys.
+3. Scores per query head, averaged over answer tokens and samples:
+
+   * ``retrieval``: Wu et al.'s score, 1 when the head's top-1 key is a needle token equal to the
+     token being predicted (copy-paste), else 0;
+   * ``mass``: the attention probability the head puts on those needle tokens (a smooth version that
+     needs fewer samples).
+
+   A KV head scores the maximum over the query heads of its GQA group (it must stay full if any of
+   them retrieves).
+4. ``choose_roles``: the top ``share`` of (layer, KV head) pairs by score keep full attention; the
+   spec stores them (``full_heads``) with the scores (``head_scores``). ``plot_head_scores`` draws
+   the layer × head map.
+
+Measured on the demo model in the README; DuoAttention's learned gates (an optimisation over the
+frozen model) are not implemented.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from attention.errors import HybridAttentionError
+from attention.spec import HybridAttentionConfig
+
+METHODS = ("retrieval", "mass")
+PROBE_IMPLEMENTATION = "hybrid_heads_probe"
+NEEDLE = " Note: the secret number is {key}. Keep it in mind."
+QUESTION = " Question: what is the secret number? Answer: the secret number is"
+
+
+@dataclasses.dataclass
+class NeedleSample:
+    ids: list[int]  # haystack with the needle, question, answer
+    answer_start: int  # index of the first answer token in ids
+    key_positions: list[int]  # where the key's tokens sit inside the needle (same order as the answer)
+
+
+def needle_samples(tokenizer, haystack: torch.Tensor, *, count: int, length: int, min_distance: int,
+                   min_start: int = 0, seed: int = 0) -> list[NeedleSample]:
+    """``count`` samples of ``length`` tokens from ``haystack`` ``[blocks, block_len]`` token ids.
+
+    The key (5 random digits) sits at least ``min_distance`` tokens before the answer and at least
+    ``min_start`` tokens into the text, so a head that only sees the sinks and a recent window
+    cannot reach it.
+    """
+    rng = random.Random(seed)
+    enc = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    q_ids = enc(QUESTION)
+    blocks, block_len = haystack.shape
+    samples = []
+    for i in range(count):
+        key = "".join(rng.choice("0123456789") for _ in range(5))
+        a_ids = enc(" " + key)
+        needle = enc(NEEDLE.format(key=key))
+        # The answer's tokens inside the needle: find the answer sequence there (tokenizers may merge
+        # the leading space differently, so match the digits-only tail when the full form is absent).
+        start = _find(needle, a_ids)
+        if start < 0:
+            a_ids = enc(key)
+            start = _find(needle, a_ids)
+        if start < 0:
+            raise HybridAttentionError("the tokenizer splits the needle's key differently in context; "
+                                       "head scoring needs a tokenizer that keeps digits stable")
+        fill = length - len(needle) - len(q_ids) - len(a_ids)
+        if fill < min_distance + min_start or fill > block_len:
+            raise HybridAttentionError(f"head scoring samples of {length} tokens need {min_distance + min_start} to "
+                                       f"{block_len} filler tokens; pick a length between "
+                                       f"{min_distance + min_start + 64} and the training block length")
+        text = haystack[i % blocks, :fill].tolist()
+        at = rng.randint(min_start, fill - min_distance)
+        ids = text[:at] + needle + text[at:] + q_ids + a_ids
+        samples.append(NeedleSample(ids, len(ids) - len(a_ids), [at + start + j for j in range(len(a_ids))]))
+    return samples
+
+
+def _find(seq: list[int], sub: list[int]) -> int:
+    for i in range(len(seq) - len(sub) + 1):
+        if seq[i:i + len(sub)] == sub:
+            return i
+    return -1
+
+
+class _Probe:
+    """Collects per-layer attention rows of the last ``rows`` queries during one forward pass."""
+
+    def __init__(self) -> None:
+        self.rows = 0
+        self.attn: dict[int, torch.Tensor] = {}  # layer -> [heads, rows, k_len] probabilities
+
+    def __call__(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        """``AttentionInterface`` entry (batch 1, no padding): dense causal output, rows recorded."""
+        group = query.shape[1] // key.shape[1]
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
+                                             enable_gqa=group > 1)
+        q = query[0, :, -self.rows:]  # [heads, rows, d]
+        k = key[0].repeat_interleave(group, 0)  # [heads, k_len, d]
+        s = (q @ k.transpose(-1, -2)).float() * (scaling if scaling is not None else q.shape[-1] ** -0.5)
+        n = key.shape[2]
+        causal = torch.arange(n) <= torch.arange(n - self.rows, n).unsqueeze(1)
+        self.attn[module.layer_idx] = torch.softmax(s.masked_fill(~causal, float("-inf")), -1)
+        return out.transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def _probing(model) -> Iterator[_Probe]:
+    from transformers import AttentionInterface
+
+    probe = _Probe()
+    AttentionInterface.register(PROBE_IMPLEMENTATION, probe)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(PROBE_IMPLEMENTATION)
+    try:
+        yield probe
+    finally:
+        model.set_attn_implementation(previous or "sdpa")
+
+
+@torch.inference_mode()
+def head_scores(model, samples: list[NeedleSample], *, progress: bool = True) -> dict[str, torch.Tensor]:
+    """``{"retrieval": [layers, kv_heads], "mass": [layers, kv_heads]}`` scores on the dense model."""
+    from tqdm.auto import tqdm
+
+    cfg = model.config
+    layers, heads = cfg.num_hidden_layers, cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    hit = torch.zeros(layers, heads)
+    mass = torch.zeros(layers, heads)
+    total = 0
+    with _probing(model) as probe:
+        for s in tqdm(samples, desc="head scores", disable=not progress, dynamic_ncols=True):
+            n_ans = len(s.ids) - s.answer_start
+            probe.rows = n_ans
+            ids = torch.tensor([s.ids[:-1]], device=model.device)  # the last answer token is only predicted
+            model(input_ids=ids, use_cache=False, logits_to_keep=1)
+            key_pos = torch.tensor(s.key_positions)
+            for li in range(layers):
+                a = probe.attn[li]  # [heads, rows, k_len]; row r predicts answer token r
+                top = a.argmax(-1)  # [heads, rows]
+                hit[li] += (top == key_pos.unsqueeze(0)).float().sum(-1)
+                mass[li] += a.gather(-1, key_pos.view(1, -1, 1).expand(heads, -1, 1)).squeeze(-1).sum(-1)
+            total += n_ans
+            probe.attn.clear()
+    group = heads // kv_heads
+    return {name: (t / total).view(layers, kv_heads, group).amax(-1) for name, t in
+            (("retrieval", hit), ("mass", mass))}
+
+
+def choose_roles(spec: HybridAttentionConfig, scores: torch.Tensor, share: float, *, method: str,
+                 tiebreak: torch.Tensor | None = None, extra: dict[str, Any] | None = None) -> HybridAttentionConfig:
+    """``spec`` with the top ``share`` of (layer, KV head) pairs by ``scores`` ``[layers, kv_heads]`` full.
+
+    Ties (many heads never retrieve: top-1 scores are mostly 0) are broken by ``tiebreak`` (same
+    shape, e.g. the attention mass), then by the earlier pair.
+    """
+    if not 0.0 <= share <= 1.0:
+        raise HybridAttentionError(f"full_head_share must be in [0, 1], got {share}")
+    layers, kv_heads = scores.shape
+    count = round(share * layers * kv_heads)
+    order = torch.arange(layers * kv_heads)
+    if tiebreak is not None:
+        order = order[torch.argsort(tiebreak.flatten()[order], descending=True, stable=True)]
+    order = order[torch.argsort(scores.flatten()[order], descending=True, stable=True)][:count].tolist()
+    full: dict[int, list[int]] = {}
+    for flat in sorted(order):
+        full.setdefault(flat // kv_heads, []).append(flat % kv_heads)
+    record = {"method": method, "full_head_share": share, "full_heads": count,
+              "scores": [[round(float(x), 5) for x in row] for row in scores], **(extra or {})}
+    return dataclasses.replace(spec, full_heads=full or None, full_layers=None, head_scores=record)
+
+
+def spread_roles(spec: HybridAttentionConfig, layers: int, kv_heads: int, share: float) -> HybridAttentionConfig:
+    """``spec`` with ``round(share * pairs)`` evenly spaced (layer, KV head) pairs full (benchmarks: the
+    cost depends on how many heads are full, not which)."""
+    pairs = layers * kv_heads
+    count = round(share * pairs)
+    full: dict[int, list[int]] = {}
+    for i in range(count):
+        flat = (i * pairs) // count
+        full.setdefault(flat // kv_heads, []).append(flat % kv_heads)
+    return dataclasses.replace(spec, full_heads=full or None, full_layers=None, head_scores=None)
+
+
+def find_head_roles(model, tokenizer, spec: HybridAttentionConfig, haystack: torch.Tensor, *, share: float,
+                    method: str = "retrieval", samples: int = 12, length: int = 1536, seed: int = 0,
+                    progress: bool = True) -> HybridAttentionConfig:
+    """Score the heads of the dense ``model`` on needle samples and return ``spec`` with roles.
+
+    Args:
+        model: the dense (frozen) causal LM; its attention implementation is restored afterwards.
+        haystack: ``[blocks, block_len]`` token ids of training text.
+        share: fraction of (layer, KV head) pairs that keep full attention.
+        method: ``"retrieval"`` (top-1 copy hits) or ``"mass"`` (attention mass on the needle).
+        samples, length: how many samples of how many tokens.
+    """
+    if method not in METHODS:
+        raise HybridAttentionError(f"unknown head score {method!r}; use one of {', '.join(METHODS)}")
+    if share == 0.0:
+        return spec.streaming()
+    # Outside the sinks and the largest window the spec can use, when the sample is long enough.
+    window = max([spec.window] + [w for _, w in spec.window_policy or []])
+    min_start = min(spec.sink_tokens, length // 4)
+    min_distance = min(window + 16, length // 2)
+    data = needle_samples(tokenizer, haystack, count=samples, length=length, min_distance=min_distance,
+                          min_start=min_start, seed=seed)
+    scores = head_scores(model, data, progress=progress)
+    other = scores["mass" if method == "retrieval" else "retrieval"]
+    return choose_roles(spec, scores[method], share, method=method, tiebreak=other,
+                        extra={"samples": samples, "sample_len": length})
+
+
+def plot_head_scores(spec: HybridAttentionConfig, path: str | Path, title: str = "") -> None:
+    """Layer × KV head map of ``spec.head_scores`` with the full heads outlined, as PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rec = spec.head_scores or {}
+    scores = torch.tensor(rec.get("scores", []), dtype=torch.float32)
+    if scores.ndim != 2:
+        raise HybridAttentionError("the spec has no head scores to plot; run find_head_roles first")
+    layers, kv_heads = scores.shape
+    fig, ax = plt.subplots(figsize=(1.6 + 0.5 * kv_heads, 1.0 + 0.22 * layers))
+    im = ax.imshow(scores.numpy(), cmap="viridis", aspect="auto")
+    for layer in range(layers):
+        for h in spec.full_kv_heads(layer, kv_heads):
+            ax.add_patch(plt.Rectangle((h - 0.5, layer - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=1.5))
+    ax.set_xlabel("KV head")
+    ax.set_ylabel("layer")
+    ax.set_xticks(range(kv_heads))
+    fig.colorbar(im, ax=ax, label=f"{rec.get('method', 'score')} score")
+    ax.set_title(title or f"full heads (red): {rec.get('full_heads', '?')} of {layers * kv_heads}", fontsize=9)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)

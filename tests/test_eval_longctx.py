@@ -1,0 +1,102 @@
+"""eval.longctx: needle prompts, exact-match scoring against greedy generation, the CLI."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+import attention
+from core.tiny import tiny_teacher
+from core.tiny import tiny_teacher_tokenizer as tiny_tokenizer
+from eval import longctx
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+@pytest.mark.parametrize("kind", longctx.KINDS)
+@pytest.mark.parametrize("depth", [0.0, 0.5, 1.0])
+def test_sample_fits_length_and_hides_the_key_at_depth(tok, kind, depth):
+    s = longctx.build_sample(tok, kind, 400, depth, random.Random(0))
+    assert 400 - 40 < len(s.ids) <= 400
+    text = tok.decode(s.ids)
+    assert text.count(s.key) == 2 + (kind == "passkey")  # needle (twice for passkey), answer
+    assert tok.decode(s.ids[-s.answer_len:]).strip() == s.key
+    assert tok.decode(s.ids[s.needle_pos:s.needle_pos + 12]).lstrip().startswith("The pass key")
+    rel = s.needle_pos / len(s.ids)
+    assert abs(rel - depth) < 0.2  # the asked-for needle sits near its depth (the tail is the question)
+    if kind == "multikey":
+        assert text.count("door is") == longctx.MULTI_NEEDLES + 1
+    with pytest.raises(longctx.LongCtxError, match="too short"):
+        longctx.build_sample(tok, kind, 30, depth, random.Random(0))
+
+
+def test_score_matches_greedy_generation(tok):
+    model = tiny_teacher(0).eval()
+    rng = random.Random(3)
+    for depth in (0.2, 0.8):
+        s = longctx.build_sample(tok, "passkey", 200, depth, rng)
+        found, pred = longctx.score_sample(model, s)
+        prompt = torch.tensor([s.ids[:-s.answer_len]])
+        with torch.no_grad():
+            out = model.generate(prompt, max_new_tokens=s.answer_len, do_sample=False, pad_token_id=0)
+        greedy = out[0, prompt.shape[1]:].tolist()
+        assert json.loads(pred)[0] == greedy[0]
+        assert found == (greedy == s.ids[-s.answer_len:])
+
+
+def test_found_when_logits_point_at_the_answer(tok):
+    s = longctx.build_sample(tok, "passkey", 200, 0.5, random.Random(1))
+    ids = list(s.ids)  # what the oracle predicts: the original answer
+
+    class Oracle(torch.nn.Module):
+        config = type("C", (), {"max_position_embeddings": 1024})()
+
+        def forward(self, input_ids, logits_to_keep, use_cache):
+            n = input_ids.shape[1] + 1
+            logits = torch.zeros(1, logits_to_keep, 600)
+            gold = torch.tensor(ids[n - logits_to_keep:n])
+            logits[0, torch.arange(logits_to_keep), gold] = 1.0
+            return type("O", (), {"logits": logits})()
+
+    assert longctx.score_sample(Oracle(), s)[0]
+    s.ids[-1] = (s.ids[-1] + 1) % 500  # a wrong last digit is a miss
+    assert not longctx.score_sample(Oracle(), s)[0]
+
+
+def test_cli_writes_heatmap_and_json_and_loads_hybrid(tmp_path, tok, capsys):
+    model = tiny_teacher(0)
+    dense_dir, hybrid_dir = tmp_path / "dense", tmp_path / "hybrid"
+    model.save_pretrained(dense_dir)
+    tok.save_pretrained(dense_dir)
+    attention.retrofit(model, attention.HybridAttentionConfig(sink_tokens=4, window=16, global_every=0,
+                                                              full_heads={1: [0]}))
+    model.save_pretrained(hybrid_dir)
+    tok.save_pretrained(hybrid_dir)
+    for d, want in ((dense_dir, "dense"), (hybrid_dir, "hybrid")):
+        rc = longctx.main(["--model", str(d), "--lengths", "300,400", "--depths", "2", "--trials", "1",
+                           "--kinds", "passkey,multikey", "--out", str(tmp_path / want)])
+        assert rc == 0
+        last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert last["attention"] == want and set(last["accuracy"]) == {"passkey", "multikey"}
+        assert set(last["accuracy"]["passkey"]) == {"300", "400"}
+        assert (tmp_path / want / "longctx.png").stat().st_size > 1000
+        saved = json.loads((tmp_path / want / "longctx.json").read_text())
+        assert len(saved["samples"]) == 2 * 2 * 2
+    rc = longctx.main(["--model", str(dense_dir), "--lengths", "4096"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after the weight-loading progress bar
+    assert rc == 3 and err.startswith("error: ") and "max_position_embeddings=1024" in err
+
+
+def test_depths_are_a_count_or_explicit_fractions():
+    assert longctx.depths_for("3") == [0.0, 0.5, 1.0]
+    assert longctx.depths_for(1) == [0.5]
+    assert longctx.depths_for("0.25,0.75") == [0.25, 0.75]
+    for bad in ("0", "1.5,0.2", "x,y", "many"):
+        with pytest.raises(longctx.LongCtxError, match="depths"):
+            longctx.depths_for(bad)
