@@ -94,6 +94,7 @@ from eval.generation import (
     load_model,
     load_tokenizer,
 )
+from eval.longctx import load_for_eval, run_longctx
 from eval.metrics import LMStats, text_windows, window_stats
 from eval.prompt_set import GateInputError, Prompt, default_prompts_path, load_prompts, load_references
 from eval.report import histogram, write_markdown, write_samples
@@ -132,6 +133,12 @@ class GateConfig:
     cache_dir: str | None = field(None, help="generation cache directory; default: <out>/cache")
     heldout: str | None = field(None, help="UTF-8 text file for perplexity / bits per byte (optional)")
     skip_lm_metrics: bool = field(False, help="skip agreement / KL / perplexity (saves loading the models again)")
+    longctx: str | None = field(None, help="long-context retrieval check (eval.longctx) at these lengths, e.g. "
+                                "2048,4096: fail when the candidate finds the pass key less often than "
+                                "longctx_min_ratio × the baseline at any length")
+    longctx_trials: int = field(2, ge=1, help="pass-key samples per length × depth cell of the long-context check")
+    longctx_min_ratio: float = field(0.9, gt=0, le=1, help="candidate accuracy must reach this share of the "
+                                     "baseline's at every length")
     lm_seq_len: int = field(512, ge=2, help="window length in tokens for the language-model metrics")
     scorer_layer: int = field(6, ge=1, le=6, help="BERTScore encoder layer (1..6)")
     scorer_batch_size: int = field(64, ge=1, help="BERTScore encoder batch size")
@@ -141,8 +148,20 @@ class GateConfig:
     confidence: float = field(0.95, ge=0.5, lt=1, help="interval confidence level")
     min_prompts: int = field(10, ge=1, help="fewer prompts than this give 'inconclusive'")
 
+    def longctx_lengths(self) -> list[int]:
+        """The ``longctx`` lengths as integers (empty when the check is off)."""
+        try:
+            lengths = [int(x) for x in (self.longctx or "").split(",") if x.strip()]
+        except ValueError:
+            lengths = [0]
+        if self.longctx and (not lengths or min(lengths) < 64):
+            raise ConfigError(f"longctx needs comma-separated lengths of at least 64 tokens such as 2048,4096, "
+                              f"got {self.longctx!r}")
+        return lengths
+
     def __post_init__(self) -> None:
         check_fields(self)  # every field's range/choices, declared above (core.config.field)
+        self.longctx_lengths()
         if self.do_sample and (self.temperature <= 0 or not 0 < self.top_p <= 1):
             raise ConfigError("with do_sample, temperature must be > 0 and top_p in (0, 1]")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
@@ -240,6 +259,25 @@ def _interval_dict(stats: list[LMStats], metric: str, cfg: GateConfig) -> dict:
         return ratio_bootstrap(np.array([s.kl_sum for s in stats]), np.array([s.ref_tokens for s in stats]),
                                cfg.resamples, cfg.seed).as_dict()
     raise KeyError(metric)
+
+
+def _longctx_check(cfg: GateConfig, models: dict[str, Path]) -> tuple[dict, list[str]]:
+    """Pass-key accuracy per length of candidate and baseline (each loaded as served); failing lengths."""
+    if not cfg.longctx:
+        return {"skipped": "no --longctx lengths"}, []
+    lengths = cfg.longctx_lengths()
+    result: dict[str, typing.Any] = {"lengths": lengths, "trials": cfg.longctx_trials, "min_ratio": cfg.longctx_min_ratio}
+    for role in ("candidate", "baseline"):
+        model, tok, how = load_for_eval(str(models[role]))
+        run = run_longctx(model, tok, lengths=lengths, depths=4, trials=cfg.longctx_trials, kinds=("passkey",),
+                          seed=cfg.seed, progress=True)
+        result[role] = {"attention": how, "accuracy": run["accuracy"]["passkey"]}
+        del model
+    failing = [f"long-context retrieval at {n}: candidate {result['candidate']['accuracy'][str(n)]:.2f} < "
+               f"{cfg.longctx_min_ratio:g} × baseline {result['baseline']['accuracy'][str(n)]:.2f}"
+               for n in lengths if result["candidate"]["accuracy"][str(n)]
+               < cfg.longctx_min_ratio * result["baseline"]["accuracy"][str(n)]]
+    return result, failing
 
 
 def _lm_metrics(cfg: GateConfig, models: dict[str, Path], prompts: list[Prompt], refs: list[str]) -> dict:
@@ -418,6 +456,9 @@ def run_gate(cfg: GateConfig, scorer: BertScore | None = None) -> GateResult:
     base_below = base_f < cfg.floor
     new_below = [i for i, c, b in zip(ids, cand_below, base_below) if c and not b]
     verdict, reasons = _verdict(cfg, diff, threshold, len(prompts), len(new_below))
+    longctx, longctx_failing = _longctx_check(cfg, models)
+    if longctx_failing:
+        verdict, reasons = "fail", reasons + longctx_failing
     mde = detectable_effect(diff.se, 1 - cfg.confidence)
     reasons += _warnings(diff.se, threshold, verdict, long_texts)
 
@@ -458,6 +499,7 @@ def run_gate(cfg: GateConfig, scorer: BertScore | None = None) -> GateResult:
         "long_texts": long_texts,
         "long_text_limit": MAX_TOKENS,
         "lm_metrics": lm,
+        "longctx": longctx,
         "worst": [samples[i] for i in order[:WORST_K]],
         "generation": {"settings": {**gen_settings, "chat_default": cfg.chat},
                        "settings_hash": json_hash({**gen_settings, "chat_default": cfg.chat})[:16]},

@@ -51,7 +51,7 @@ logger = get_logger(__name__)
 # max_steps may only grow. Anything else would make the finished model match neither config.
 RESUME_SAFE = ("eval_every", "log_every", "save_every", "keep_checkpoints", "tracker", "output_dir", "resume",
                "overwrite", "debug_exit_at_step", "gate", "gate_prompts", "gradient_checkpointing",
-               "compare_ce_only", "teacher_shape", "student_shape", "zero_stage")
+               "compare_ce_only", "teacher_shape", "student_shape", "zero_stage", "threads")
 
 
 @dataclass

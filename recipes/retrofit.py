@@ -58,6 +58,7 @@ from distill.training import (
     train_step,
     warmup_cosine,
 )
+from eval.longctx import plot_heatmap, run_longctx
 
 logger = get_logger(__name__)
 
@@ -65,7 +66,8 @@ logger = get_logger(__name__)
 # Keys a resume may change (core.config.check_resume_config): cadence, logging and where outputs go;
 # max_steps may only grow. Anything else would make the finished model match neither config.
 RESUME_SAFE = ("eval_every", "log_every", "save_every", "keep_checkpoints", "tracker", "output_dir", "resume",
-               "overwrite", "debug_exit_at_step", "gate", "gate_prompts", "gradient_checkpointing")
+               "overwrite", "debug_exit_at_step", "gate", "gate_prompts", "gradient_checkpointing", "threads",
+               "longctx_lengths", "longctx_trials")
 ATTN_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJ = ("gate_proj", "up_proj", "down_proj")
 
@@ -118,6 +120,10 @@ class RetrofitConfig:
                                    "batch)")
     eval_seq_lens: list[int] = field(default_factory=lambda: [4096], help="extra held-out lengths evaluated at start and end "
                                      "(e.g. [4096]); seq_len is always evaluated", ge=2)
+    longctx_lengths: list[int] = field(default_factory=lambda: [2048, 4096], help="pass-key retrieval "
+                                       "(eval.longctx) of the final model and the dense one at these lengths; "
+                                       "[] skips it")
+    longctx_trials: int = field(2, ge=1, help="pass-key samples per length × depth cell at the end of the run")
     # loop
     max_steps: int = field(30, ge=1, help="optimizer steps")
     micro_batch_size: int = field(1, ge=1, help="blocks per forward on each process")
@@ -399,6 +405,8 @@ def training_function(cfg: RetrofitConfig, accelerator: Accelerator) -> dict:
     merged.config.use_cache = False
     summary = measure_and_summarize(cfg, accelerator, run, merged, teacher, heldout, spec,
                                     global_batch=global_batch, trainable=trainable)
+    if cfg.longctx_lengths and accelerator.is_main_process:  # retrieval, which perplexity does not show
+        summary["longctx"] = retrieval_check(cfg, merged, teacher, tokenizer)
     run.write_records(summary, title=f"{cfg.teacher}: hybrid retrofit ({Path(cfg.output_dir).name})")
     return summary
 
@@ -478,6 +486,19 @@ def measure_and_summarize(cfg: RetrofitConfig, accelerator: Accelerator, run: Ru
     }
 
 
+def retrieval_check(cfg: RetrofitConfig, merged, teacher, tokenizer) -> dict:
+    """Pass-key accuracy per length of the final (hybrid) model and the dense one; heatmap to longctx.png."""
+    out = {}
+    for name, model in (("hybrid", merged), ("dense", teacher)):
+        result = run_longctx(model, tokenizer, lengths=cfg.longctx_lengths, depths=4, trials=cfg.longctx_trials,
+                             kinds=("passkey",), seed=cfg.seed, device=str(next(model.parameters()).device))
+        out[name] = result["accuracy"]["passkey"]
+        if name == "hybrid":
+            plot_heatmap(result, Path(cfg.output_dir) / "longctx.png", title=f"{cfg.teacher}: pass-key retrieval, hybrid")
+    out["ratio"] = {n: (out["hybrid"][n] / out["dense"][n] if out["dense"][n] else None) for n in out["hybrid"]}
+    return out
+
+
 def print_summary(summary: dict, out: Path) -> None:
     print("\n" + "=" * 78)
     print(f"run folder     {out}")
@@ -491,6 +512,10 @@ def print_summary(summary: dict, out: Path) -> None:
           f"(at {summary['seq_len']})")
     print(f"throughput     {summary['tokens_per_s']:.0f} tokens/s over {summary['steps']} steps "
           f"({summary['trainable_params']:,} trainable parameters)")
+    if "longctx" in summary:
+        lc = summary["longctx"]
+        print("pass-key       " + ", ".join(f"{n}: hybrid {lc['hybrid'][n]:.2f} / dense {lc['dense'][n]:.2f}"
+                                            for n in lc["hybrid"]))
     if "gate" in summary:
         print(f"release gate   {summary['gate'].get('verdict')}   ({summary['gate'].get('report')})")
     print("=" * 78)

@@ -248,3 +248,26 @@ def test_gate_generates_with_the_models_saved_hybrid_attention(tmp_path):
 
     assert greedy(dense) != greedy(hybrid)  # the pattern matters at this length
     assert got == greedy(hybrid)
+
+
+@pytest.mark.parametrize("cand_acc, verdict", [(0.5, "fail"), (0.95, "pass")])
+def test_longctx_check_fails_a_candidate_that_lost_retrieval(env, monkeypatch, cand_acc, verdict):
+    """--longctx loads each model as served and fails the gate when retrieval drops below the ratio."""
+    import eval.gate as gate
+
+    seen = {}
+
+    def fake_run(model, tok, *, lengths, **kw):
+        acc = cand_acc if seen.setdefault("calls", 0) == 0 else 1.0
+        seen["calls"] += 1
+        return {"accuracy": {"passkey": {str(n): acc for n in lengths}}}
+
+    monkeypatch.setattr(gate, "run_longctx", fake_run)
+    cfg = _cfg(env, f"longctx-{verdict}", candidate=str(env["orig"]), skip_lm_metrics=True, longctx="128,256")
+    res = run_gate(cfg, scorer=env["scorer"])
+    assert res.verdict == verdict and seen["calls"] == 2
+    report = res.report["longctx"]
+    assert report["candidate"]["accuracy"] == {"128": cand_acc, "256": cand_acc}
+    assert report["candidate"]["attention"] == report["baseline"]["attention"] == "dense"
+    if verdict == "fail":
+        assert any("long-context retrieval at 128" in r for r in res.report["reasons"])

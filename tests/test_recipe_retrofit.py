@@ -108,6 +108,9 @@ def test_summary_reports_what_was_saved(tiny_run):
     dense = evaluate_lm(tiny_teacher(0), batches)[0].perplexity
     assert hybrid == pytest.approx(summary["perplexity"]["256"]["hybrid_after"], rel=1e-4)
     assert dense == pytest.approx(summary["perplexity"]["256"]["dense"], rel=1e-4)
+    # the pass-key check ran on the final model and the dense one, with its heatmap beside the run
+    assert set(summary["longctx"]["hybrid"]) == set(summary["longctx"]["dense"]) == {"256"}
+    assert 0.0 <= summary["longctx"]["hybrid"]["256"] <= 1.0 and (out / "longctx.png").stat().st_size > 1000
 
 
 @pytest.mark.slow
