@@ -87,6 +87,9 @@ class AsyncEngine:
                 lambda: engine.cache.nbytes() if engine.cache is not None else 0)
         m.gauge("kv_cache_rows_used_ratio", "Fraction of KV cache rows holding a live request.",
                 lambda: engine.num_active / engine.max_batch)
+        if engine.prefix_cache is not None:  # serve.prefix_cache: bytes / budget / hits / evictions
+            for name, (help_, fn) in engine.prefix_cache.gauges().items():
+                m.gauge(name, help_, fn)
         engine.start()
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> tuple[Request, asyncio.Queue]:
@@ -345,6 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-queue", type=int, default=32, help="requests waiting beyond the batch before 503")
     p.add_argument("--max-seq-len", type=int, default=None, help="context limit (default: the model's)")
     p.add_argument("--device", default=None)
+    p.add_argument("--prefix-cache-mb", type=float, default=256, help="prompt-prefix KV cache budget (0: off)")
+    p.add_argument("--prefill-budget", type=int, default=None,
+                   help="prompt tokens prefilled per engine step, between decode steps (default: 512)")
     p.add_argument("--name", default=None, help="model name reported in responses")
     args = p.parse_args(argv)
     import uvicorn
@@ -353,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         path = resolve_model_path(args.model)
-        engine = Engine(path, device=args.device, max_batch=args.max_batch, max_seq_len=args.max_seq_len)
+        engine = Engine(path, device=args.device, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
+                        prefix_cache_bytes=int(args.prefix_cache_mb * 2**20), prefill_budget=args.prefill_budget)
     except (ValueError, OSError) as e:
         print(f"error: {e}")
         return 2
