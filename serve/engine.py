@@ -34,6 +34,7 @@ import torch
 from serve.kv_cache import KVCache
 from serve.model import DecoderModel
 from serve.prefix_cache import PrefixCache
+from serve.quantize import is_quantized
 from serve.sampling import SamplingParams, sample
 from serve.text import TextStream
 
@@ -125,6 +126,10 @@ class Engine:
             tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_dir)
         if tokenizer is None:
             raise ValueError("Engine(model=...) also needs tokenizer=")
+        if is_quantized(model):
+            # The fused decode copies are fp32 re-layouts; a quantized export decodes through torchao's
+            # own int8 linears instead (serve.quantize), and keeps its weights in the stored dtype.
+            fast_weights, dtype = False, model.dtype
         self.model = DecoderModel(model.to(device=device, dtype=dtype), fast_weights=fast_weights)
         extra = self.model.fast_weight_bytes()
         if extra:
