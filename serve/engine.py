@@ -146,6 +146,13 @@ class Engine:
         if self.prefill_budget < 1:
             raise ValueError(f"prefill_budget must be >= 1, got {prefill_budget}")
         self.prefix_cache = PrefixCache(prefix_cache_bytes, prefix_block) if prefix_cache_bytes else None
+        if self.prefix_cache is not None and self.spec is not None:
+            window = min([self.spec.window] + [w for _, w in (self.spec.window_policy or [])])
+            if prefill_chunk + prefix_block > window:  # serve.prefix_cache: "Bounded (hybrid) caches"
+                logger.warning("prefix cache: with prefill_chunk %d + block %d > window %d, prompt blocks can leave "
+                               "the bounded cache before they are cached; only the start of long prompts is "
+                               "cached (prefill_chunk <= %d caches all)", prefill_chunk, prefix_block, window,
+                               window - prefix_block)
         self.stop_ids = self._eos_ids(model)
         self.cache: KVCache | None = None
         self._waiting: deque[Request] = deque()
