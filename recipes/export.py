@@ -3,12 +3,17 @@
     python recipes/export.py source=runs/smollm2-kd output_dir=exports/smollm2-kd
     python recipes/export.py source=runs/smollm2-kd checkpoint=latest output_dir=exports/step dtype=bf16
     python recipes/export.py source=runs/retrofit/adapter base=runs/retrofit/final output_dir=exports/hybrid
+    python recipes/export.py source=runs/smollm2-kd output_dir=exports/smollm2-int8 quantize=int8
 
 ``source`` is a run directory, a ``checkpoints/step-N`` folder, an HF model directory or a LoRA adapter.
 The export is the bare student (projectors and teacher stripped, LoRA merged) as safetensors, with its
 tokenizer and chat template, generation config, the hybrid-attention spec in ``config.json`` when the
 model has one, and a ``README.md`` model card built from the run's config, metrics and gate report.
 It loads with plain ``AutoModelForCausalLM.from_pretrained``. The directory appears whole or not at all.
+
+``quantize=int8`` stores the decoder's linears as torchao int8 weight-only (embeddings and head in full
+precision; :mod:`serve.quantize`), runs the release gate of the quantized model against the unquantized
+one and writes the verdict and the sizes into the model card (``quantization_gate.json`` beside it).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch
 from core.config import ConfigError, check_fields, field, parse_config, run_cli
 from core.rundir import check_replaceable
 from serve import export as ex
+from serve import quantize as qz
 
 
 @dataclass
@@ -41,6 +47,15 @@ class ExportConfig:
     max_shard_size: str = field("5GB", help="split safetensors above this size (e.g. 500MB, 2GB)")
     overwrite: bool = field(False, help="replace an existing output_dir")
     threads: int = field(0, ge=0, help="torch CPU threads (0: leave torch's default)")
+    # -- quantized export (serve.quantize) --
+    quantize: str = field("none", help="none | int8: torchao int8 weight-only decoder linears (embeddings and "
+                                       "head stay full precision; needs pip install 'hybrid-distill[quant]')")
+    quant_gate: bool = field(True, help="with quantize: run the release gate of the quantized model against the "
+                                        "unquantized one and put the verdict in the model card")
+    quant_max_drop: float = field(0.02, gt=0, lt=1, help="with quant_gate: largest acceptable BERTScore drop "
+                                  "(drift of the quantized outputs from the unquantized ones, 1 - F1)")
+    quant_gate_prompts: str | None = field(None, help="with quant_gate: prompt JSONL (default: the bundled 100)")
+    quant_gate_max_new_tokens: int = field(64, ge=1, help="with quant_gate: tokens generated per prompt")
 
     def __post_init__(self) -> None:
         check_fields(self)  # every field's range/choices, declared above (core.config.field)
@@ -55,6 +70,9 @@ class ExportConfig:
         if self.checkpoint not in ("auto", "final", "latest") and not self.checkpoint.isdigit():
             raise ConfigError(f"checkpoint={self.checkpoint} is not understood; use auto, final, latest or a step")
         ex.parse_size(self.max_shard_size)
+        self.quantize = str(self.quantize).lower()
+        if self.quantize not in ("none", "int8", "int4"):
+            raise ConfigError(f"quantize={self.quantize} is not supported; use none or int8")
 
 
 @dataclass
@@ -97,14 +115,19 @@ def export(cfg: ExportConfig) -> ExportResult:
     dtype = None if cfg.dtype == "auto" else ex.DTYPES[cfg.dtype]
     student = ex.load_student(src, dtype=dtype, base=cfg.base)
     dtype = student.model.dtype
+    if cfg.quantize != "none":  # refuse before anything is written
+        qz.check_quantizable(student.model, cfg.quantize)
     if not getattr(student.tokenizer, "chat_template", None):
         print("warning: the tokenizer has no chat template; chat clients will need one", flush=True)
 
     # 3. Write everything into a temp dir beside the target; it is renamed into place only when complete.
     records = ex.read_run_records(src)
     with ex.atomic_output_dir(out, overwrite=cfg.overwrite) as tmp:
-        ex.save_export(student, tmp, max_shard_size=cfg.max_shard_size)
-        card = ex.model_card(out.name, student, records, dtype, size_bytes=ex.dir_size(tmp))
+        if cfg.quantize == "none":
+            ex.save_export(student, tmp, max_shard_size=cfg.max_shard_size)
+            card = ex.model_card(out.name, student, records, dtype, size_bytes=ex.dir_size(tmp))
+        else:  # serve.quantize: the unquantized export goes to a scratch dir, the quantized one to tmp
+            card = qz.export_quantized(student, tmp, cfg, records, out.name)
         ex.write_card(tmp, card, records)
 
     result = ExportResult(out, ex.dir_size(out), dtype, student.params, student.hybrid,

@@ -1,9 +1,12 @@
 """The decode engine: continuous batching over preallocated (dense or bounded) KV caches.
 
-Each request owns one row of the cache. :meth:`Engine.step` first admits waiting requests into free
-rows (chunked prefill, one row at a time, so a long prompt never needs more than ``prefill_chunk``
-tokens of activations), then runs one batched decode step over every active row; finished rows are
-freed at once and reused by the next admission. The same loop serves the synchronous API
+Each request owns one row of the cache. :meth:`Engine.step` admits waiting requests into free rows
+(restoring any cached prompt prefix, :mod:`serve.prefix_cache`), prefills at most ``prefill_budget``
+prompt tokens (in chunks of at most ``prefill_chunk``, shortest remaining prompt first), then runs one
+batched decode step over every row whose prompt is done. A long prompt is thus prefilled across several
+steps, interleaved with decode steps, and never holds back a short request's first token or the
+running requests' next ones for more than one budget's worth of prefill. Finished rows are freed at
+once and reused by the next admission. The same loop serves the synchronous API
 (:meth:`Engine.generate`, :meth:`Engine.stream`) and the HTTP server (:meth:`Engine.start` runs it in a
 background thread; requests join between decode steps).
 
@@ -31,6 +34,8 @@ import torch
 from core.models import load_causal_lm, load_tokenizer
 from serve.kv_cache import KVCache
 from serve.model import DecoderModel
+from serve.prefix_cache import PrefixCache
+from serve.quantize import is_quantized
 from serve.sampling import SamplingParams, sample
 from serve.text import TextStream
 
@@ -67,6 +72,7 @@ class Request:
         self.out_ids: list[int] = []
         self.row = -1
         self.pos = -1  # absolute position of the last token fed to the model
+        self.prefilled = 0  # prompt tokens already in the cache row (restored or prefilled)
         self.finish_reason: str | None = None
         self.cancelled = False
         self.generator: torch.Generator | None = None
@@ -96,12 +102,20 @@ class Engine:
         fast_weights: decode from fused copies of the projections in CPU-friendly layouts (faster
             decode steps; one more copy of those weights in memory). Default: on for CPU, off
             elsewhere. See :mod:`serve.model`.
+        prefill_budget: most prompt tokens prefilled per engine step, across requests (default
+            ``prefill_chunk``); decode steps run between budgets, so it bounds how long a long
+            prompt delays everyone else's next token.
+        prefix_cache_bytes: byte budget of the prompt-prefix cache (0 turns it off); see
+            :mod:`serve.prefix_cache`.
+        prefix_block: tokens per prefix-cache block (hits cover a multiple of it).
     """
 
     def __init__(self, model_dir: str | Path | None = None, *, model=None, tokenizer=None,
                  device: str | torch.device | None = None, dtype: torch.dtype | None = None,
                  max_batch: int = 8, max_seq_len: int | None = None, prefill_chunk: int = 512,
-                 compile: bool = False, dense: bool = False, fast_weights: bool | None = None) -> None:
+                 compile: bool = False, dense: bool = False, fast_weights: bool | None = None,
+                 prefill_budget: int | None = None, prefix_cache_bytes: int = 256 * 2**20,
+                 prefix_block: int = 32) -> None:
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         if model is None:
@@ -113,6 +127,10 @@ class Engine:
             tokenizer = tokenizer or load_tokenizer(str(model_dir))
         if tokenizer is None:
             raise ValueError("Engine(model=...) also needs tokenizer=")
+        if is_quantized(model):
+            # The fused decode copies are fp32 re-layouts; a quantized export decodes through torchao's
+            # own int8 linears instead (serve.quantize), and keeps its weights in the stored dtype.
+            fast_weights, dtype = False, model.dtype
         self.model = DecoderModel(model.to(device=device, dtype=dtype), fast_weights=fast_weights)
         extra = self.model.fast_weight_bytes()
         if extra:
@@ -127,6 +145,17 @@ class Engine:
         if max_batch < 1:  # no cache row: every request would wait forever
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.prefill_chunk = prefill_chunk
+        self.prefill_budget = prefill_budget or prefill_chunk
+        if self.prefill_budget < 1:
+            raise ValueError(f"prefill_budget must be >= 1, got {prefill_budget}")
+        self.prefix_cache = PrefixCache(prefix_cache_bytes, prefix_block) if prefix_cache_bytes else None
+        if self.prefix_cache is not None and self.spec is not None:
+            window = min([self.spec.window] + [w for _, w in (self.spec.window_policy or [])])
+            if prefill_chunk + prefix_block > window:  # serve.prefix_cache: "Bounded (hybrid) caches"
+                logger.warning("prefix cache: with prefill_chunk %d + block %d > window %d, prompt blocks can leave "
+                               "the bounded cache before they are cached; only the start of long prompts is "
+                               "cached (prefill_chunk <= %d caches all)", prefill_chunk, prefix_block, window,
+                               window - prefix_block)
         self.stop_ids = self._eos_ids(model)
         self.cache: KVCache | None = None
         self._waiting: deque[Request] = deque()
@@ -258,6 +287,7 @@ class Engine:
             self._finish(req, "length")
 
     def _admit(self, req: Request) -> None:
+        """Give ``req`` a free row and restore its cached prompt prefix; :meth:`_prefill` does the rest."""
         cache = self._ensure_cache(self.num_active + 1)
         row = self._rows.index(None)
         self._rows[row] = req
@@ -268,15 +298,77 @@ class Engine:
             req.generator = torch.Generator(device=self.device)
             req.generator.manual_seed(req.params.seed if req.params.seed is not None
                                       else int(torch.randint(0, 2**62, ()).item()))
-        ids = torch.tensor(req.prompt_ids, dtype=torch.long, device=self.device)
-        for start in range(0, ids.shape[0], self.prefill_chunk):
-            logits = self.model.prefill(cache, row, ids[start:start + self.prefill_chunk], start)
-        req.pos = len(req.prompt_ids) - 1
+        if self.prefix_cache is not None:
+            req.prefilled = self.prefix_cache.restore(cache, row, req.prompt_ids)
+        self._pos[row] = req.prefilled
+
+    def _prefill(self) -> None:
+        """Prefill up to ``prefill_budget`` prompt tokens, shortest remaining prompt first.
+
+        A request whose prompt completes samples its first token here and joins the next decode step.
+        Each request's prefill is its own: one that raises is finished with "error", the others go on.
+        """
+        pending = sorted((r for r in self._rows if r is not None and r.prefilled < len(r.prompt_ids)),
+                         key=lambda r: len(r.prompt_ids) - r.prefilled)
+        budget = self.prefill_budget
+        for req in pending:
+            if budget <= 0:
+                break
+            try:
+                budget = self._prefill_one(req, budget)
+            except Exception as e:  # this request's prefill, first sample or callback: it alone fails
+                self._fail(req, e)
+                continue
+            if req.prefilled < len(req.prompt_ids):
+                break
+
+    def _prefill_one(self, req: Request, budget: int) -> int:
+        """Prefill ``req`` within ``budget`` tokens (sampling its first token when done); the budget left."""
+        cache = self.cache
+        n = len(req.prompt_ids)
+        logits = None
+        while req.prefilled < n and budget > 0:
+            start = req.prefilled
+            t = min(self.prefill_chunk, n - start, budget)
+            ids = torch.tensor(req.prompt_ids[start:start + t], dtype=torch.long, device=self.device)
+            logits = self.model.prefill(cache, req.row, ids, start)
+            req.prefilled += t
+            budget -= t
+            if self.prefix_cache is not None:
+                self.prefix_cache.capture(cache, req.row, req.prompt_ids, req.prefilled)
+        if req.prefilled < n:
+            return budget
+        req.pos = n - 1
         token = sample(logits, req.params, req.generator)
         self._accept(req, token)
         if not req.done:
-            self._tokens[row] = token
-            self._pos[row] = req.pos + 1
+            self._tokens[req.row] = token
+            self._pos[req.row] = req.pos + 1
+        return budget
+
+    def _shield(self, rows: list[int]) -> list[tuple]:
+        """Save what a decode step would overwrite in rows that are still prefilling.
+
+        The decode step runs over a contiguous block of rows, so a prefilling row inside it gets a
+        throw-away token written at ``self._pos[row]`` (one ring slot and maybe one sink/global slot,
+        plus their recorded positions). Saving those few slots and restoring them after the step is
+        cheaper than gathering the decoding rows into a compact batch.
+        """
+        cache = self.cache
+        saved = []
+        for r in rows:
+            pos = self._pos[r:r + 1]
+            slots = torch.cat([cache.persistent + pos % cache.window[r], cache._persistent_slot(pos)])
+            saved.append((r, slots, cache.k[:, r][:, :, slots].clone(), cache.v[:, r][:, :, slots].clone(),
+                          cache.slot_pos[r].clone()))
+        return saved
+
+    def _unshield(self, saved: list[tuple]) -> None:
+        cache = self.cache
+        for r, slots, k, v, slot_pos in saved:
+            cache.k[:, r][:, :, slots] = k
+            cache.v[:, r][:, :, slots] = v
+            cache.slot_pos[r].copy_(slot_pos)
 
     def step(self) -> bool:
         """Admit waiting requests, then decode one token for every active row. Returns whether work remains."""
@@ -297,9 +389,10 @@ class Engine:
                 req = self._waiting.popleft()
             try:
                 self._admit(req)
-            except Exception as e:  # this request's prefill, sampling or callback: it alone fails
+            except Exception as e:  # this request's admission: it alone fails
                 self._fail(req, e)
-        active = [r for r in self._rows if r is not None]
+        self._prefill()
+        active = [r for r in self._rows if r is not None and r.prefilled == len(r.prompt_ids)]
         if active:
             self._decode_step(active)
         return bool(self._waiting) or self.num_active > 0
@@ -308,7 +401,9 @@ class Engine:
         hi = max(r.row for r in active) + 1
         cache = self.cache
         n_slots = cache.used_slots(max(r.pos for r in active) + 1)
+        saved = self._shield([r.row for r in self._rows[:hi] if r is not None and r.prefilled < len(r.prompt_ids)])
         logits = self._decode(cache, self._tokens[:hi], self._pos[:hi], n_slots)
+        self._unshield(saved)
         nxt = logits.argmax(-1)
         # Per-row work is isolated: a row whose sampling, detokenization or callback raises is finished
         # with "error" and freed; the forward above is shared, so its failure is left to the caller.

@@ -323,6 +323,9 @@ class AsyncEngine:
                 lambda: engine.cache.nbytes() if engine.cache is not None else 0)
         m.gauge("kv_cache_rows_used_ratio", "Fraction of KV cache rows holding a live request.",
                 lambda: engine.num_active / engine.max_batch)
+        if engine.prefix_cache is not None:  # serve.prefix_cache: bytes / budget / hits / evictions
+            for name, (help_, fn) in engine.prefix_cache.gauges().items():
+                m.gauge(name, help_, fn)
         engine.start()
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> tuple[Request, asyncio.Queue]:
@@ -697,6 +700,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds from arrival to the last token (504 after)")
     p.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT,
                    help="seconds to receive a request's head (the connection is closed after) or its body (408)")
+    p.add_argument("--prefix-cache-mb", type=float, default=256, help="prompt-prefix KV cache budget (0: off)")
+    p.add_argument("--prefill-budget", type=int, default=None,
+                   help="prompt tokens prefilled per engine step, between decode steps (default: 512)")
     return p
 
 
@@ -720,6 +726,10 @@ def check_flags(args: argparse.Namespace) -> str | None:
         return f"--api-key (or ${API_KEY_ENV}) is empty; give a key or leave it unset"
     if args.served_model_name is not None and not args.served_model_name.strip():
         return "--served-model-name is empty; give a name or leave it unset"
+    if not (math.isfinite(args.prefix_cache_mb) and args.prefix_cache_mb >= 0):
+        return f"--prefix-cache-mb must be >= 0 (0 turns the prefix cache off), got {args.prefix_cache_mb}"
+    if args.prefill_budget is not None and args.prefill_budget < 1:
+        return f"--prefill-budget must be >= 1 prompt tokens per step, got {args.prefill_budget}"
     return None
 
 
@@ -740,7 +750,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         path = resolve_model_path(args.model)
-        engine = Engine(path, device=args.device, max_batch=args.max_batch, max_seq_len=args.max_seq_len)
+        engine = Engine(path, device=args.device, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
+                        prefix_cache_bytes=int(args.prefix_cache_mb * 2**20), prefill_budget=args.prefill_budget)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

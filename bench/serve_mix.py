@@ -1,0 +1,221 @@
+"""Mixed-traffic load test: the server on loopback, locust headless with bench/locustfile.py, per-class latency.
+
+    python bench/serve_mix.py [--model smollm2-135m-instruct] [--users 4] [--seconds 120] [--threads 2]
+    python bench/serve_mix.py --soak 600          # a 10-minute soak: server RSS growth after warm-up
+
+Starts ``python -m serve.server`` in its own process (so its memory is its own), waits for ``/health``,
+runs ``locust --headless`` for the given time with ``--users`` users (the mix and the pauses are in
+bench/locustfile.py), then reports from every request's own record:
+
+* P50 / P95 / P99 time to first token and inter-token latency per class (short / medium / long);
+* generated tokens/s (token events over the wall time), requests, error rate;
+* stream integrity: token events == ``usage.completion_tokens`` and ``[DONE]`` on every stream;
+* the server's RSS at start (after loading), peak and end, sampled every 0.5 s; with ``--soak`` also
+  the growth from the end of the warm-up (the first ``--warmup`` seconds, default 20 %) to the end.
+
+Targets (issue 16, demo student, 2 cores): short P95 TTFT <= 150 ms at 4 users, 0 errors, events ==
+tokens, soak RSS growth <= 5 %. A table for people, then one JSON line. Without locust it says what to
+install and exits 0 with ``{"skipped": ...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CLASSES = ("short", "medium", "long")
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def rss_bytes(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+class RssWatch(threading.Thread):
+    """Samples a process's RSS every ``every`` seconds: ``samples`` = [(seconds since start, bytes)]."""
+
+    def __init__(self, pid: int, every: float = 0.5) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.every = pid, every
+        self.samples: list[tuple[float, int]] = []
+        self._halt = threading.Event()
+        self.t0 = time.perf_counter()
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            r = rss_bytes(self.pid)
+            if r is not None:
+                self.samples.append((time.perf_counter() - self.t0, r))
+            self._halt.wait(self.every)
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"error: the server exited with code {proc.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise SystemExit(f"error: the server was not healthy within {timeout:.0f} s")
+
+
+def summarize(entries: list[dict], elapsed: float) -> dict:
+    out: dict = {"requests": len(entries)}
+    errors = [e for e in entries if e["error"]]
+    out["errors"] = len(errors)
+    out["error_rate"] = round(len(errors) / max(1, len(entries)), 4)
+    out["error_examples"] = sorted({e["error"] for e in errors})[:3]
+    # Integrity is a property of the streams the server accepted (a 400 or 503 has no stream).
+    streams = [e for e in entries if e.get("http_status") == 200]
+    out["streams"] = len(streams)
+    out["integrity_failures"] = sum(1 for e in streams if not e["done"] or e["usage_tokens"] != e["events"])
+    out["events_equal_tokens"] = bool(streams) and out["integrity_failures"] == 0
+    out["tokens"] = sum(e["events"] for e in entries)
+    out["tokens_per_s"] = round(out["tokens"] / elapsed, 1)
+    per = {}
+    for c in CLASSES:
+        es = [e for e in entries if e["class"] == c]
+        ttft = [e["ttft"] for e in es if e["ttft"] is not None]
+        gaps = [g for e in es for g in e["gaps"]]
+        per[c] = {"requests": len(es), "errors": sum(1 for e in es if e["error"]),
+                  **{f"ttft_p{q}_ms": _ms(pct(ttft, q / 100)) for q in (50, 95, 99)},
+                  **{f"itl_p{q}_ms": _ms(pct(gaps, q / 100)) for q in (50, 95, 99)}}
+    out["classes"] = per
+    return out
+
+
+def _ms(s: float | None) -> float | None:
+    return None if s is None else round(s * 1000, 1)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct", help="HF model dir or the demo name")
+    ap.add_argument("--users", type=int, default=4)
+    ap.add_argument("--seconds", type=float, default=120.0, help="test length (ignored with --soak)")
+    ap.add_argument("--soak", type=float, default=None, metavar="SECONDS", help="soak for this long and report "
+                                                                                "RSS growth after warm-up")
+    ap.add_argument("--warmup", type=float, default=None, help="soak warm-up seconds (default: 20%% of the soak)")
+    ap.add_argument("--threads", type=int, default=2, help="server torch threads (OMP_NUM_THREADS)")
+    ap.add_argument("--max-batch", type=int, default=4)
+    ap.add_argument("--prefill-budget", type=int, default=None, help="server --prefill-budget")
+    ap.add_argument("--prefix-cache-mb", type=float, default=256)
+    ap.add_argument("--max-seq-len", type=int, default=4096)
+    ap.add_argument("--out", default=None, help="keep the request log and locust CSVs here")
+    args = ap.parse_args()
+
+    if importlib.util.find_spec("locust") is None or shutil.which("locust") is None:
+        msg = "locust is not installed; pip install 'hybrid-distill[bench]' (or pip install locust)"
+        print(msg)
+        print(json.dumps({"skipped": msg}))
+        return 0
+    seconds = args.soak if args.soak else args.seconds
+    warmup = (args.warmup if args.warmup is not None else 0.2 * seconds) if args.soak else 0.0
+    work = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="serve-mix-"))
+    work.mkdir(parents=True, exist_ok=True)
+    log = work / "requests.jsonl"
+    log.unlink(missing_ok=True)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(REPO)}
+    server_cmd = [sys.executable, "-m", "serve.server", "--model", args.model, "--port", str(port),
+                  "--max-batch", str(args.max_batch), "--max-queue", str(4 * args.users),
+                  "--max-seq-len", str(args.max_seq_len), "--prefix-cache-mb", str(args.prefix_cache_mb)]
+    if args.prefill_budget:
+        server_cmd += ["--prefill-budget", str(args.prefill_budget)]
+    server = subprocess.Popen(server_cmd, env=env, cwd=REPO, stdout=open(work / "server.log", "w"),
+                              stderr=subprocess.STDOUT)
+    try:
+        wait_healthy(url, server)
+        watch = RssWatch(server.pid)
+        watch.start()
+        locust_cmd = ["locust", "-f", str(REPO / "bench" / "locustfile.py"), "--headless", "-u", str(args.users),
+                      "-r", str(args.users), "-t", f"{int(seconds)}s", "--host", url, "--csv", str(work / "locust"),
+                      "--only-summary", "--stop-timeout", "30", "--exit-code-on-error", "0"]
+        t0 = time.perf_counter()
+        lenv = {**os.environ, "SERVE_MIX_LOG": str(log), "OMP_NUM_THREADS": "1"}
+        subprocess.run(locust_cmd, env=lenv, cwd=REPO, stdout=open(work / "locust.log", "w"), stderr=subprocess.STDOUT,
+                       check=False)
+        elapsed = time.perf_counter() - t0
+        watch.stop()
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    entries = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    out = summarize(entries, elapsed)
+    rss = watch.samples
+    out["rss_start_mb"] = round(rss[0][1] / 2**20, 1) if rss else None
+    out["rss_peak_mb"] = round(max(r for _, r in rss) / 2**20, 1) if rss else None
+    out["rss_end_mb"] = round(rss[-1][1] / 2**20, 1) if rss else None
+    if args.soak and rss:
+        after = [r for t, r in rss if t >= warmup] or [rss[-1][1]]
+        out["soak_seconds"], out["warmup_seconds"] = round(elapsed, 1), round(warmup, 1)
+        out["rss_after_warmup_mb"] = round(after[0] / 2**20, 1)
+        out["rss_growth_after_warmup"] = round(after[-1] / after[0] - 1, 4)
+    out.update(users=args.users, seconds=round(elapsed, 1), threads=args.threads, model=args.model,
+               max_batch=args.max_batch, logs=str(work))
+    short_p95 = out["classes"]["short"]["ttft_p95_ms"]
+    out["targets"] = {"short_ttft_p95_le_150ms": short_p95 is not None and short_p95 <= 150,
+                      "zero_errors": out["errors"] == 0, "events_equal_tokens": out["events_equal_tokens"]}
+    if args.soak:
+        out["targets"]["rss_growth_le_5pct"] = out.get("rss_growth_after_warmup", 1) <= 0.05
+
+    print(f"{args.users} users, {elapsed:.0f} s, {out['requests']} requests, {out['tokens']} tokens "
+          f"({out['tokens_per_s']} tokens/s), errors {out['errors']} ({out['error_rate']:.2%}), "
+          f"events == tokens: {out['events_equal_tokens']}")
+    print(f"{'class':<8}{'n':>5}{'TTFT p50':>10}{'p95':>8}{'p99':>8}{'ITL p50':>9}{'p95':>8}{'p99':>8}  (ms)")
+    for c in CLASSES:
+        s = out["classes"][c]
+        cols = [s[k] for k in ("ttft_p50_ms", "ttft_p95_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p95_ms", "itl_p99_ms")]
+        print(f"{c:<8}{s['requests']:>5}" + "".join(f"{'-' if v is None else f'{v:.0f}':>{w}}"
+                                                     for v, w in zip(cols, (10, 8, 8, 9, 8, 8))))
+    print(f"server RSS MB: start {out['rss_start_mb']}, peak {out['rss_peak_mb']}, end {out['rss_end_mb']}"
+          + (f"; after warm-up {out['rss_after_warmup_mb']} -> growth {out['rss_growth_after_warmup']:.2%}"
+             if args.soak and rss else ""))
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,121 @@
+"""int8 (torchao weight-only) against fp32: weight bytes and engine decode tokens/s on the demo model.
+
+    python bench/serve_quant.py [--model smollm2-135m-instruct] [--batch 1 4] [--new-tokens 48] [--reps 3]
+
+The fp32 model is quantized in memory-equivalent form through the export path (:func:`serve.quantize.
+quantize_dir` into a temp dir, the same files ``recipes/export.py quantize=int8`` writes). Three
+engines decode the same prompts, alternately (so machine noise hits all alike): fp32 with the fused
+oneDNN-packed decode copies (the CPU default), fp32 on the model's own weights, and int8 (torchao's
+linears; the fused fp32 copies do not apply). Decode tokens/s = tokens after the first over the time
+after the last prefill, median over ``--reps``. Also: decoder-layer weight bytes int8 / fp32 (embeddings
+excluded) and how many greedy tokens int8 shares with fp32 before the first difference.
+Targets (issue 16): bytes <= 0.4x; int8 decode tokens/s not lower than fp32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--prompt", type=int, default=128, help="prompt tokens")
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from core.models import resolve_model_path
+    from serve.engine import Engine
+    from serve.quantize import quantize_dir, weight_bytes
+    from serve.sampling import SamplingParams
+
+    torch.set_num_threads(args.threads)
+    src = resolve_model_path(args.model)
+    tmp = Path(tempfile.mkdtemp(prefix="serve-quant-"))
+    quantize_dir(src, tmp / "int8", "int8")
+    sizes, base = weight_bytes(tmp / "int8"), weight_bytes(src)
+    tok = AutoTokenizer.from_pretrained(src)
+    seq = args.prompt + args.new_tokens + 8
+    fp32 = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, attn_implementation="sdpa")
+    int8 = AutoModelForCausalLM.from_pretrained(tmp / "int8", attn_implementation="sdpa")
+    mb = max(args.batch)
+    engines = {
+        "fp32 (fused packed copies)": Engine(model=fp32, tokenizer=tok, max_batch=mb, max_seq_len=seq,
+                                              prefix_cache_bytes=0),
+        "fp32 (model weights)": Engine(model=fp32, tokenizer=tok, max_batch=mb, max_seq_len=seq, fast_weights=False,
+                                       prefix_cache_bytes=0),
+        "int8 (torchao)": Engine(model=int8, tokenizer=tok, max_batch=mb, max_seq_len=seq, prefix_cache_bytes=0),
+    }
+    g = torch.Generator().manual_seed(0)
+    vocab = min(tok.vocab_size, fp32.config.vocab_size)
+    sp = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+
+    def decode_rate(engine: Engine, batch: int) -> tuple[float, list[list[int]]]:
+        prompts = torch.randint(100, vocab, (batch, args.prompt), generator=g).tolist()
+        first, last = {}, {}
+
+        def cb(i):
+            def on_event(_d, token, _f):
+                if token is not None:
+                    last[i] = time.perf_counter()
+                    first.setdefault(i, last[i])
+            return on_event
+
+        reqs = [engine.submit(p, sp, cb(i)) for i, p in enumerate(prompts)]
+        while not all(r.done for r in reqs):
+            engine.step()
+        start, end = max(first.values()), max(last.values())
+        return batch * (args.new_tokens - 1) / (end - start), [r.out_ids for r in reqs]
+
+    rates: dict[tuple[str, int], list[float]] = {}
+    with torch.inference_mode():
+        for e in engines.values():
+            decode_rate(e, 1)  # warm-up
+        for b in args.batch:
+            for _ in range(args.reps):
+                for name, e in engines.items():
+                    rates.setdefault((name, b), []).append(decode_rate(e, b)[0])
+        chat = tok.apply_chat_template([{"role": "user", "content": "Explain what a compiler does."}],
+                                       add_generation_prompt=True, tokenize=True)
+        chat = chat["input_ids"] if isinstance(chat, dict) else list(chat)
+        greedy = SamplingParams(max_new_tokens=args.new_tokens)
+        a = engines["fp32 (fused packed copies)"].generate([chat], greedy)[0].token_ids
+        b = engines["int8 (torchao)"].generate([chat], greedy)[0].token_ids
+    same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    ratio = sizes["other"] / base["other"]
+    print(f"decoder-layer weight bytes: fp32 {base['other']:,}, int8 {sizes['other']:,} ({ratio:.3f}x, target <= 0.4); "
+          f"embeddings {base['embeddings']:,} -> {sizes['embeddings']:,}")
+    print(f"{'engine':<30}" + "".join(f"{f'b{b} tok/s':>12}" for b in args.batch))
+    for name in engines:
+        print(f"{name:<30}" + "".join(f"{med[(name, b)]:>12.1f}" for b in args.batch))
+    print(f"greedy chat answer: int8 equals fp32 for the first {same} of {len(a)} tokens")
+    out = {"model": str(args.model), "threads": args.threads, "prompt_tokens": args.prompt,
+           "new_tokens": args.new_tokens, "reps": args.reps, "layer_bytes_fp32": base["other"],
+           "layer_bytes_int8": sizes["other"], "layer_bytes_ratio": round(ratio, 4),
+           "embedding_bytes_equal": sizes["embeddings"] == base["embeddings"],
+           "decode_tokens_per_s": {f"{n} b{b}": round(v, 1) for (n, b), v in med.items()},
+           "greedy_prefix_equal_tokens": same,
+           "int8_vs_fp32_fast": {f"b{b}": round(med[("int8 (torchao)", b)] / med[("fp32 (fused packed copies)", b)], 3)
+                                 for b in args.batch}}
+    out["targets"] = {"bytes_le_0.4x": ratio <= 0.4,
+                      "int8_decode_not_slower": all(v >= 1.0 for v in out["int8_vs_fp32_fast"].values())}
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,211 @@
+"""Prefix caching: requests that share a token prefix reuse its keys/values instead of recomputing them.
+
+A chat system prompt or a few-shot header is the same token prefix in every request; prefilling it
+again each time is most of the time to first token for short questions. :class:`PrefixCache` keeps the
+keys/values of prompt prefixes in blocks of ``block`` tokens, chained from the start of the prompt:
+a block is found by *(its parent block, its own tokens)*, so a hit means the whole prefix up to and
+including that block is token-for-token identical. Keys are exact tuples, not hashes, so two different
+prefixes never share an entry.
+
+Exactness. The keys/values of position ``p`` depend only on the tokens ``<= p`` (causal attention) and
+on the attention pattern of the row: for a hybrid model, its window (the spec's ``window_policy`` may
+pick a different one by request length), so the window is part of the root key. Restoring ``n`` cached
+positions writes them where a prefill of ``0 .. n - 1`` would have written them
+(:meth:`serve.kv_cache.KVCache.prefill_slots`), then the engine prefills only the rest. Greedy outputs
+equal the uncached engine's (tests/test_serve_prefix_cache.py, dense and hybrid).
+
+Bounded (hybrid) caches. A hit restores any prefix length, but blocks can only be *captured* while
+every one of their positions is still held by the row (in the ring or a sink/global slot): the engine
+captures after each prefill chunk, so a prompt is fully cacheable whenever ``prefill_chunk + block <=
+window`` (or the chunks are whole blocks no longer than the window). Past that, positions leave the ring before they are captured, the chain stops at the first
+block that was evicted and only the prefix before it is cached (``uncapturable_blocks`` in
+:meth:`stats` counts those). Generated tokens are never cached (only prompts repeat).
+
+Memory: an LRU over blocks with a byte budget; leaves go first (evicting a block whose children are
+still cached would strand them), and :meth:`stats` reports bytes, hits and evictions for ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from serve.kv_cache import KVCache
+
+_Key = tuple  # (parent id | ("root", window), block token ids)
+
+
+@dataclass
+class _Block:
+    """One cached block: ``k``, ``v`` ``[layers, kv_heads, block, head_dim]``."""
+
+    id: int
+    key: _Key
+    parent: _Block | None
+    k: torch.Tensor
+    v: torch.Tensor
+    children: int = 0
+
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+
+@dataclass
+class PrefixStats:
+    bytes: int = 0
+    blocks: int = 0
+    lookups: int = 0
+    hit_tokens: int = 0
+    prompt_tokens: int = 0
+    evicted_blocks: int = 0
+    uncapturable_blocks: int = 0
+
+
+class PrefixCache:
+    """Block-chained LRU of prompt-prefix keys/values under a byte budget.
+
+    Args:
+        max_bytes: most bytes of cached keys/values (blocks beyond it are evicted, least recently used
+            leaves first; a block larger than the whole budget is never stored).
+        block: tokens per block; a hit covers a multiple of it (the rest of the prompt is prefilled).
+    """
+
+    def __init__(self, max_bytes: int, block: int = 32) -> None:
+        if max_bytes < 0 or block < 1:
+            raise ValueError(f"prefix cache needs max_bytes >= 0 and block >= 1, got {max_bytes}, {block}")
+        self.max_bytes = max_bytes
+        self.block = block
+        self._blocks: OrderedDict[_Key, _Block] = OrderedDict()
+        self._ids = itertools.count()
+        self.stats = PrefixStats()
+
+    # ---- lookup / restore --------------------------------------------------------------------------------
+
+    def _root(self, window: int) -> _Key:
+        return ("root", window)
+
+    def _chain(self, ids: list[int], window: int, limit: int) -> list[_Block]:
+        """The cached blocks covering ``ids[:limit]`` from the start (stops at the first miss)."""
+        chain: list[_Block] = []
+        parent: object = self._root(window)
+        b = self.block
+        for s in range(0, limit - b + 1, b):
+            blk = self._blocks.get((parent, tuple(ids[s:s + b])))
+            if blk is None:
+                break
+            chain.append(blk)
+            parent = blk.id
+        return chain
+
+    def restore(self, cache: KVCache, row: int, ids: list[int]) -> int:
+        """Write the longest cached prefix of ``ids`` into ``row`` (already reset); returns its length.
+
+        At least one prompt token is always left to prefill (its logits give the first new token).
+        """
+        window = int(cache.window[row])
+        self.stats.lookups += 1
+        self.stats.prompt_tokens += len(ids)
+        chain = self._chain(ids, window, len(ids) - 1)
+        if not chain:
+            return 0
+        for blk in reversed(chain):  # the root ends most recent: leaves are evicted before their parents
+            self._blocks.move_to_end(blk.key)
+        n = len(chain) * self.block
+        k = torch.cat([blk.k for blk in chain], dim=2)  # [layers, kv_heads, n, head_dim]
+        v = torch.cat([blk.v for blk in chain], dim=2)
+        pos = torch.arange(n, device=cache.k.device)
+        idx, slot = cache.prefill_slots(row, pos)
+        cache.k[:, row][:, :, slot] = k[:, :, idx].to(cache.k.dtype)
+        cache.v[:, row][:, :, slot] = v[:, :, idx].to(cache.v.dtype)
+        cache.commit_prefill(row, pos, idx, slot)
+        self.stats.hit_tokens += n
+        return n
+
+    # ---- capture -----------------------------------------------------------------------------------------
+
+    def _held_slots(self, cache: KVCache, row: int, pos: torch.Tensor) -> torch.Tensor | None:
+        """The slot holding each position of ``pos`` in ``row`` (ring copy, else persistent), or None."""
+        ring = cache.persistent + pos % int(cache.window[row])
+        slot_pos = cache.slot_pos[row]
+        ok = slot_pos[ring] == pos
+        if bool(ok.all()):
+            return ring
+        pslot = cache._persistent_slot(pos)
+        slot = torch.where(ok, ring, pslot)
+        if not bool((slot_pos[slot] == pos).all()):
+            return None
+        return slot
+
+    def capture(self, cache: KVCache, row: int, ids: list[int], upto: int) -> None:
+        """Store the blocks of ``ids[:upto]`` (positions ``< upto`` already prefilled in ``row``)."""
+        if self.max_bytes == 0:
+            return
+        window = int(cache.window[row])
+        parent_key: object = self._root(window)
+        parent: _Block | None = None
+        b = self.block
+        for s in range(0, upto - b + 1, b):
+            key = (parent_key, tuple(ids[s:s + b]))
+            blk = self._blocks.get(key)
+            if blk is None:
+                pos = torch.arange(s, s + b, device=cache.k.device)
+                slot = self._held_slots(cache, row, pos)
+                if slot is None:  # evicted from the bounded cache before we saw it: the chain ends here
+                    self.stats.uncapturable_blocks += 1
+                    return
+                k = cache.k[:, row][:, :, slot].clone()
+                v = cache.v[:, row][:, :, slot].clone()
+                blk = _Block(next(self._ids), key, parent, k, v)
+                if blk.nbytes() > self.max_bytes:
+                    return
+                if not self._make_room(blk.nbytes(), keep=parent):
+                    return
+                self._blocks[key] = blk
+                self.stats.bytes += blk.nbytes()
+                self.stats.blocks += 1
+                if parent is not None:
+                    parent.children += 1
+            parent, parent_key = blk, blk.id
+
+    def _make_room(self, nbytes: int, keep: _Block | None) -> bool:
+        """Evict least recently used leaves until ``nbytes`` more fit (never ``keep`` or its ancestors)."""
+        protected = set()
+        while keep is not None:
+            protected.add(keep.id)
+            keep = keep.parent
+        while self.stats.bytes + nbytes > self.max_bytes:
+            victim = next((blk for blk in self._blocks.values() if blk.children == 0 and blk.id not in protected),
+                          None)
+            if victim is None:
+                return False
+            del self._blocks[victim.key]
+            self.stats.bytes -= victim.nbytes()
+            self.stats.blocks -= 1
+            self.stats.evicted_blocks += 1
+            if victim.parent is not None:
+                victim.parent.children -= 1
+        return True
+
+    def gauges(self) -> dict[str, tuple[str, object]]:
+        """``name -> (help, read())`` for the server's ``/metrics`` (Prometheus gauges)."""
+        st = self.stats
+        return {
+            "prefix_cache_bytes": ("Bytes of cached prompt-prefix keys/values.", lambda: st.bytes),
+            "prefix_cache_budget_bytes": ("Byte budget of the prefix cache.", lambda: self.max_bytes),
+            "prefix_cache_blocks": ("Prefix blocks cached.", lambda: st.blocks),
+            "prefix_cache_hit_tokens": ("Prompt tokens restored from the prefix cache (total).",
+                                        lambda: st.hit_tokens),
+            "prefix_cache_prompt_tokens": ("Prompt tokens looked up in the prefix cache (total).",
+                                           lambda: st.prompt_tokens),
+            "prefix_cache_evicted_blocks": ("Prefix blocks evicted to stay within the budget (total).",
+                                            lambda: st.evicted_blocks),
+            "prefix_cache_uncapturable_blocks": ("Prefix blocks the bounded cache had evicted before they "
+                                                 "could be cached (total).", lambda: st.uncapturable_blocks),
+        }
+
+    def clear(self) -> None:
+        self._blocks.clear()
+        self.stats.bytes = self.stats.blocks = 0

@@ -1,0 +1,197 @@
+"""Quantized exports: int8 weight-only decoder linears through torchao, embeddings and head in full precision.
+
+Why torchao: it is PyTorch's own quantization library, installs from PyPI against the torch we use,
+runs its int8 weight-only layout on CPU and CUDA, and transformers loads and saves it natively
+(``TorchAoConfig``; the tensors are flattened into ordinary safetensors with torchao metadata). So a
+quantized export loads with the usual one line (torchao installed: ``pip install 'hybrid-distill[quant]'``)::
+
+    model = AutoModelForCausalLM.from_pretrained("exports/student-int8")
+
+and the serving engine and server take the directory as they take any other (``Engine(dir)``).
+
+What is quantized: every ``nn.Linear`` of the decoder layers (attention and MLP projections), per
+output row (one fp32 scale per row). The input embeddings and the LM head stay in the export's dtype:
+quantizing them garbles output, and with tied embeddings the head *is* the embedding matrix.
+
+int4: torchao's int4 weight-only layout needs its ``mslk`` kernels, which exist for CUDA only (checked
+with torchao 0.18 on CPU: ``ImportError: Requires mslk``), so it is refused with a one-line error rather
+than exporting a model that cannot run on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from attention.integration import SUPPORTED_MODEL_TYPES as SUPPORTED
+from serve import export as ex
+
+SCHEMES = ("int8",)
+KEEP_FULL_PRECISION = ("lm_head",)  # embeddings are not linears: torchao leaves them alone by default
+_EMBEDDING_KEYS = ("embed_tokens", "lm_head", "wte", "embed_out")
+
+
+class QuantizeError(ValueError):
+    """A model or scheme that cannot be quantized; the message is one line naming the fix."""
+
+
+def _torchao():
+    try:
+        import torchao.quantization as tq
+    except ImportError:
+        raise QuantizeError("quantize needs torchao; install it with: pip install 'hybrid-distill[quant]' "
+                            "(or pip install torchao)") from None
+    return tq
+
+
+def check_quantizable(model: nn.Module, scheme: str) -> None:
+    """Raise :class:`QuantizeError` (one line) unless ``model`` can be quantized with ``scheme``.
+
+    Called before anything is written, so a refused export leaves nothing behind.
+    """
+    if scheme == "int4":
+        raise QuantizeError("quantize=int4 is not available: torchao's int4 weight-only kernels run on CUDA "
+                            "only (they need mslk), and exports must serve on CPU; use quantize=int8")
+    if scheme not in SCHEMES:
+        raise QuantizeError(f"quantize={scheme} is not supported; use none or {' or '.join(SCHEMES)}")
+    mt = getattr(model.config, "model_type", None)
+    if mt not in SUPPORTED:
+        raise QuantizeError(f"quantize={scheme} supports {', '.join(SUPPORTED)} models, not model_type {mt!r}; "
+                            "export it unquantized (quantize=none)")
+    dtypes = {p.dtype for p in model.parameters()}
+    if not dtypes <= {torch.float32, torch.bfloat16}:
+        raise QuantizeError(f"quantize={scheme} needs fp32 or bf16 weights, got {sorted(map(str, dtypes))}; "
+                            "export with dtype=fp32")
+    _torchao()
+
+
+def torchao_config(scheme: str) -> Any:
+    """The transformers ``TorchAoConfig`` for ``scheme`` (decoder linears only)."""
+    from transformers import TorchAoConfig
+
+    tq = _torchao()
+    quant = {"int8": tq.Int8WeightOnlyConfig}[scheme]()
+    return TorchAoConfig(quant_type=quant, modules_to_not_convert=list(KEEP_FULL_PRECISION))
+
+
+def quantize_dir(src: str | Path, out: str | Path, scheme: str, hybrid: dict[str, Any] | None = None) -> Any:
+    """Load the HF export ``src`` quantized with ``scheme`` and write it to ``out`` (model + tokenizer).
+
+    Returns the quantized model. ``hybrid``: the hybrid-attention spec to restate in ``config.json``.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+
+    src, out = Path(src), Path(out)
+    model = AutoModelForCausalLM.from_pretrained(src, quantization_config=torchao_config(scheme))
+    model.save_pretrained(out)
+    ex.sanitize_config_json(out / "config.json", hybrid)
+    AutoTokenizer.from_pretrained(src).save_pretrained(out)
+    return model
+
+
+def is_quantized(model: nn.Module) -> bool:
+    """Whether any parameter is a tensor subclass (a torchao quantized weight)."""
+    return any(type(p) not in (torch.Tensor, nn.Parameter) for p in model.parameters())
+
+
+def weight_bytes(model_dir: str | Path) -> dict[str, int]:
+    """Bytes of the stored weights: ``{"embeddings": .., "other": .., "total": ..}`` from the safetensors.
+
+    ``embeddings`` counts the input embeddings and the LM head; ``other`` everything else (the
+    quantized linears with their scales, norms).
+    """
+    from safetensors import safe_open
+
+    sizes = {"embeddings": 0, "other": 0}
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():
+                t = st.get_slice(key)
+                n = 1
+                for d in t.get_shape():
+                    n *= d
+                nbytes = n * torch.empty((), dtype=_DTYPES[t.get_dtype()]).element_size()
+                sizes["embeddings" if any(e in key for e in _EMBEDDING_KEYS) else "other"] += nbytes
+    sizes["total"] = sizes["embeddings"] + sizes["other"]
+    return sizes
+
+
+_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I8": torch.int8,
+           "U8": torch.uint8, "I32": torch.int32, "I64": torch.int64, "F64": torch.float64, "BOOL": torch.bool,
+           "I16": torch.int16}
+
+
+def card_section(scheme: str, sizes: dict[str, int], base_sizes: dict[str, int], gate: dict | None,
+                 gate_note: str) -> str:
+    """The model card's ``## Quantization`` section: scheme, sizes against the unquantized weights, gate."""
+    ratio = sizes["other"] / max(1, base_sizes["other"])
+    lines = ["", "## Quantization", "",
+             f"{scheme} weight-only (torchao `{scheme.capitalize()}WeightOnlyConfig`, one scale per output row) "
+             "on every linear of the decoder layers; embeddings and LM head kept in full precision. "
+             "Load it with `AutoModelForCausalLM.from_pretrained(dir)` (needs `pip install torchao`).", "",
+             "| weights | unquantized | quantized | ratio |", "|---|---|---|---|"]
+    for k in ("other", "embeddings", "total"):
+        name = {"other": "decoder layers", "embeddings": "embeddings + head", "total": "total"}[k]
+        lines.append(f"| {name} | {base_sizes[k]:,} B | {sizes[k]:,} B | {sizes[k] / max(1, base_sizes[k]):.3f} |")
+    lines += ["", f"Decoder-layer weight bytes: {ratio:.3f}x the unquantized ones.", ""]
+    if gate is None:
+        lines.append(f"Release gate against the unquantized model: not run ({gate_note}).")
+    else:
+        lines += [f"**Release gate against the unquantized model: {str(gate.get('verdict', '?')).upper()}** "
+                  f"({gate_note}).", "", "```json", json.dumps({k: gate.get(k) for k in
+                                                                ("verdict", "mode", "threshold", "reasons")},
+                                                               indent=2), "```"]
+    return "\n".join(lines) + "\n"
+
+
+def run_quant_gate(candidate: Path, baseline: Path, out: Path, cfg: Any) -> dict:
+    """The release gate (:mod:`eval.gate`) of the quantized export against the unquantized one.
+
+    No references exist for "the same model, quantized", so the gate runs in drift mode: the
+    quantized model's outputs are scored (BERTScore F1) against the unquantized model's outputs on the
+    same prompts, and it passes when the mean drop ``1 - F1`` is below ``cfg.quant_max_drop`` with 95 %
+    confidence. Returns the gate report (``report.json``).
+    """
+    from eval.bertscore import ScorerMissingError
+    from eval.gate import GateConfig, run_gate
+
+    gcfg = GateConfig(candidate=str(candidate), baseline=str(baseline), out=str(out), prompts=cfg.quant_gate_prompts,
+                      max_drift=cfg.quant_max_drop, max_new_tokens=cfg.quant_gate_max_new_tokens,
+                      skip_lm_metrics=True, chat=True, device="cpu")
+    try:
+        return run_gate(gcfg).report
+    except ScorerMissingError as e:
+        raise QuantizeError(f"{e} (or export with quant_gate=false)") from None
+
+
+def export_quantized(student: Any, out_dir: Path, cfg: Any, records: Any, name: str) -> str:
+    """Write the quantized export of ``student`` into ``out_dir``; return its model card.
+
+    The unquantized export is written to a scratch dir beside ``out_dir`` (the gate's baseline and the
+    size reference) and deleted afterwards.
+    """
+    import tempfile
+
+
+    with tempfile.TemporaryDirectory(prefix=".unquantized-", dir=Path(out_dir).parent) as scratch:
+        base = Path(scratch) / "model"
+        ex.save_export(student, base, max_shard_size=cfg.max_shard_size)
+        quantize_dir(base, out_dir, cfg.quantize, student.hybrid)
+        sizes, base_sizes = weight_bytes(out_dir), weight_bytes(base)
+        gate, note = None, "quant_gate=false"
+        if cfg.quant_gate:
+            gate = run_quant_gate(out_dir, base, Path(scratch) / "gate", cfg)
+            note = (f"drift mode: the quantized model's outputs scored by BERTScore F1 against the unquantized "
+                    f"model's on {gate.get('prompts', {}).get('n', '?')} prompts; pass = mean drop 1 - F1 "
+                    f"< {cfg.quant_max_drop} with 95 % confidence")
+            (Path(out_dir) / "quantization_gate.json").write_text(json.dumps(gate, indent=2, default=str) + "\n")
+    card = ex.model_card(name, student, records, student.model.dtype, size_bytes=ex.dir_size(out_dir))
+    print(f"quantized {cfg.quantize}: decoder-layer weights {sizes['other']:,} B vs {base_sizes['other']:,} B "
+          f"({sizes['other'] / max(1, base_sizes['other']):.3f}x); gate: "
+          f"{gate.get('verdict') if gate else 'not run'}", flush=True)
+    return card + card_section(cfg.quantize, sizes, base_sizes, gate, note)

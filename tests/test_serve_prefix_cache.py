@@ -1,0 +1,139 @@
+"""Prefix caching and interleaved chunked prefill: exact against the uncached engine and a no-cache reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attention.spec import HybridAttentionConfig
+from core.tiny import tiny_model, tiny_tokenizer
+from serve.engine import Engine
+from serve.prefix_cache import PrefixCache
+from serve.sampling import SamplingParams
+from tests.test_serve_engine import greedy_reference, no_eos
+
+SYSTEM = list(range(10, 58))  # a 48-token shared header
+PROMPTS = [SYSTEM + [200, 201, 7], SYSTEM + [5], SYSTEM[:20] + [99, 98, 97, 96], SYSTEM + [200, 201, 9, 9, 9],
+           list(range(100, 130))]
+
+
+def engines(model, **kw):
+    cached = Engine(model=model, tokenizer=tiny_tokenizer(), prefix_block=8, **kw)
+    plain = Engine(model=model, tokenizer=tiny_tokenizer(), prefix_cache_bytes=0, **kw)
+    return cached, plain
+
+
+def run_one_by_one(engine, prompts, n):
+    # One at a time so later prompts can hit what earlier ones cached.
+    return [engine.generate([p], SamplingParams(max_new_tokens=n))[0].token_ids for p in prompts]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_dense_prefix_cache_equals_uncached_and_hf(arch):
+    model = no_eos(tiny_model(arch, seed=11))
+    cached, plain = engines(model, max_batch=2, prefill_chunk=16)
+    a = run_one_by_one(cached, PROMPTS, 12)
+    b = run_one_by_one(plain, PROMPTS, 12)
+    assert a == b
+    for p, out in zip(PROMPTS, a):
+        assert out == model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)[0, len(p):].tolist()
+    st = cached.prefix_cache.stats
+    # prompt 1 hits all 48 (one token is left to prefill), 2 hits 16 (two whole blocks), 3 hits 48
+    assert st.hit_tokens == 48 + 16 + 48
+    assert plain.prefix_cache is None
+    # Concurrent requests (several rows admitted in one step) hit too and stay exact.
+    both = cached.generate(PROMPTS, SamplingParams(max_new_tokens=12))
+    assert [r.token_ids for r in both] == a
+
+
+@pytest.mark.parametrize(("window", "chunk", "fully_cacheable"), [(32, 8, True), (8, 12, False)])
+def test_hybrid_prefix_cache_is_exact_and_stops_where_the_ring_forgot(window, chunk, fully_cacheable):
+    spec = HybridAttentionConfig(sink_tokens=4, window=window, global_every=6, max_globals=3)
+    model = no_eos(tiny_model("llama", seed=12))
+    model.config.hybrid_attention = spec.to_dict()
+    cached, plain = engines(model, max_batch=2, prefill_chunk=chunk)
+    assert cached.spec == spec
+    a = run_one_by_one(cached, PROMPTS, 10)
+    assert a == run_one_by_one(plain, PROMPTS, 10)
+    for p, out in zip(PROMPTS, a):
+        assert out == greedy_reference(model, p, 10, spec)
+    st = cached.prefix_cache.stats
+    if fully_cacheable:  # chunk + block <= window: every block is captured while still held
+        assert st.hit_tokens == 48 + 16 + 48 and st.uncapturable_blocks == 0
+    else:  # a 12-token chunk into an 8-slot ring drops positions 4, 5 before block 0 is seen
+        assert st.uncapturable_blocks > 0 and st.hit_tokens < 48 + 16 + 48
+
+
+def test_lru_byte_budget_evicts_leaves_and_stays_exact():
+    model = no_eos(tiny_model("llama", seed=13))
+    probe = Engine(model=model, tokenizer=tiny_tokenizer(), prefix_block=8)
+    probe.generate([SYSTEM + [1]], SamplingParams(max_new_tokens=1))
+    block_bytes = probe.prefix_cache.stats.bytes // probe.prefix_cache.stats.blocks
+    cached = Engine(model=model, tokenizer=tiny_tokenizer(), prefix_block=8, prefix_cache_bytes=3 * block_bytes)
+    plain = Engine(model=model, tokenizer=tiny_tokenizer(), prefix_cache_bytes=0)
+    prompts = [[s] + SYSTEM[:30] for s in (3, 4, 5)] + [[3] + SYSTEM[:30], SYSTEM + [1]]
+    assert run_one_by_one(cached, prompts, 6) == run_one_by_one(plain, prompts, 6)
+    pc = cached.prefix_cache
+    assert pc.stats.bytes <= 3 * block_bytes and pc.stats.blocks == 3 and pc.stats.evicted_blocks > 0
+    ids = {b.id for b in pc._blocks.values()}
+    assert all(b.parent is None or b.parent.id in ids for b in pc._blocks.values())  # no stranded children
+    # The most recent prompt's first three blocks are what is left.
+    assert pc._chain(SYSTEM + [1], int(cached.cache.window[0]), len(SYSTEM)) != []
+
+
+def test_prefix_cache_refuses_bad_settings():
+    with pytest.raises(ValueError, match="block >= 1"):
+        PrefixCache(1 << 20, block=0)
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_interleaved_prefill_is_exact_with_rows_prefilling_during_decode(hybrid):
+    model = no_eos(tiny_model("llama", seed=14))
+    spec = HybridAttentionConfig(sink_tokens=4, window=16, global_every=6, max_globals=3)
+    if hybrid:
+        model.config.hybrid_attention = spec.to_dict()
+    prompts = [[1, 5, 9], list(range(3, 90)), [7, 8, 9, 10], list(range(50, 120)), [4] * 6]
+    lengths = [30, 8, 25, 12, 20]
+    # A budget of 5 tokens a step: the long prompts take many steps while the others decode beside them.
+    engine = Engine(model=model, tokenizer=tiny_tokenizer(), max_batch=4, prefill_chunk=4, prefill_budget=5,
+                    prefix_cache_bytes=0)
+    got = engine.generate(prompts, [SamplingParams(max_new_tokens=n) for n in lengths])
+    for p, n, r in zip(prompts, lengths, got):
+        ref = (greedy_reference(model, p, n, spec) if hybrid else
+               model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False)[0, len(p):].tolist())
+        assert r.token_ids == ref
+
+
+def test_short_request_gets_its_first_token_before_a_long_prefill_finishes():
+    model = no_eos(tiny_model("llama", seed=15))
+    engine = Engine(model=model, tokenizer=tiny_tokenizer(), max_batch=4, prefill_chunk=16, prefill_budget=16,
+                    prefix_cache_bytes=0)
+    long = engine.submit(list(range(3, 200)), SamplingParams(max_new_tokens=4))
+    engine.step()  # the long prompt starts prefilling
+    short = engine.submit([1, 2, 3], SamplingParams(max_new_tokens=4))
+    engine.step()
+    assert len(short.out_ids) >= 1 and long.prefilled < len(long.prompt_ids)
+    while not long.done:
+        engine.step()
+    ref = model.generate(torch.tensor([long.prompt_ids]), max_new_tokens=4, do_sample=False)[0, 197:].tolist()
+    assert long.out_ids == ref
+
+
+def test_server_reports_prefix_cache_in_metrics(tmp_path):
+    import httpx
+
+    from core.tiny import save_tiny
+    from serve.server import ServerThread, create_app
+    from tests.test_serve_server import _metric
+
+    path = save_tiny(tmp_path, arch="llama")
+    engine = Engine(path, max_batch=2, max_seq_len=256, prefix_block=8, prefix_cache_bytes=1 << 20)
+    system = {"role": "system", "content": "the quick brown fox jumps over the lazy dog " * 4}
+    with ServerThread(create_app(engine, max_queue=2)) as srv, httpx.Client(base_url=srv.url, timeout=60) as c:
+        outs = []
+        for q in ("distill the teacher", "héllo wörld"):
+            body = {"messages": [system, {"role": "user", "content": q}], "max_tokens": 4, "temperature": 0}
+            outs.append(c.post("/v1/chat/completions", json=body).json())
+        assert _metric(c, "hd_serve_prefix_cache_hit_tokens") >= 32  # the second request reused the header
+        assert 0 < _metric(c, "hd_serve_prefix_cache_bytes") <= _metric(c, "hd_serve_prefix_cache_budget_bytes")
+    assert all(o["choices"][0]["finish_reason"] for o in outs)
