@@ -154,7 +154,7 @@ CASES = [
     ("gate-temperature-nan", "gate", [*GATE, "--temperature", "nan"], 3, "temperature must be a finite number > 0"),
     # -- config syntax: already clear before this issue, kept so
     ("unknown-key", "distill", [*D, "max_stepz=3"], 2, "unknown config key 'max_stepz' in the command line "
-                                                      "(did you mean max_steps?)"),
+                                                      "(did you mean max_steps"),
     ("wrong-type", "distill", [*D, "max_steps=abc"], 2, "config key 'max_steps' expects int, got 'abc'"),
     ("int-given-float", "distill", [*D, "max_steps=2.5"], 2, "config key 'max_steps' expects int, got 2.5"),
     ("missing-config", "distill", ["--config", "{missing}/c.yaml"], 2, "does not exist; pass an existing YAML"),
