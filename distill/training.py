@@ -68,15 +68,22 @@ def make_accelerator(cfg: Any, project_dir: Path) -> Accelerator:
     return accelerator
 
 
-def start_run(config_cls: type, argv: list[str] | None = None) -> tuple[Any, Accelerator, Path]:
+def start_run(config_cls: type, argv: list[str] | None = None, *, resume_safe: Iterable[str] = ()
+              ) -> tuple[Any, Accelerator, Path]:
     """``(cfg, accelerator, output_dir)``: the config parsed and checked, the run folder claimed.
 
     Every process checks the folder before anything loads (:func:`core.rundir.check_output_dir`);
     the main process then claims it: an old run is removed only if ``overwrite`` allows it and the
-    folder carries our marker, so a mistyped ``output_dir`` never loses files we did not write.
+    folder carries our marker, so a mistyped ``output_dir`` never loses files we did not write. A
+    resume is checked here too: a config that differs from the checkpoint's outside ``resume_safe``
+    is refused before any model or data loads.
     """
     cfg = parse_config(config_cls, argv)
     out = rundir.check_output_dir(cfg.output_dir, cfg.overwrite, cfg.resume)
+    if cfg.resume is not None:
+        # A token budget sets max_steps at run time, so the saved max_steps is derived: compare max_tokens.
+        derived = ("max_steps",) if getattr(cfg, "max_tokens", None) else ()
+        check_resume_config(ckpt.resolve_resume(cfg.resume, out) / "config.yaml", cfg, (*resume_safe, *derived))
     accelerator = make_accelerator(cfg, out)
     setup_threads(cfg.threads, accelerator.is_main_process)  # every core, even under `accelerate launch`
     if accelerator.is_main_process:
@@ -186,14 +193,11 @@ class TrainerState:
 class Run:
     """One run's folder on every rank: resume, checkpoints, the step record and the summary files.
 
-    ``tracker_project`` names the tracker project; ``progress`` the progress bar; ``resume_safe`` the
-    config keys a resume may change (anything else differing from the checkpoint's config is refused).
+    ``tracker_project`` names the tracker project; ``progress`` the progress bar.
     """
 
-    def __init__(self, cfg: Any, accelerator: Accelerator, *, tracker_project: str, progress: str,
-                 resume_safe: Iterable[str]) -> None:
+    def __init__(self, cfg: Any, accelerator: Accelerator, *, tracker_project: str, progress: str) -> None:
         self.cfg, self.accelerator = cfg, accelerator
-        self.resume_safe = tuple(resume_safe)
         self.out = Path(cfg.output_dir)
         self.main = accelerator.is_main_process
         self.state = TrainerState()
@@ -210,8 +214,7 @@ class Run:
         """Load ``cfg.resume`` into the prepared objects (no-op without it); returns the trainer state."""
         if self.cfg.resume is None:
             return self.state
-        path = ckpt.resolve_resume(self.cfg.resume, self.out)
-        check_resume_config(path / "config.yaml", self.cfg, self.resume_safe)  # no silent config change
+        path = ckpt.resolve_resume(self.cfg.resume, self.out)  # its config was checked by start_run
         saved = ckpt.read_state(path)
         try:
             self.accelerator.load_state(str(path))

@@ -209,8 +209,7 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: 
     """Train one student; ``known_init`` reuses held-out metrics already measured on the same pair."""
     main = accelerator.is_main_process
     set_seed(cfg.seed)
-    run = Run(cfg, accelerator, tracker_project="hybrid-distill", progress="distill",
-              resume_safe=RESUME_SAFE)
+    run = Run(cfg, accelerator, tracker_project="hybrid-distill", progress="distill")
 
     # ---- models -------------------------------------------------------------------------
     teacher, student, tokenizer = load_models(cfg)
@@ -371,7 +370,7 @@ def print_summary(summary: dict, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg, accelerator, out = start_run(DistillConfig, argv)
+    cfg, accelerator, out = start_run(DistillConfig, argv, resume_safe=RESUME_SAFE)
     summary = training_function(cfg, accelerator)
 
     if cfg.compare_ce_only:

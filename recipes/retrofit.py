@@ -317,8 +317,7 @@ def heldout_blocks(cfg: RetrofitConfig, tokenizer, length: int) -> torch.Tensor:
 def training_function(cfg: RetrofitConfig, accelerator: Accelerator) -> dict:
     set_seed(cfg.seed)
     spec = cfg.spec()
-    run = Run(cfg, accelerator, tracker_project="hybrid-distill-retrofit", progress="retrofit",
-              resume_safe=RESUME_SAFE)
+    run = Run(cfg, accelerator, tracker_project="hybrid-distill-retrofit", progress="retrofit")
 
     # ---- models -------------------------------------------------------------------------
     model, teacher, tokenizer = load_models(cfg)
@@ -524,7 +523,7 @@ def print_summary(summary: dict, out: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     # peft still calls a transformers property deprecated in v5; the warning says nothing to the user.
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-    cfg, accelerator, out = start_run(RetrofitConfig, argv)
+    cfg, accelerator, out = start_run(RetrofitConfig, argv, resume_safe=RESUME_SAFE)
     summary = training_function(cfg, accelerator)
     finish_run(cfg, accelerator, out, summary, print_summary)
 
