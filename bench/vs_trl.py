@@ -111,11 +111,11 @@ def trl_worker(over: dict, threads: int, out: Path) -> dict:
     from transformers import TrainerCallback
     from trl.experimental.gkd import GKDConfig, GKDTrainer
 
+    from distill.config import DistillConfig
     from distill.data import BlockOrder, build_data
     from distill.sources import load_pair
     from distill.threads import PeakRSS
     from distill.training import warmup_cosine
-    from recipes.distill import DistillConfig
 
     rss = PeakRSS()
     torch.set_num_threads(threads)

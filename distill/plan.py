@@ -3,10 +3,12 @@
     python -m distill.plan --config recipes/configs/deepseek_17b_to_7b.yaml --gpus 8 --gpu-mem-gb 80
     python -m distill.plan --teacher-shape deepseek-17b --student-shape deepseek-llm-7b --gpus 8 --gpu-mem-gb 80
 
-Shapes come from the recipe YAML (``teacher_shape`` / ``student_shape`` mappings, or a preset name) or
-from ``--teacher-shape`` / ``--student-shape`` presets: nothing is downloaded. Other YAML keys are
-ignored. Prints a table per training strategy, a verdict for the configured one with the changes
-that would make it fit, and one last line of JSON.
+The YAML is read as the distill recipe's own typed config (``distill.config.DistillConfig``): an
+unknown key or a bad value is an error, and a key the YAML leaves out takes the recipe's default, so
+the plan is of the run the recipe would start. Shapes come from its ``teacher_shape`` /
+``student_shape`` (mappings or preset names) or from ``--teacher-shape`` / ``--student-shape``
+presets: nothing is downloaded. Prints a table per training strategy, a verdict for the configured
+one with the changes that would make it fit, and one last line of JSON.
 
 Accounting, per GPU, with P = student parameters, T = teacher parameters, N = GPUs (all nodes):
 
@@ -46,10 +48,10 @@ import json
 import math
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import yaml
+from core.config import ConfigError, build_config, load_yaml
+from distill.config import DistillConfig
 
 GIB = 2**30
 OVERHEAD_BYTES = 2 * GIB
@@ -496,6 +498,26 @@ def format_plan(p: Plan) -> str:
     return "\n".join(lines)
 
 
+_OVERRIDES = {"micro_batch_size": int, "seq_len": int, "zero_stage": int, "kd_chunk_size": int,
+              "mixed_precision": str, "offload": str}
+
+
+def recipe_config(path: str | None, overrides: dict[str, Any]) -> dict[str, Any]:
+    """The distill recipe's resolved config (YAML, then ``overrides``) as the planner's input mapping.
+
+    Built as the recipe builds it, so unknown keys and bad values fail here with the recipe's own
+    one-line errors. ``mixed_precision=auto`` plans for GPUs (bf16); an unset ``zero_stage`` is ZeRO-3.
+    """
+    values = load_yaml(path) if path else {}
+    values.update(overrides)
+    cfg = dataclasses.asdict(build_config(DistillConfig, values, where=str(path or "the command line")))
+    if cfg["mixed_precision"] == "auto":
+        cfg["mixed_precision"] = "bf16"
+    if cfg["zero_stage"] is None:
+        cfg["zero_stage"] = Settings.zero_stage
+    return cfg
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m distill.plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", help="recipe YAML with teacher_shape/student_shape and batch settings")
@@ -504,29 +526,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-mem-gb", type=float, default=80.0, help="memory of one GPU in GiB (an '80 GB' H100/A100 has 79.6)")
     parser.add_argument("--teacher-shape", choices=sorted(PRESETS), help="teacher preset (overrides the config)")
     parser.add_argument("--student-shape", choices=sorted(PRESETS), help="student preset (overrides the config)")
-    for key, tp in [("micro_batch_size", int), ("seq_len", int), ("zero_stage", int), ("kd_chunk_size", int),
-                    ("mixed_precision", str), ("offload", str)]:
+    for key, tp in _OVERRIDES.items():
         parser.add_argument(f"--{key.replace('_', '-')}", type=tp, dest=key, help=f"override the config's {key}")
     parser.add_argument("--gradient-checkpointing", choices=["true", "false"], help="override the config's value")
     args = parser.parse_args(argv)
     try:
-        config: dict[str, Any] = {}
-        if args.config:
-            path = Path(args.config)
-            if not path.is_file():
-                raise PlanError(f"config file {path} does not exist; pass an existing YAML with --config")
-            loaded = yaml.safe_load(path.read_text()) or {}
-            if not isinstance(loaded, dict):
-                raise PlanError(f"config file {path} must be a mapping of key: value")
-            config.update(loaded)
-        for key in ("micro_batch_size", "seq_len", "zero_stage", "kd_chunk_size", "mixed_precision", "offload"):
-            if getattr(args, key) is not None:
-                config[key] = getattr(args, key)
-        if args.gradient_checkpointing is not None:
-            config["gradient_checkpointing"] = args.gradient_checkpointing == "true"
+        config = recipe_config(args.config, {k: getattr(args, k) for k in _OVERRIDES if getattr(args, k) is not None}
+                               | ({} if args.gradient_checkpointing is None
+                                  else {"gradient_checkpointing": args.gradient_checkpointing == "true"}))
+        if not (math.isfinite(args.gpu_mem_gb) and args.gpu_mem_gb > 0):
+            raise PlanError(f"--gpu-mem-gb must be a positive number, got {args.gpu_mem_gb}")
         result = plan(config, args.gpus, args.gpu_mem_gb, teacher=args.teacher_shape, student=args.student_shape,
                       nodes=args.nodes)
-    except PlanError as err:
+    except (PlanError, ConfigError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(format_plan(result))

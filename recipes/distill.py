@@ -4,8 +4,9 @@
     accelerate launch recipes/distill.py --config recipes/configs/NAME.yaml key=value ...
     accelerate launch --config_file launch/deepspeed_zero3.yaml recipes/distill.py --config ...
 
-Reads top to bottom: config → data → models → loop → save. The losses, the teacher–student
-module, checkpoints and data order live in ``distill/``; this file is the training loop.
+Reads top to bottom: config → data → models → loop → save. The config (every key, its meaning and
+range) is ``distill.config.DistillConfig``; the losses, the teacher–student module, checkpoints and
+data order live in ``distill/``; this file is the training loop.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 # Python puts a script's folder first on sys.path, and this folder holds distill.py, which would shadow
@@ -25,16 +25,15 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import set_seed
 
-from core.config import ConfigError, check_fields, field, run_cli
+from core.config import ConfigError, run_cli
 from distill import on_policy
-from distill.data import BUILTIN, build_data, parse_sources, steps_for_tokens
+from distill.config import RESUME_SAFE, DistillConfig
+from distill.data import build_data, steps_for_tokens
 from distill.distributed import is_zero3, prepare_teacher
-from distill.model import HIDDEN_KINDS, KD_KINDS, DistillModel, LossConfig
+from distill.model import DistillModel, LossConfig
 from distill.sources import load_pair
 from distill.teacher_cache import TeacherCache, check_meta, read_meta
 from distill.training import (
-    PRECISIONS,
-    TRACKERS,
     Run,
     evaluate,
     finish_run,
@@ -45,132 +44,6 @@ from distill.training import (
 )
 
 logger = get_logger(__name__)
-
-
-# Keys a resume may change (core.config.check_resume_config): cadence, logging and where outputs go;
-# max_steps may only grow. Anything else would make the finished model match neither config.
-RESUME_SAFE = ("eval_every", "log_every", "save_every", "keep_checkpoints", "tracker", "output_dir", "resume",
-               "overwrite", "debug_exit_at_step", "gate", "gate_prompts", "gradient_checkpointing",
-               "compare_ce_only", "teacher_shape", "student_shape", "zero_stage", "threads")
-
-
-@dataclass
-class DistillConfig:
-    # models
-    teacher: str = field("smollm2-135m-instruct", help="teacher: an HF directory, a hub name, "
-                         "'smollm2-135m-instruct' (built-in demo, offline) or 'tiny-random' (tests)")
-    student: str | None = field(None, help="student HF directory/hub name; empty: derive from the teacher")
-    keep_layers: str = field("0-3,24-29", help="when deriving: how many teacher layers to keep ('10', spread "
-                             "evenly) or which ('0-5,26-29')")
-    tokenizer: str | None = field(None, help="tokenizer source; default: the teacher's")
-    # data
-    dataset: str = field(BUILTIN, help="training text: 'builtin:stdlib-docs' (offline default), a local "
-                         ".jsonl/.txt/.parquet file or folder, or a hub dataset name")
-    eval_dataset: str | None = field(None, help="held-out text; default: a held-out split of dataset")
-    text_field: str = field("text", help="column holding the text (records with 'messages' use the chat template)")
-    seq_len: int = field(256, ge=2, help="tokens per packed training block")
-    max_train_blocks: int | None = field(None, ge=1, help="use only the first N packed training blocks")
-    eval_blocks: int = field(16, ge=1, help="held-out blocks used for perplexity/agreement")
-    datasets: list | None = field(None, help="weighted mixture, overrides dataset: [{source: PATH_OR_NAME, "
-                                  "weight: 0.7, text_field: text}, ...]; prepared once into data_cache")
-    completion_only: bool = field(True, help="chat records: KD/CE/hidden terms only on assistant tokens")
-    streaming: bool = field(False, help="read one hub/local source on the fly instead of preparing it "
-                            "(resume re-reads the stream up to the step; see distill/data/stream.py)")
-    data_cache: str | None = field(None, help="prepared-data folder; default $HYBRID_DISTILL_CACHE/data")
-    max_tokens: int | None = field(None, ge=1, help="train on this many tokens (sets max_steps from the global "
-                                   "batch)")
-    # loop
-    max_steps: int = field(24, ge=1, help="optimizer steps")
-    micro_batch_size: int = field(4, ge=1, help="blocks per forward on each process")
-    grad_accum: int = field(1, ge=1, help="micro-batches per optimizer step")
-    lr: float = field(3e-4, gt=0, help="peak learning rate (AdamW)")
-    min_lr_ratio: float = field(0.1, ge=0, le=1, help="cosine schedule ends at lr * min_lr_ratio")
-    warmup_steps: int = field(4, ge=0, help="linear warmup steps")
-    weight_decay: float = field(0.0, ge=0, help="AdamW weight decay")
-    max_grad_norm: float = field(1.0, ge=0, help="gradient clipping (0 disables)")
-    mixed_precision: str = field("auto", help="no | bf16 | fp16 | auto (bf16 on GPUs that support it, fp32 on "
-                                 "CPU where bf16 matmul is slower)", choices=PRECISIONS)
-    gradient_checkpointing: bool = field(False, help="recompute student activations in backward to save memory")
-    threads: int = field(0, ge=0, help="CPU intra-op threads per process; 0 = the cores available / local "
-                         "processes, unless OMP_NUM_THREADS was set by you (distill/threads.py)")
-    seed: int = field(0, ge=0, le=2**32 - 1, help="seed for init, data order and sampling")
-    # loss terms (weight 0 switches a term off)
-    kd_weight: float = field(1.0, ge=0, help="logits KD term weight")
-    kd_kind: str = field("forward_kl", choices=KD_KINDS, help=f"divergence: {', '.join(KD_KINDS)}")
-    temperature: float = field(1.0, gt=0, help="KD temperature T (the term is scaled by T²)")
-    beta: float = field(0.5, ge=0, le=1, help="JSD interpolation (0 = forward KL, 1 = reverse KL); skew_kl: the "
-                        "teacher's share alpha of the mixture (DistiLLM: 0.1)")
-    kd_chunk_size: int | None = field(1024, ge=1,
-                                      help="tokens per chunk of the fused KD loss; empty = full logits")
-    ce_weight: float = field(1.0, ge=0, help="cross-entropy on the data term weight")
-    focal_weight: float = field(0.0, ge=0, help="focal CE term weight (long-tail tokens)")
-    focal_alpha: float = field(0.25, ge=0, le=1, help="focal alpha")
-    focal_gamma: float = field(2.0, ge=0, help="focal gamma")
-    hidden_weight: float = field(0.2, ge=0, help="hidden-state term weight")
-    hidden_layers: list[str] = field(default_factory=lambda: ["derived"], help="layer pairs 's:t', "
-                                     "'relative' or 'derived' (a derived student's replaced spans)")
-    hidden_kind: str = field("nmse", help="hidden-state distance: nmse (per-token MSE / teacher mean square, scale-free) "
-                             "| mse | cosine", choices=HIDDEN_KINDS)
-    attn_weight: float = field(0.0, ge=0, help="attention-map term weight")
-    attn_layers: list[str] = field(default_factory=list, help="layer pairs for the attention-map term")
-    attn_num_queries: int = field(64, ge=1,
-                                  help="query positions sampled per sequence for the attention-map term")
-    teacher_cache: str | None = field(None, help="folder written by recipes/cache_teacher.py: train from cached "
-                                      "teacher targets (top-k or sampled) without loading the teacher")
-    # on-policy distillation (distill/on_policy.py)
-    on_policy_fraction: float = field(0.0, ge=0, le=1, help="share of micro-batches whose continuations the "
-                                      "student generates (with serve's engine) from prompts; loss on the generated "
-                                      "tokens only")
-    gen_max_new_tokens: int = field(64, ge=1, help="on-policy: tokens generated per prompt")
-    gen_temperature: float = field(1.0, ge=0, help="on-policy: sampling temperature of the rollouts (0 = greedy)")
-    gen_prompt_tokens: int = field(64, ge=1, help="on-policy: prompt length (prefix of each block) or, with "
-                                   "gen_prompts=chat, the longest user-turn prompt used")
-    gen_prompts: str = field("prefix", choices=("prefix", "chat"), help="on-policy prompts: prefix (the start of "
-                             "each training block) | chat (the first user turn of each chat record in dataset)")
-    # eval, logging, outputs
-    eval_every: int = field(12, ge=0, help="held-out evaluation every N steps (0: only at start and end)")
-    log_every: int = field(1, ge=1, help="tracker logging every N steps")
-    tracker: str = field("none", choices=TRACKERS,
-                         help="none | tensorboard | wandb (WANDB_MODE=offline works)")
-    output_dir: str = field("runs/smollm2-demo", help="run folder: checkpoints/, final/, summary.json, loss.png")
-    overwrite: bool = field(False, help="replace an existing run in output_dir")
-    resume: str | None = field(None, help="'latest' or a checkpoint folder to continue from")
-    save_every: int = field(0, ge=0, help="checkpoint every N steps (0: only at the end)")
-    keep_checkpoints: int = field(2, ge=1, help="complete checkpoints kept on disk")
-    compare_ce_only: bool = field(True, help="also train a CE-only student for the same steps and report both")
-    gate: bool = field(False, help="run the release gate (eval.gate) against the teacher at the end")
-    gate_prompts: int = field(100, ge=1, help="prompts from the bundled set used by the gate")
-    # planner inputs (python -m distill.plan); not used by the loop
-    teacher_shape: dict | None = field(None, help="teacher shape for the memory planner")
-    student_shape: dict | None = field(None, help="student shape for the memory planner")
-    zero_stage: int | None = field(None, choices=(0, 1, 2, 3),
-                                   help="ZeRO stage assumed by the memory planner")
-    debug_exit_at_step: int | None = field(None, ge=1,
-                                           help="testing: exit abruptly (as if killed) after this step")
-
-    def __post_init__(self) -> None:
-        check_fields(self)  # every field's range/choices, declared above (core.config.field)
-        if self.datasets:  # sources and weights checked before any model loads
-            parse_sources(self.datasets)
-        if self.resume is not None and self.overwrite:
-            raise ConfigError("resume= and overwrite=true contradict each other; pick one")
-        if self.teacher_cache and (self.hidden_weight > 0 or self.attn_weight > 0):
-            raise ConfigError("teacher_cache holds logits only: set hidden_weight=0 and attn_weight=0 "
-                              "(hidden/attention terms need the live teacher)")
-        try:
-            self.losses()
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
-        on_policy.settings_from(self).check(self.seq_len, kd_weight=self.kd_weight,
-                                            cached_teacher=bool(self.teacher_cache))
-
-    def losses(self) -> LossConfig:
-        return LossConfig(
-            kd_weight=self.kd_weight, kd_kind=self.kd_kind, temperature=self.temperature, beta=self.beta,
-            kd_chunk_size=self.kd_chunk_size, ce_weight=self.ce_weight, focal_weight=self.focal_weight,
-            focal_alpha=self.focal_alpha, focal_gamma=self.focal_gamma, hidden_weight=self.hidden_weight,
-            hidden_layers=self.hidden_layers, hidden_kind=self.hidden_kind, attn_weight=self.attn_weight,
-            attn_layers=self.attn_layers, attn_num_queries=self.attn_num_queries)
 
 
 # --------------------------------------------------------------------------------------------

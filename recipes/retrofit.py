@@ -37,7 +37,6 @@ import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import set_seed
-from peft import LoraConfig, get_peft_model
 
 import attention
 from attention.errors import HybridAttentionError
@@ -243,6 +242,8 @@ def add_adapters(model: torch.nn.Module, cfg: RetrofitConfig):
     ``modules_to_save``: that would keep a second copy of each and, for tied embeddings, untie the
     head. Trained in place, ``merge_and_unload`` needs nothing more to ship them.
     """
+    from peft import LoraConfig, get_peft_model  # after core: peft imports transformers' quantizers
+
     targets = list(ATTN_PROJ) + (list(MLP_PROJ) if cfg.lora_mlp else [])
     peft_model = get_peft_model(model, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha,
                                                   lora_dropout=cfg.lora_dropout, target_modules=targets,

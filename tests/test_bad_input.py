@@ -35,7 +35,7 @@ def tree(root: Path) -> dict[str, bytes | None]:
 def world(tmp_path, monkeypatch):
     """A scratch world; the current folder and $HOME point into it."""
     from core.config import parse_config
-    from recipes.distill import DistillConfig
+    from distill.config import DistillConfig
 
     w = {name: tmp_path / name for name in ("cwd", "home", "notes", "run", "oldrun")}
     for p in w.values():

@@ -20,10 +20,10 @@ from core.config import (
     range_text,
     save_config,
 )
+from distill.config import DistillConfig
 from eval.gate import GateConfig
 from recipes import distill, retrofit
 from recipes.cache_teacher import CacheTeacherConfig
-from recipes.distill import DistillConfig
 from recipes.export import ExportConfig
 from recipes.retrofit import RetrofitConfig
 

@@ -135,7 +135,7 @@ def test_rollouts_during_training_follow_the_live_weights():
 
 
 def test_settings_errors_are_one_line_and_early():
-    from recipes.distill import DistillConfig
+    from distill.config import DistillConfig
 
     cases = [
         (dict(on_policy_fraction=1.5), "on_policy_fraction must be in [0, 1]"),

@@ -102,7 +102,7 @@ def test_peak_rss_books_each_phase_apart():
 
 def test_recipe_configs_refuse_negative_threads():
     from core.config import ConfigError
-    from recipes.distill import DistillConfig
+    from distill.config import DistillConfig
     from recipes.retrofit import RetrofitConfig
 
     for cls in (DistillConfig, RetrofitConfig):
