@@ -26,7 +26,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from distill import losses
 from distill.config import ConfigError
 from distill.layers import parse_layer_pairs
-from distill.student import kept_layers
+from distill.student import kept_channels, kept_layers
 
 SUPPORTED = ("llama", "mistral", "qwen2")
 KD_KINDS = ("forward_kl", "reverse_kl", "jsd", "tvd")
@@ -238,9 +238,15 @@ class DistillModel(nn.Module):
         if loss_config.attn_weight > 0:
             self.attn_pairs = parse_layer_pairs(loss_config.attn_layers, n_s, n_t, kept)
         d_s, d_t = student.config.hidden_size, teacher.config.hidden_size
+        channels = kept_channels(student)
         for s, t in self.hidden_pairs:
             # Equal widths compare directly: an identity start keeps the derived student's own features.
             self.projectors[f"s{s}_t{t}"] = nn.Identity() if d_s == d_t else nn.Linear(d_s, d_t, bias=False)
+            if d_s != d_t and channels is not None and len(channels) == d_s and max(channels) < d_t:
+                # A width-pruned student (distill.prune): start by putting each kept channel back in its
+                # teacher position, the same identity start as above.
+                with torch.no_grad():
+                    self.projectors[f"s{s}_t{t}"].weight.zero_()[channels, range(d_s)] = 1.0
         self._student_taps = _Taps(student, [s for s, _ in self.hidden_pairs], [s for s, _ in self.attn_pairs])
         self._teacher_taps = _Taps(teacher, [t for _, t in self.hidden_pairs], [t for _, t in self.attn_pairs])
 
