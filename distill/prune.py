@@ -759,7 +759,14 @@ def calibration_data(tokenizer, dataset: str, seq_len: int, calib_blocks: int, e
 
 def prune_for_recipe(teacher: PreTrainedModel, tokenizer, cfg: Any, log: Callable[[str], None] = print
                      ) -> PreTrainedModel:
-    """``student_init: prune`` in ``recipes/distill.py``: search a student at the config's budget."""
+    """``student_init: prune`` in ``recipes/distill.py``: search a student at the config's budget.
+
+    The result is kept per process for the same settings, so the recipe's CE-only ablation starts
+    from the very same student without searching twice.
+    """
+    key = tuple(str(getattr(cfg, k, None)) for k in _RECIPE_KEYS)
+    if key in _recipe_memo:
+        return copy.deepcopy(_recipe_memo[key])
     axes = parse_axes(cfg.prune_axes)
     calib, held, train = calibration_data(tokenizer, cfg.dataset, cfg.seq_len, cfg.prune_calib_blocks,
                                           cfg.prune_eval_blocks, text_field=cfg.text_field)
@@ -771,7 +778,15 @@ def prune_for_recipe(teacher: PreTrainedModel, tokenizer, cfg: Any, log: Callabl
     log(format_table(result.table, result.winner))
     log(f"pruned student: {result.winner.arch.label()} ({result.winner.params:,} non-embedding, "
         f"{result.winner.params_total:,} total) in {result.seconds:.0f}s")
+    _recipe_memo.clear()
+    _recipe_memo[key] = copy.deepcopy(result.model)
     return result.model
+
+
+_RECIPE_KEYS = ("teacher", "dataset", "text_field", "seq_len", "target_params", "target_ratio", "prune_axes",
+                "prune_search_steps", "prune_top_k", "prune_calib_blocks", "prune_eval_blocks", "lr",
+                "micro_batch_size", "seed")
+_recipe_memo: dict[tuple[str, ...], PreTrainedModel] = {}
 
 
 def main(argv: list[str] | None = None) -> int:

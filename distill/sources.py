@@ -37,6 +37,10 @@ def load_pair(cfg: Any) -> tuple[torch.nn.Module | None, torch.nn.Module, Any]:
             tokenizer = load_tokenizer(cfg.tokenizer or cfg.teacher)
         if cfg.student:
             student = load_causal_lm(cfg.student)
+        elif getattr(cfg, "student_init", "keep_layers") == "prune":  # issue 13: importance pruning + search
+            from distill.prune import prune_for_recipe
+
+            student = prune_for_recipe(teacher, tokenizer, cfg)
         else:
             try:
                 student = derive_student(teacher, cfg.keep_layers)

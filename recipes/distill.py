@@ -48,6 +48,18 @@ class DistillConfig:
     student: str | None = field(None, help="student HF directory/hub name; empty: derive from the teacher")
     keep_layers: str = field("0-3,24-29", help="when deriving: how many teacher layers to keep ('10', spread "
                              "evenly) or which ('0-5,26-29')")
+    # ---- issue 13: student derived by importance pruning + search (distill/prune.py) ----
+    student_init: str = field("keep_layers", help="how to derive the student: keep_layers (the teacher layers in "
+                              "keep_layers) | prune (importance pruning + search at target_params/target_ratio)")
+    target_params: float | None = field(None, help="student_init=prune: budget in non-embedding parameters")
+    target_ratio: float | None = field(None, help="student_init=prune: budget as a fraction of the teacher's "
+                                       "non-embedding parameters")
+    prune_axes: str = field("depth,mlp,heads,hidden", help="student_init=prune: what may be cut")
+    prune_search_steps: int = field(20, help="student_init=prune: short-distill steps per top candidate")
+    prune_top_k: int = field(3, help="student_init=prune: candidates short-distilled before picking the winner")
+    prune_calib_blocks: int = field(32, help="student_init=prune: training blocks for the importance scores")
+    prune_eval_blocks: int = field(8, help="student_init=prune: held-out blocks that rank candidates")
+    # ---- end issue 13 ----
     tokenizer: str | None = field(None, help="tokenizer source; default: the teacher's")
     # data
     dataset: str = field(BUILTIN, help="training text: 'builtin:stdlib-docs' (offline default), a local "
@@ -126,6 +138,12 @@ class DistillConfig:
         if self.teacher_cache and (self.hidden_weight > 0 or self.attn_weight > 0):
             raise ConfigError("teacher_cache holds logits only: set hidden_weight=0 and attn_weight=0 "
                               "(hidden/attention terms need the live teacher)")
+        if self.student_init not in ("keep_layers", "prune"):  # issue 13
+            raise ConfigError(f"student_init '{self.student_init}' is unknown; use keep_layers or prune")
+        if self.student_init == "prune" and (self.target_params is None) == (self.target_ratio is None):
+            raise ConfigError("student_init=prune needs exactly one of target_params= or target_ratio=")
+        if self.student_init == "prune" and self.student:
+            raise ConfigError("student= loads a ready student; drop it or set student_init=keep_layers")
         try:
             self.losses()
         except ValueError as err:

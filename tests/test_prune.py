@@ -259,3 +259,32 @@ def test_hidden_pruned_student_distills_with_projectors():
     assert torch.isfinite(out.loss) and out.hidden > 0
     out.loss.backward()
     assert proj.weight.grad is not None and student.model.embed_tokens.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.slow
+def test_recipe_student_init_prune(tmp_path):
+    """``student_init=prune`` through the real recipe CLI; the CE-only ablation reuses the same student."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "run"
+    args = ["--config", "recipes/configs/tiny.yaml", f"output_dir={out}", "student_init=prune", "target_ratio=0.5",
+            "prune_search_steps=1", "prune_top_k=1", "prune_calib_blocks=4", "prune_eval_blocks=2", "max_steps=2",
+            "eval_every=0", "save_every=0", "attn_weight=0", "compare_ce_only=true"]
+    proc = subprocess.run([sys.executable, "recipes/distill.py", *args], cwd=root, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("calibrated on") == 1  # searched once, reused by the ablation
+    student = AutoModelForCausalLM.from_pretrained(out / "final")
+    assert student.config.distill_pruning["kept_layers"] == kept_layers(student)
+    full = family_of(tiny_model("llama", layers=4, hidden=64, vocab=512)).counts(Arch(4, 64, 2, 2, 128))[0]
+    assert abs(count_params(student)[0] - full / 2) <= 0.03 * full / 2
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["ce_only_ppl_final"] is not None
+    bad = subprocess.run([sys.executable, "recipes/distill.py", "--config", "recipes/configs/tiny.yaml",
+                          f"output_dir={tmp_path / 'bad'}", "student_init=prune"], cwd=root, capture_output=True,
+                         text=True, timeout=600)
+    assert bad.returncode == 2 and "exactly one of target_params= or target_ratio=" in bad.stderr
