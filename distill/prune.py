@@ -38,9 +38,10 @@ width-pruned student as the channel scatter of the kept channels.
 **Memory.** Calibration is a plain forward pass under ``no_grad`` with hooks that fold each layer's
 statistics into running sums (``[hidden]``, ``[heads]``, ``[intermediate]`` per layer) as it runs:
 peak ≈ the model + one layer's activations for one micro-batch (+ one head's ``[batch, seq, hidden]``
-contribution). ``calibration_bytes`` gives the estimate that ``python -m distill.plan`` prints.
-A 17B teacher is calibrated either on one 80 GB GPU in bf16 (34 GB of weights + ~1 GB of
-activations at 1×2048 tokens; ``--dtype bf16 --device cuda``), or, on smaller GPUs, with the teacher
+contribution). ``distill.plan.calibration_bytes`` gives the estimate that ``python -m distill.plan`` prints.
+A 17B-class teacher is calibrated either on one 80 GB GPU in bf16 (``--dtype bf16 --device cuda``; for
+the planner's ``deepseek-17b`` preset 25.6 GiB of weights + 1 GiB of activations at 1×4096 tokens, as
+``python -m distill.plan --config recipes/configs/deepseek_17b_to_7b.yaml`` prints), or, on smaller GPUs, with the teacher
 loaded through accelerate's ``device_map="auto"`` offload (``--offload``): accelerate moves each
 layer's weights onto the GPU when its forward runs, the hooks see the same tensors, and GPU memory is
 one layer's weights + activations. Candidates of a 17B teacher are then built on CPU and evaluated one
@@ -606,6 +607,7 @@ class SearchSettings:
     axes: tuple[str, ...] = AXES
     top_k: int = 3  # candidates short-distilled
     finalists: int = 12  # candidates scored on every search held-out block
+    max_candidates: int = 64  # beyond this, an evenly spaced subset of the sorted list is ranked
     search_steps: int = 20
     lr: float = 3e-4
     batch_size: int = 4
@@ -646,18 +648,24 @@ def format_table(table: list[Candidate], winner: Candidate | None = None) -> str
 
 
 def search_round(model: PreTrainedModel, teacher: PreTrainedModel, calib: torch.Tensor, heldout: HeldOut,
-                 train: torch.Tensor, target: int, s: SearchSettings, log: Callable[[str], None] = print
-                 ) -> tuple[PreTrainedModel, Candidate, list[Candidate]]:
-    """One prune: score ``model``, rank every candidate at ``target``, short-distill the best, pick one."""
+                 train: torch.Tensor, target: int, s: SearchSettings, log: Callable[[str], None] = print,
+                 scores: Scores | None = None) -> tuple[PreTrainedModel, Candidate, list[Candidate]]:
+    """One prune: score ``model`` (unless ``scores`` are given), rank the candidates at ``target``,
+    short-distill the best, pick one."""
     base, fam = arch_of(model), family_of(model)
     archs = candidates(base, fam, target, s.axes, s.count_embeddings)
     if not archs:
         lo, hi = feasible_range(base, fam, s.axes, s.count_embeddings)
         raise PruneError(f"no architecture on axes {','.join(s.axes)} lies within ±{TOLERANCE:.0%} of {target:,} "
                          f"(reachable {lo:,}..{hi:,}); allow more axes (e.g. --axes depth,mlp) or move the target")
+    if len(archs) > s.max_candidates:  # evenly over the list sorted by depth, then widths
+        step = (len(archs) - 1) / (s.max_candidates - 1)
+        archs = [archs[round(i * step)] for i in range(s.max_candidates)]
     t0 = time.time()
-    scores = importance(model, calib, s.batch_size)
-    log(f"calibrated on {scores.tokens:,} tokens in {time.time() - t0:.0f}s; {len(archs)} candidate architectures")
+    if scores is None:
+        scores = importance(model, calib, s.batch_size)
+        log(f"calibrated on {scores.tokens:,} tokens in {time.time() - t0:.0f}s")
+    log(f"{len(archs)} candidate architectures")
     info = {"method": "importance: BI blocks, head/neuron contribution norms, norm-output channels",
             "calibration": s.calibration}
     table = []
@@ -667,7 +675,7 @@ def search_round(model: PreTrainedModel, teacher: PreTrainedModel, calib: torch.
 
     # Successive halving: one held-out block for everyone, every block for the finalists.
     for c in tqdm(table, desc="rank", leave=False):
-        st = heldout.stats(prune_to(model, scores, c.arch, info), n_blocks=heldout.batch_size)
+        st = heldout.stats(prune_to(model, scores, c.arch, info), n_blocks=1)
         c.kl_init = st.kl
     finalists = sorted(table, key=lambda c: c.kl_init)[: max(s.finalists, s.top_k)]
     for c in finalists:
@@ -687,13 +695,16 @@ def search_round(model: PreTrainedModel, teacher: PreTrainedModel, calib: torch.
 
 
 def search(teacher: PreTrainedModel, calib: torch.Tensor, heldout_blocks: torch.Tensor, train: torch.Tensor,
-           s: SearchSettings, log: Callable[[str], None] = print) -> SearchResult:
+           s: SearchSettings, log: Callable[[str], None] = print, scores: Scores | None = None,
+           heldout: HeldOut | None = None) -> SearchResult:
     """Prune ``teacher`` to the budget by importance + search (iteratively when ``s.iterative``).
 
     Args:
         calib: ``[n, seq]`` calibration blocks (training text).
         heldout_blocks: ``[m, seq]`` held-out blocks ranking the candidates.
         train: ``[k, seq]`` blocks for the short distillation.
+        scores / heldout: the teacher's importance scores and cached held-out states, when already
+            computed (the first round reuses them).
     """
     check_supported(teacher)
     t0 = time.time()
@@ -702,7 +713,7 @@ def search(teacher: PreTrainedModel, calib: torch.Tensor, heldout_blocks: torch.
     ne, emb = fam.counts(base)
     log(f"teacher {base.label()}: {ne:,} non-embedding + {emb:,} embedding = {ne + emb:,} parameters")
     log(f"target {target:,} {'parameters (embeddings counted)' if s.count_embeddings else 'non-embedding parameters'}")
-    heldout = HeldOut(teacher, heldout_blocks, s.batch_size)
+    heldout = heldout or HeldOut(teacher, heldout_blocks, s.batch_size)
     model, table, rounds = teacher, [], 0
     while True:
         current = budget_of(fam, arch_of(model), s.count_embeddings)
@@ -710,7 +721,8 @@ def search(teacher: PreTrainedModel, calib: torch.Tensor, heldout_blocks: torch.
         rounds += 1
         if s.iterative:
             log(f"round {rounds}: {current:,} → {step_target:,}")
-        model, winner, round_table = search_round(model, teacher, calib, heldout, train, step_target, s, log)
+        model, winner, round_table = search_round(model, teacher, calib, heldout, train, step_target, s, log,
+                                                  scores if rounds == 1 else None)
         table.extend(round_table)
         if step_target == target:
             break
@@ -804,6 +816,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-blocks", type=int, default=8, help="held-out blocks that rank candidates")
     p.add_argument("--top-k", type=int, default=3, help="candidates short-distilled")
     p.add_argument("--finalists", type=int, default=12, help="candidates scored on every held-out block")
+    p.add_argument("--max-candidates", type=int, default=64, help="rank at most this many (evenly spaced)")
     p.add_argument("--search-steps", type=int, default=20, help="short-distill steps per top-k candidate (0: rank at init)")
     p.add_argument("--lr", type=float, default=3e-4, help="short-distill peak learning rate")
     p.add_argument("--batch-size", type=int, default=4, help="blocks per forward")
@@ -819,6 +832,8 @@ def main(argv: list[str] | None = None) -> int:
         if not 0 < args.max_round_cut < 1:
             raise PruneError(f"--max-round-cut must be in (0, 1), got {args.max_round_cut}")
         for name in ("seq_len", "calib_blocks", "eval_blocks", "top_k", "finalists", "batch_size"):
+            if name == "finalists" and args.max_candidates < 2:
+                raise PruneError(f"--max-candidates must be >= 2, got {args.max_candidates}")
             if getattr(args, name) < 1:
                 raise PruneError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
         if args.search_steps < 0:
@@ -843,7 +858,7 @@ def main(argv: list[str] | None = None) -> int:
                                               args.eval_blocks, text_field=args.text_field)
         s = SearchSettings(target_params=args.target_params, target_ratio=args.target_ratio,
                            count_embeddings=args.count_embeddings, axes=axes, top_k=args.top_k,
-                           finalists=args.finalists, search_steps=args.search_steps, lr=args.lr,
+                           finalists=args.finalists, max_candidates=args.max_candidates, search_steps=args.search_steps, lr=args.lr,
                            batch_size=args.batch_size, seed=args.seed, iterative=args.iterative,
                            max_round_cut=args.max_round_cut,
                            calibration={"dataset": args.dataset, "blocks": int(calib.shape[0]),

@@ -288,3 +288,19 @@ def test_recipe_student_init_prune(tmp_path):
                           f"output_dir={tmp_path / 'bad'}", "student_init=prune"], cwd=root, capture_output=True,
                          text=True, timeout=600)
     assert bad.returncode == 2 and "exactly one of target_params= or target_ratio=" in bad.stderr
+
+
+def test_plan_prints_calibration_memory(capsys):
+    from distill import plan
+
+    shape = plan.ModelShape(num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2,
+                            vocab_size=320)
+    fp32 = plan.calibration_bytes(shape, 2, 16, mixed_precision=False)
+    bf16 = plan.calibration_bytes(shape, 2, 16, mixed_precision=True)
+    assert fp32["weights"] == 4 * shape.num_params == 2 * bf16["weights"]
+    # one layer's activations for 32 tokens: weight-dtype tensors + the hooks' fp32 copies
+    assert fp32["activations"] == 4 * 32 * (4 * 64 + 2 * 32 + 3 * 128) + 4 * 32 * (3 * 64 + 128)
+    assert fp32["offload_gpu"] < fp32["resident"]
+    assert plan.main(["--config", "recipes/configs/deepseek_17b_to_7b.yaml"]) == 0
+    out = capsys.readouterr().out
+    assert "calibration (python -m distill.prune" in out and '"calibration_gib"' in out.splitlines()[-1]
