@@ -304,3 +304,26 @@ def test_plan_prints_calibration_memory(capsys):
     assert plan.main(["--config", "recipes/configs/deepseek_17b_to_7b.yaml"]) == 0
     out = capsys.readouterr().out
     assert "calibration (python -m distill.prune" in out and '"calibration_gib"' in out.splitlines()[-1]
+
+
+def test_cli_writes_a_loadable_pruned_model(tmp_path, capsys):
+    import json
+
+    path = save_tiny(tmp_path / "teacher", layers=3)
+    words = "the quick brown fox jumps over the lazy dog and distills a teacher into a student".split()
+    lines = [" ".join(words[(i * 7 + j) % len(words)] for j in range(40)) for i in range(300)]
+    (tmp_path / "text.txt").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "pruned"
+    code = main(["--model", str(path), "--out", str(out), "--target-ratio", "0.5", "--axes", "depth,mlp",
+                 "--dataset", str(tmp_path / "text.txt"), "--seq-len", "32", "--calib-blocks", "4",
+                 "--eval-blocks", "2", "--search-steps", "1", "--top-k", "1", "--finalists", "2", "--batch-size", "2"])
+    stdout = capsys.readouterr().out
+    assert code == 0, stdout
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.hidden_size == 64 and model.config.num_attention_heads == 4  # axes respected
+    assert count_params(model)[0] == summary["winner"]["params_non_embedding"]
+    assert abs(summary["winner"]["params_non_embedding"] - summary["target"]) <= 0.03 * summary["target"]
+    table = json.loads((out / "search.json").read_text())["candidates"]
+    assert len(table) >= 2 and (out / "tokenizer.json").is_file()
+    assert model.config.distill_pruning["rounds"][0]["calibration"]["dataset"] == str(tmp_path / "text.txt")
