@@ -776,6 +776,9 @@ def prune_for_recipe(teacher: PreTrainedModel, tokenizer, cfg: Any, log: Callabl
     The result is kept per process for the same settings, so the recipe's CE-only ablation starts
     from the very same student without searching twice.
     """
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # ranks could pick different students on a GPU
+        raise PruneError("student_init=prune runs in one process; prune once with python -m distill.prune "
+                         "--out DIR, then launch with student=DIR")
     key = tuple(str(getattr(cfg, k, None)) for k in _RECIPE_KEYS)
     if key in _recipe_memo:
         return copy.deepcopy(_recipe_memo[key])

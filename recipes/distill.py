@@ -142,6 +142,10 @@ class DistillConfig:
             raise ConfigError(f"student_init '{self.student_init}' is unknown; use keep_layers or prune")
         if self.student_init == "prune" and (self.target_params is None) == (self.target_ratio is None):
             raise ConfigError("student_init=prune needs exactly one of target_params= or target_ratio=")
+        if self.target_ratio is not None and not 0 < self.target_ratio <= 1:
+            raise ConfigError(f"target_ratio must be in (0, 1], got {self.target_ratio}")
+        if self.prune_search_steps < 0 or min(self.prune_top_k, self.prune_calib_blocks, self.prune_eval_blocks) < 1:
+            raise ConfigError("prune_search_steps must be >= 0 and prune_top_k/calib_blocks/eval_blocks >= 1")
         if self.student_init == "prune" and self.student:
             raise ConfigError("student= loads a ready student; drop it or set student_init=keep_layers")
         try:

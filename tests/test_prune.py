@@ -327,3 +327,17 @@ def test_cli_writes_a_loadable_pruned_model(tmp_path, capsys):
     table = json.loads((out / "search.json").read_text())["candidates"]
     assert len(table) >= 2 and (out / "tokenizer.json").is_file()
     assert model.config.distill_pruning["rounds"][0]["calibration"]["dataset"] == str(tmp_path / "text.txt")
+
+
+def test_recipe_config_checks_prune_fields():
+    from distill.config import ConfigError
+    from recipes.distill import DistillConfig
+
+    assert DistillConfig(student_init="prune", target_ratio=0.3).prune_axes == "depth,mlp,heads,hidden"
+    for kw, msg in [({"student_init": "prune"}, "exactly one"),
+                    ({"student_init": "prune", "target_ratio": 0.3, "target_params": 1e6}, "exactly one"),
+                    ({"student_init": "prune", "target_ratio": 1.5}, "target_ratio must be in"),
+                    ({"student_init": "cut"}, "keep_layers or prune"),
+                    ({"student_init": "prune", "target_ratio": 0.3, "student": "x"}, "student= loads")]:
+        with pytest.raises(ConfigError, match=msg):
+            DistillConfig(**kw)
