@@ -52,6 +52,10 @@ def main() -> None:
     p.add_argument("--finalists", type=int, default=8, help="candidates scored on all rank blocks")
     p.add_argument("--max-candidates", type=int, default=32, help="candidates ranked at init")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
+    p.add_argument("--arch", help="skip the search and use this winner, e.g. L30,h448,kv3,g3,mlp512 (short runs)")
+    p.add_argument("--skip-probes", action="store_true", help="skip the init-only probes of the issue")
+    p.add_argument("--variants", default="manual,depth,width,searched,ce_only",
+                   help="students trained (a subset for short runs; skipped ones are null in the JSON)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -103,15 +107,28 @@ def main() -> None:
                               calibration={"dataset": BUILTIN, "blocks": int(calib.shape[0]), "seq_len": args.seq_len})
 
     quiet = lambda _msg: None  # noqa: E731
-    depth = search(teacher, calib, None, train, settings(("depth",), 0, 1), quiet, scores, rank).winner.arch
-    width = search(teacher, calib, None, train, settings(("mlp", "heads", "hidden"), 0, 1), quiet, scores,
-                   rank).winner.arch
-    t0 = time.time()
-    found = search(teacher, calib, None, train, settings(AXES, args.search_steps, args.top_k), quiet, scores, rank)
-    prune_search_s = calib_s + time.time() - t0
-    best = found.winner.arch
-    print(f"search: {len(found.table)} candidates, winner {best.label()} in {prune_search_s:.0f}s "
-          f"(calibration included)", flush=True)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    depth = width = None
+    if "depth" in variants:
+        depth = search(teacher, calib, None, train, settings(("depth",), 0, 1), quiet, scores, rank).winner.arch
+    if "width" in variants:
+        width = search(teacher, calib, None, train, settings(("mlp", "heads", "hidden"), 0, 1), quiet, scores,
+                       rank).winner.arch
+    prune_search_s, n_candidates = None, None
+    if args.arch:
+        f = dict(part.split("=") for part in args.arch.replace("L", "layers=", 1).replace("h", "hidden=", 1)
+                 .replace("kv", "kv_heads=", 1).replace("g", "group=", 1).replace("mlp", "intermediate=", 1)
+                 .split(","))
+        best = Arch(**{k: int(v) for k, v in f.items()})
+        print(f"searched architecture given: {best.label()} (no search run)", flush=True)
+    else:
+        t0 = time.time()
+        found = search(teacher, calib, None, train, settings(AXES, args.search_steps, args.top_k), quiet, scores,
+                       rank)
+        prune_search_s, n_candidates = calib_s + time.time() - t0, len(found.table)
+        best = found.winner.arch
+        print(f"search: {len(found.table)} candidates, winner {best.label()} in {prune_search_s:.0f}s "
+              f"(calibration included)", flush=True)
 
     def train_eval(name, student, loss_cfg):
         init = held.stats(student)
@@ -126,15 +143,16 @@ def main() -> None:
         return row
 
     pruned_best = prune_to(teacher, scores, best)
-    rows = [
-        train_eval("manual", manual, kd_terms),
-        train_eval("depth (BI)", prune_to(teacher, scores, depth), kd_terms),
-        train_eval("width", prune_to(teacher, scores, width), kd_terms),
-        train_eval("searched", copy.deepcopy(pruned_best), kd_terms),
-        train_eval("searched, CE-only", copy.deepcopy(pruned_best), ce_only),
-    ]
+    plan = [("manual", "manual", lambda: manual, kd_terms),
+            ("depth", "depth (BI)", lambda: prune_to(teacher, scores, depth), kd_terms),
+            ("width", "width", lambda: prune_to(teacher, scores, width), kd_terms),
+            ("searched", "searched", lambda: copy.deepcopy(pruned_best), kd_terms),
+            ("ce_only", "searched, CE-only", lambda: copy.deepcopy(pruned_best), ce_only)]
+    rows = [train_eval(name, make(), terms) for key, name, make, terms in plan if key in variants]
     probes = []
-    for a in (Arch(20, base.hidden, base.kv_heads, base.group, 600), Arch(30, base.hidden, base.kv_heads, base.group, 768)):
+    probe_archs = [] if args.skip_probes else [Arch(20, base.hidden, base.kv_heads, base.group, 600),
+                                                Arch(30, base.hidden, base.kv_heads, base.group, 768)]
+    for a in probe_archs:
         st = held.stats(prune_to(teacher, scores, a))
         probes.append({"arch": a.label(), "params": fam.counts(a)[0], "ppl_init": st.perplexity})
 
@@ -148,19 +166,25 @@ def main() -> None:
     for pr in probes:
         print(f"{'probe (init only)':20} {pr['arch']:34} {pr['params']:>12,} {pr['ppl_init']:>10,.1f}")
     by = {r["student"]: r for r in rows}
+
+    def get(name, key):
+        return by[name][key] if name in by else None
+
+    def ratio(a, b):
+        return a / b if a is not None and b is not None else None
     out = {
         "params_student": budget, "params_embedding": emb, "teacher_ppl": teacher_ppl, "steps": args.steps,
         "seq_len": args.seq_len, "batch": args.batch, "eval_blocks": int(data.eval.shape[0]),
-        "ppl_manual": by["manual"]["ppl_final"], "ppl_pruned": by["searched"]["ppl_final"],
-        "ppl_depth": by["depth (BI)"]["ppl_final"], "ppl_width": by["width"]["ppl_final"],
-        "ppl_manual_init": by["manual"]["ppl_init"], "ppl_pruned_init": by["searched"]["ppl_init"],
-        "ppl_depth_init": by["depth (BI)"]["ppl_init"], "ppl_width_init": by["width"]["ppl_init"],
-        "ppl_pruned_ce_only": by["searched, CE-only"]["ppl_final"],
-        "ratio": by["searched"]["ppl_final"] / by["manual"]["ppl_final"],
-        "kd_vs_ce": by["searched"]["ppl_final"] / by["searched, CE-only"]["ppl_final"],
-        "arch_pruned": best.label(), "arch_depth": depth.label(), "arch_width": width.label(),
+        "ppl_manual": get("manual", "ppl_final"), "ppl_pruned": get("searched", "ppl_final"),
+        "ppl_depth": get("depth (BI)", "ppl_final"), "ppl_width": get("width", "ppl_final"),
+        "ppl_manual_init": get("manual", "ppl_init"), "ppl_pruned_init": get("searched", "ppl_init"),
+        "ppl_depth_init": get("depth (BI)", "ppl_init"), "ppl_width_init": get("width", "ppl_init"),
+        "ppl_pruned_ce_only": get("searched, CE-only", "ppl_final"),
+        "ratio": ratio(get("searched", "ppl_final"), get("manual", "ppl_final")),
+        "kd_vs_ce": ratio(get("searched", "ppl_final"), get("searched, CE-only", "ppl_final")),
+        "arch_pruned": best.label(), "arch_depth": depth and depth.label(), "arch_width": width and width.label(),
         "prune_search_s": prune_search_s, "search_steps": args.search_steps, "top_k": args.top_k,
-        "candidates": len(found.table), "threads": args.threads, "probes": probes,
+        "candidates": n_candidates, "threads": args.threads, "probes": probes,
     }
     print(json.dumps(out))
 
