@@ -787,6 +787,7 @@ def prune_for_recipe(teacher: PreTrainedModel, tokenizer, cfg: Any, log: Callabl
                                           cfg.prune_eval_blocks, text_field=cfg.text_field)
     s = SearchSettings(target_params=cfg.target_params, target_ratio=cfg.target_ratio, axes=axes,
                        search_steps=cfg.prune_search_steps, top_k=cfg.prune_top_k, lr=cfg.lr,
+                       max_candidates=getattr(cfg, "prune_max_candidates", 64),
                        batch_size=cfg.micro_batch_size, seed=cfg.seed,
                        calibration={"dataset": cfg.dataset, "blocks": int(calib.shape[0]), "seq_len": cfg.seq_len})
     result = search(teacher, calib, held, train, s, log)
@@ -799,7 +800,8 @@ def prune_for_recipe(teacher: PreTrainedModel, tokenizer, cfg: Any, log: Callabl
 
 
 _RECIPE_KEYS = ("teacher", "dataset", "text_field", "seq_len", "target_params", "target_ratio", "prune_axes",
-                "prune_search_steps", "prune_top_k", "prune_calib_blocks", "prune_eval_blocks", "lr",
+                "prune_search_steps", "prune_top_k", "prune_calib_blocks", "prune_eval_blocks",
+                "prune_max_candidates", "lr",
                 "micro_batch_size", "seed")
 _recipe_memo: dict[tuple[str, ...], PreTrainedModel] = {}
 

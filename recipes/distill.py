@@ -59,6 +59,7 @@ class DistillConfig:
     prune_top_k: int = field(3, help="student_init=prune: candidates short-distilled before picking the winner")
     prune_calib_blocks: int = field(32, help="student_init=prune: training blocks for the importance scores")
     prune_eval_blocks: int = field(8, help="student_init=prune: held-out blocks that rank candidates")
+    prune_max_candidates: int = field(32, help="student_init=prune: architectures ranked at init (evenly spaced)")
     # ---- end issue 13 ----
     tokenizer: str | None = field(None, help="tokenizer source; default: the teacher's")
     # data
@@ -144,8 +145,10 @@ class DistillConfig:
             raise ConfigError("student_init=prune needs exactly one of target_params= or target_ratio=")
         if self.target_ratio is not None and not 0 < self.target_ratio <= 1:
             raise ConfigError(f"target_ratio must be in (0, 1], got {self.target_ratio}")
-        if self.prune_search_steps < 0 or min(self.prune_top_k, self.prune_calib_blocks, self.prune_eval_blocks) < 1:
-            raise ConfigError("prune_search_steps must be >= 0 and prune_top_k/calib_blocks/eval_blocks >= 1")
+        if self.prune_search_steps < 0 or min(self.prune_top_k, self.prune_calib_blocks, self.prune_eval_blocks,
+                                              self.prune_max_candidates - 1) < 1:
+            raise ConfigError("prune_search_steps must be >= 0, prune_top_k/calib_blocks/eval_blocks >= 1 and "
+                              "prune_max_candidates >= 2")
         if self.student_init == "prune" and self.student:
             raise ConfigError("student= loads a ready student; drop it or set student_init=keep_layers")
         try:
