@@ -27,7 +27,7 @@ from core.config import ConfigError
 from distill import losses
 from distill.layers import parse_layer_pairs
 from distill.losses import KD_KINDS
-from distill.student import kept_layers
+from distill.student import kept_channels, kept_layers
 from distill.teacher_cache import CachedTargets, cached_kd_loss
 
 # nmse: per-token MSE divided by the teacher state's mean square. Residual streams of real LMs carry a few
@@ -253,9 +253,15 @@ class DistillModel(nn.Module):
         if loss_config.attn_weight > 0:
             self.attn_pairs = parse_layer_pairs(loss_config.attn_layers, n_s, n_t, kept)
         d_s, d_t = student.config.hidden_size, teacher.config.hidden_size
+        channels = kept_channels(student)
         for s, t in self.hidden_pairs:
             # Equal widths compare directly: an identity start keeps the derived student's own features.
             self.projectors[f"s{s}_t{t}"] = nn.Identity() if d_s == d_t else nn.Linear(d_s, d_t, bias=False)
+            if d_s != d_t and channels is not None and len(channels) == d_s and max(channels) < d_t:
+                # A width-pruned student (distill.prune): start by putting each kept channel back in its
+                # teacher position, the same identity start as above.
+                with torch.no_grad():
+                    self.projectors[f"s{s}_t{t}"].weight.zero_()[channels, range(d_s)] = 1.0
         self._student_taps = _Taps(student, [s for s, _ in self.hidden_pairs], [s for s, _ in self.attn_pairs])
         self._teacher_taps = _Taps(teacher, [t for _, t in self.hidden_pairs], [t for _, t in self.attn_pairs])
 

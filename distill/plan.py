@@ -36,6 +36,13 @@ Accounting, per GPU, with P = student parameters, T = teacher parameters, N = GP
 * Logits/loss buffers: student logits (16-bit) and their fp32 log-softmax, teacher logits (16-bit)
   and fp32 probabilities, and the fp32 gradient of the student logits: 16 B per token × vocab over
   the whole micro batch, or over one chunk of tokens with chunked KD.
+* Calibration for ``distill.prune`` (one GPU, no gradients; :func:`calibration_bytes`): the teacher's
+  weights, plus one decoder layer's live activations for one micro batch — its input (held by the
+  block-influence hook), norm output, q/k/v, attention output and the three MLP-wide tensors in the
+  weight dtype, and the hooks' fp32 copies (input, output, one head's contribution, the MLP
+  activations) — ``b·t·(4·hidden + 2·kv_dim + 3·intermediate) + 4·t·(3·hidden + intermediate)`` bytes
+  for ``t`` tokens. With layer offload (``--offload``: accelerate ``device_map="auto"``) the GPU holds
+  one layer's weights instead of all of them and host RAM holds the teacher.
 * Runtime overhead: a flat 2 GiB for the CUDA context, NCCL and DeepSpeed communication buckets. A
   plan fits when its total stays under 90 % of the GPU (the rest is allocator fragmentation).
 """
@@ -304,6 +311,18 @@ def teacher_forward_bytes(teacher: ModelShape, micro_batch: int, seq_len: int, m
     return b * micro_batch * seq_len * (3 * teacher.hidden_size + 2 * teacher.kv_dim + 3 * teacher.intermediate_size)
 
 
+def calibration_bytes(teacher: ModelShape, micro_batch: int, seq_len: int, mixed_precision: bool) -> dict[str, int]:
+    """GPU bytes of ``distill.prune``'s calibration pass: resident teacher, or layer-by-layer offload."""
+    b = 2 if mixed_precision else 4
+    t = micro_batch * seq_len
+    h, i = teacher.hidden_size, teacher.intermediate_size
+    acts = b * t * (4 * h + 2 * teacher.kv_dim + 3 * i) + 4 * t * (3 * h + i)
+    weights = b * teacher.num_params
+    layer = b * max(teacher.layer_params, teacher.embedding_params)
+    return {"weights": weights, "activations": acts, "resident": weights + acts + OVERHEAD_BYTES,
+            "offload_gpu": layer + acts + OVERHEAD_BYTES, "offload_host": weights}
+
+
 def logits_bytes(vocab: int, micro_batch: int, seq_len: int, chunk_tokens: int) -> int:
     """Student + teacher logits, fp32 softmax copies and the logit gradient, for the tokens held at once."""
     tokens = micro_batch * seq_len
@@ -542,7 +561,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(format_plan(result))
-    print(json.dumps(result.to_json()))
+    calib = calibration_bytes(result.teacher, result.settings.micro_batch_size, result.settings.seq_len,
+                              result.settings.mixed_precision in ("bf16", "fp16"))
+    print(f"calibration (python -m distill.prune, micro batch {result.settings.micro_batch_size} x seq "
+          f"{result.settings.seq_len}): teacher resident on one GPU {calib['resident'] / GIB:.1f} GiB "
+          f"(weights {calib['weights'] / GIB:.1f} + activations {calib['activations'] / GIB:.2f} + runtime); "
+          f"with --offload {calib['offload_gpu'] / GIB:.1f} GiB GPU + {calib['offload_host'] / GIB:.1f} GiB host RAM")
+    print(json.dumps({**result.to_json(), "calibration_gib": {k: round(v / GIB, 2) for k, v in calib.items()}}))
     return 0
 
 

@@ -2,24 +2,24 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from core.config import ConfigError
-from core.models import ModelSourceError, load_causal_lm, load_tokenizer, resolve_model_path
+from core.models import ModelSourceError, load_causal_lm, load_tokenizer
 from core.tiny import TINY, tiny_teacher, tiny_teacher_tokenizer
+from distill.prune import prune_for_recipe
 from distill.student import derive_student
 
 
 def load_pair(cfg: Any) -> tuple[torch.nn.Module | None, torch.nn.Module, Any]:
-    """With ``cfg.teacher_cache`` set the returned teacher is ``None``.
-
-``(teacher, student, tokenizer)`` from ``cfg.teacher`` / ``cfg.student`` / ``cfg.keep_layers``.
+    """``(teacher, student, tokenizer)`` from ``cfg.teacher`` / ``cfg.student`` / ``cfg.student_init``.
 
     The teacher is loaded in fp32 (the accelerator casts for mixed precision) and frozen. Without
-    ``cfg.student`` the student is derived from the teacher by keeping ``cfg.keep_layers``.
+    ``cfg.student`` the student is derived from the teacher: by keeping ``cfg.keep_layers``, or by
+    importance pruning + search (``student_init=prune``, :mod:`distill.prune`). With
+    ``cfg.teacher_cache`` set the returned teacher is ``None``.
     """
     cached = bool(getattr(cfg, "teacher_cache", None))
     try:
@@ -37,6 +37,8 @@ def load_pair(cfg: Any) -> tuple[torch.nn.Module | None, torch.nn.Module, Any]:
             tokenizer = load_tokenizer(cfg.tokenizer or cfg.teacher)
         if cfg.student:
             student = load_causal_lm(cfg.student)
+        elif getattr(cfg, "student_init", "keep_layers") == "prune":
+            student = prune_for_recipe(teacher, tokenizer, cfg)
         else:
             try:
                 student = derive_student(teacher, cfg.keep_layers)
@@ -50,30 +52,3 @@ def load_pair(cfg: Any) -> tuple[torch.nn.Module | None, torch.nn.Module, Any]:
     if cached:  # the teacher was needed only to derive the student
         teacher = None
     return teacher, student, tokenizer
-
-
-def teacher_dir(cfg: Any, out: Path) -> Path:
-    """An HF directory of the teacher (the demo cache, a local dir, or a saved copy for tiny runs)."""
-    if cfg.teacher == TINY:
-        path = out / "teacher"
-        if not (path / "config.json").is_file():
-            tiny_teacher(cfg.seed).save_pretrained(path)
-            tiny_teacher_tokenizer().save_pretrained(path)
-        return path
-    return Path(resolve_model_path(cfg.teacher))
-
-
-def gate_against_teacher(cfg: Any, out: Path) -> dict[str, Any]:
-    """Run the release gate: the final student against the teacher, on the bundled prompts."""
-    from eval.gate import GateConfig, run_gate
-    from eval.prompt_set import default_prompts_path
-
-    teacher = teacher_dir(cfg, out)
-    prompts = default_prompts_path()
-    lines = [line for line in prompts.read_text().splitlines() if line.strip()]
-    if cfg.gate_prompts < len(lines):  # a smaller, fixed subset of the bundled set
-        prompts = out / "gate_prompts.jsonl"
-        prompts.write_text("\n".join(lines[: cfg.gate_prompts]) + "\n")
-    result = run_gate(GateConfig(candidate=str(out / "final"), baseline=str(teacher), out=str(out / "gate"),
-                                 prompts=str(prompts)))
-    return {"verdict": result.verdict, "exit_code": result.exit_code, "report": str(result.report_md)}

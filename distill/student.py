@@ -16,6 +16,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 KEPT_KEY = "distill_kept_layers"
+PRUNE_KEY = "distill_pruning"  # written by distill.prune: kept layers, channels, heads, neurons
 
 
 def spread_layers(n_teacher: int, n_keep: int) -> list[int]:
@@ -98,3 +99,10 @@ def derive_student(teacher: PreTrainedModel, keep_layers: int | str | Sequence[i
 def kept_layers(model: PreTrainedModel) -> list[int] | None:
     kept = getattr(model.config, KEPT_KEY, None)
     return list(kept) if kept is not None else None
+
+
+def kept_channels(model: PreTrainedModel) -> list[int] | None:
+    """The teacher hidden channels a width-pruned student kept (``distill.prune``), or ``None``."""
+    record = getattr(model.config, PRUNE_KEY, None)
+    channels = record.get("kept_channels") if isinstance(record, dict) else None
+    return list(channels) if channels is not None else None

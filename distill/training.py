@@ -34,9 +34,13 @@ from core import checkpoint as ckpt
 from core import rundir
 from core.config import ConfigError, check_resume_config, parse_config, save_config
 from core.fsio import atomic_write_text, replace_dir
+from core.models import resolve_model_path
+from core.tiny import TINY, tiny_teacher, tiny_teacher_tokenizer
 from distill.data import eval_batches
 from distill.threads import PeakRSS, setup_threads
+from eval.gate import GateConfig, run_gate
 from eval.metrics import LMStats, evaluate_lm
+from eval.prompt_set import default_prompts_path
 
 TRACKERS = ("none", "tensorboard", "wandb")
 PRECISIONS = ("no", "bf16", "fp16", "auto")
@@ -96,13 +100,35 @@ def finish_run(cfg: Any, accelerator: Accelerator, out: Path, summary: dict[str,
                print_summary: Callable[[dict[str, Any], Path], None]) -> None:
     """Run the release gate when ``cfg.gate`` asks, then write ``summary.json`` and print the summary."""
     if cfg.gate and accelerator.is_main_process:
-        from distill.sources import gate_against_teacher
-
         summary["gate"] = gate_against_teacher(cfg, out)
     if accelerator.is_main_process:
         atomic_write_text(out / "summary.json", json.dumps(summary, indent=1))
         print_summary(summary, out)
     accelerator.wait_for_everyone()
+
+
+def teacher_dir(cfg: Any, out: Path) -> Path:
+    """An HF directory of the teacher (the demo cache, a local dir, or a saved copy for tiny runs)."""
+    if cfg.teacher == TINY:
+        path = out / "teacher"
+        if not (path / "config.json").is_file():
+            tiny_teacher(cfg.seed).save_pretrained(path)
+            tiny_teacher_tokenizer().save_pretrained(path)
+        return path
+    return Path(resolve_model_path(cfg.teacher))
+
+
+def gate_against_teacher(cfg: Any, out: Path) -> dict[str, Any]:
+    """Run the release gate: the final student against the teacher, on the bundled prompts."""
+    teacher = teacher_dir(cfg, out)
+    prompts = default_prompts_path()
+    lines = [line for line in prompts.read_text().splitlines() if line.strip()]
+    if cfg.gate_prompts < len(lines):  # a smaller, fixed subset of the bundled set
+        prompts = out / "gate_prompts.jsonl"
+        prompts.write_text("\n".join(lines[: cfg.gate_prompts]) + "\n")
+    result = run_gate(GateConfig(candidate=str(out / "final"), baseline=str(teacher), out=str(out / "gate"),
+                                 prompts=str(prompts)))
+    return {"verdict": result.verdict, "exit_code": result.exit_code, "report": str(result.report_md)}
 
 
 # --------------------------------------------------------------------------------------------

@@ -119,7 +119,7 @@ class RetrofitConfig:
                                    "batch)")
     eval_seq_lens: list[int] = field(default_factory=lambda: [4096], help="extra held-out lengths evaluated at start and end "
                                      "(e.g. [4096]); seq_len is always evaluated", ge=2)
-    longctx_lengths: list[int] = field(default_factory=lambda: [2048, 4096], help="pass-key retrieval "
+    longctx_lengths: list[int] = field(default_factory=lambda: [2048, 4096], ge=64, help="pass-key retrieval "
                                        "(eval.longctx) of the final model and the dense one at these lengths; "
                                        "[] skips it")
     longctx_trials: int = field(2, ge=1, help="pass-key samples per length × depth cell at the end of the run")

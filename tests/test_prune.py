@@ -1,0 +1,345 @@
+"""distill.prune: importance scores, pruned models, budgets and the search, on tiny models built in code."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+from core.tiny import VOCAB, save_tiny, tiny_model
+from distill.model import DistillModel, LossConfig
+from distill.prune import (
+    AXES,
+    Arch,
+    PruneError,
+    SearchSettings,
+    arch_of,
+    candidates,
+    count_params,
+    family_of,
+    importance,
+    main,
+    parse_axes,
+    prune_to,
+    resolve_target,
+    save_pruned,
+    search,
+    select,
+)
+from distill.student import kept_channels, kept_layers
+
+
+def _blocks(n: int = 4, seq: int = 24, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (n, seq), generator=g)
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+@pytest.mark.parametrize("arch,kw", [("llama", {}), ("mistral", {}), ("qwen2", {}),
+                                     ("llama", {"tie_word_embeddings": True})])
+def test_full_size_is_identity(arch, kw):
+    model = tiny_model(arch, layers=3, **kw)
+    scores = importance(model, _blocks(), progress=False)
+    pruned = prune_to(model, scores, arch_of(model))
+    ids = _blocks(2, seed=1)
+    torch.testing.assert_close(_logits(pruned, ids), _logits(model, ids), rtol=0, atol=1e-5)
+    assert count_params(pruned) == count_params(model)
+    if arch == "qwen2":  # q/k/v biases survive
+        assert pruned.model.layers[0].self_attn.q_proj.bias is not None
+
+
+def test_family_counts_match_real_models():
+    for arch, kw in [("llama", {}), ("qwen2", {}), ("llama", {"tie_word_embeddings": True})]:
+        model = tiny_model(arch, layers=2, **kw)
+        assert family_of(model).counts(arch_of(model)) == count_params(model)
+        a = Arch(layers=1, hidden=48, kv_heads=1, group=1, intermediate=40)
+        pruned = prune_to(model, importance(model, _blocks(), progress=False), a)
+        assert family_of(model).counts(a) == count_params(pruned)
+
+
+def _dead_model():
+    """4 layers; a dead block (2), a dead head (layer 0, head 3), a dead neuron (layer 1, 5), a dead channel (7)."""
+    model = tiny_model("llama", layers=4)
+    hd = model.config.head_dim
+    with torch.no_grad():
+        block = model.model.layers[2]
+        block.self_attn.o_proj.weight.zero_()
+        block.mlp.down_proj.weight.zero_()  # the block adds nothing: x_out == x_in
+        model.model.layers[0].self_attn.o_proj.weight[:, 3 * hd:4 * hd] = 0
+        model.model.layers[1].mlp.down_proj.weight[:, 5] = 0
+        for layer in model.model.layers:
+            layer.input_layernorm.weight[7] = 0
+            layer.post_attention_layernorm.weight[7] = 0
+        model.model.norm.weight[7] = 0
+    return model
+
+
+def test_dead_units_rank_last():
+    model = _dead_model()
+    scores = importance(model, _blocks(), progress=False)
+    assert int(scores.blocks.argmin()) == 2 and float(scores.blocks[2]) < 1e-6
+    heads = scores.heads.reshape(4, -1)
+    assert int(heads[0].argmin()) == 3 and float(heads[0, 3]) == 0
+    assert int(scores.neurons[1].argmin()) == 5 and float(scores.neurons[1, 5]) == 0
+    assert int(scores.channels.argmin()) == 7 and float(scores.channels[7]) == 0
+    # ...and is the first thing a one-smaller architecture drops.
+    sel = select(scores, Arch(layers=3, hidden=63, kv_heads=2, group=2, intermediate=127))
+    assert 2 not in sel.layers and 7 not in sel.channels
+    assert sel.layers == [0, 1, 3]
+    sel = select(scores, Arch(layers=4, hidden=64, kv_heads=2, group=1, intermediate=127))
+    assert 3 not in sel.q_heads[0] and 5 not in sel.neurons[1]
+
+
+def test_block_influence_matches_naive_reference():
+    model = tiny_model("llama", layers=3)
+    ids = _blocks()
+    scores = importance(model, ids, batch_size=3, progress=False)
+    captured = []
+    hooks = [layer.register_forward_hook(lambda _m, a, o: captured.append((a[0], o[0] if isinstance(o, tuple) else o)))
+             for layer in model.model.layers]
+    with torch.no_grad():
+        model(input_ids=ids)
+    for h in hooks:
+        h.remove()
+    naive = torch.stack([(1 - F.cosine_similarity(x.double(), y.double(), dim=-1)).mean() for x, y in captured])
+    torch.testing.assert_close(scores.blocks.double(), naive, rtol=1e-4, atol=1e-6)
+    # Neuron importance: mean |act(gate)·up| times the down column norm, computed by hand for layer 0.
+    mlp = model.model.layers[0].mlp
+    xs = []
+    h = mlp.register_forward_pre_hook(lambda _m, a: xs.append(a[0]))
+    with torch.no_grad():
+        model(input_ids=ids)
+    h.remove()
+    x = xs[0]
+    act = mlp.act_fn(x @ mlp.gate_proj.weight.t()) * (x @ mlp.up_proj.weight.t())
+    ref = act.abs().mean(dim=(0, 1)) * mlp.down_proj.weight.norm(dim=0)
+    torch.testing.assert_close(scores.neurons[0], ref, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("kv,group", [(1, 2), (2, 1), (1, 1)])
+def test_gqa_structure_preserved(kv, group):
+    model = tiny_model("qwen2", layers=2, heads=4, kv_heads=2)
+    scores = importance(model, _blocks(), progress=False)
+    pruned = prune_to(model, scores, Arch(layers=2, hidden=64, kv_heads=kv, group=group, intermediate=128))
+    c = pruned.config
+    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (kv * group, kv, 16)
+    record = c.distill_pruning
+    for kvs, qs in zip(record["kept_kv_heads"], record["kept_q_heads"]):
+        assert len(kvs) == kv and len(qs) == kv * group
+        # every kept query head belongs to a kept KV group, and each group keeps the same count
+        assert sorted(q // 2 for q in qs) == sorted(g for g in kvs for _ in range(group))
+    hd = 16
+    for j, layer in enumerate(pruned.model.layers):
+        src = model.model.layers[j].self_attn
+        rows = torch.tensor([q * hd + d for q in record["kept_q_heads"][j] for d in range(hd)])
+        torch.testing.assert_close(layer.self_attn.q_proj.bias, src.q_proj.bias[rows])
+    assert torch.isfinite(_logits(pruned, _blocks(1))).all()
+
+
+def test_composed_record_points_at_teacher_weights():
+    """Pruning a pruned model (the iterative path) keeps the record in the teacher's numbering."""
+    teacher = tiny_model("llama", layers=4)
+    once = prune_to(teacher, importance(teacher, _blocks(), progress=False), Arch(3, 56, 2, 2, 100))
+    twice = prune_to(once, importance(once, _blocks(seed=2), progress=False), Arch(2, 48, 1, 2, 64))
+    rec = twice.config.distill_pruning
+    assert len(rec["rounds"]) == 2 and kept_layers(twice) == rec["kept_layers"]
+    ch = torch.tensor(rec["kept_channels"])
+    for j, layer in enumerate(twice.model.layers):
+        src = teacher.model.layers[rec["kept_layers"][j]]
+        n = torch.tensor(rec["kept_neurons"][j])
+        torch.testing.assert_close(layer.mlp.down_proj.weight, src.mlp.down_proj.weight[ch][:, n])
+        torch.testing.assert_close(layer.input_layernorm.weight, src.input_layernorm.weight[ch])
+    torch.testing.assert_close(twice.model.embed_tokens.weight, teacher.model.embed_tokens.weight[:, ch])
+
+
+def test_candidates_lie_within_budget_and_respect_axes():
+    model = tiny_model("llama", layers=4)
+    base, fam = arch_of(model), family_of(model)
+    target = fam.counts(base)[0] // 2
+    for axes in [AXES, ("depth",), ("mlp",), ("depth", "mlp"), ("hidden", "heads", "mlp")]:
+        found = candidates(base, fam, target, axes)
+        assert found, axes
+        for a in found:
+            assert abs(fam.counts(a)[0] - target) <= 0.03 * target
+            if "depth" not in axes:
+                assert a.layers == base.layers
+            if "hidden" not in axes:
+                assert a.hidden == base.hidden
+            if "heads" not in axes:
+                assert (a.kv_heads, a.group) == (base.kv_heads, base.group)
+            if "mlp" not in axes:
+                assert a.intermediate == base.intermediate
+
+
+def test_bad_budgets_name_the_feasible_range():
+    model = tiny_model("llama", layers=4)
+    full = family_of(model).counts(arch_of(model))[0]
+    with pytest.raises(PruneError, match=r"choose [\d,]+\.\.[\d,]+"):
+        resolve_target(model, full * 2, None, AXES, False)
+    with pytest.raises(PruneError, match=r"choose [\d,]+\.\.[\d,]+"):
+        resolve_target(model, 10, None, ("depth",), False)
+    with pytest.raises(PruneError, match="exactly one"):
+        resolve_target(model, 10, 0.5, AXES, False)
+    with pytest.raises(PruneError, match="unknown prune axes"):
+        parse_axes("depth,width")
+
+
+def test_unsupported_architecture_lists_supported():
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(PruneError, match="llama, mistral, qwen2"):
+        importance(gpt2, _blocks(), progress=False)
+
+
+def test_cli_bad_budget_is_one_line(tmp_path, capsys):
+    path = save_tiny(tmp_path / "teacher", layers=2)
+    capsys.readouterr()  # saving prints progress bars
+    code = main(["--model", str(path), "--out", str(tmp_path / "out"), "--target-ratio", "1.5"])
+    err = capsys.readouterr().err.strip()
+    last = err.splitlines()[-1]  # earlier lines are transformers' loading bars
+    assert code == 2 and last.startswith("error: ") and "choose" in last and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_search_output_loads_within_budget_and_stays_tied(tmp_path):
+    teacher = tiny_model("llama", layers=4, tie_word_embeddings=True).requires_grad_(False)
+    blocks = _blocks(8, 32)
+    s = SearchSettings(target_ratio=0.5, top_k=2, finalists=3, search_steps=2, batch_size=2,
+                       calibration={"dataset": "random ids", "blocks": 8})
+    result = search(teacher, blocks[:4], blocks[4:], blocks, s, log=lambda _msg: None)
+    target = result.target
+    assert result.winner in result.table and len(result.table) >= 3
+    assert all(abs(c.params - target) <= 0.03 * target for c in result.table)
+    distilled = [c for c in result.table if c.kl_distilled == c.kl_distilled]  # not NaN
+    assert len(distilled) == 2 and result.winner.kl_distilled == min(c.kl_distilled for c in distilled)
+    save_pruned(result.model, None, tmp_path / "student", extra=result.to_json())
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "student")
+    non_emb, _ = count_params(loaded)
+    assert abs(non_emb - target) <= 0.03 * target
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+    rec = loaded.config.distill_pruning
+    assert kept_layers(loaded) == rec["kept_layers"] and rec["rounds"][0]["calibration"]["blocks"] == 8
+    ids = _blocks(2, seed=3)
+    torch.testing.assert_close(_logits(loaded, ids), _logits(result.model, ids))
+    with pytest.raises(PruneError, match="not empty"):
+        save_pruned(result.model, None, tmp_path / "student")
+
+
+def test_iterative_rounds_cut_at_most_the_round_limit():
+    teacher = tiny_model("llama", layers=4).requires_grad_(False)
+    blocks = _blocks(6, 32)
+    s = SearchSettings(target_ratio=0.4, top_k=1, finalists=2, search_steps=1, batch_size=2, iterative=True,
+                       max_round_cut=0.3)
+    result = search(teacher, blocks[:4], blocks[4:], blocks, s, log=lambda _msg: None)
+    assert result.rounds >= 3  # 0.7³ = 0.343 < 0.4 < 0.7² = 0.49
+    assert len(result.model.config.distill_pruning["rounds"]) == result.rounds
+    assert abs(count_params(result.model)[0] - result.target) <= 0.03 * result.target
+
+
+def test_hidden_pruned_student_distills_with_projectors():
+    teacher = tiny_model("llama", layers=3).requires_grad_(False)
+    scores = importance(teacher, _blocks(), progress=False)
+    student = prune_to(teacher, scores, Arch(layers=2, hidden=48, kv_heads=2, group=2, intermediate=96))
+    student.train()
+    assert kept_channels(student) is not None and len(kept_channels(student)) == 48
+    cfg = LossConfig(kd_weight=1.0, kd_kind="forward_kl", temperature=2.0, beta=0.5, kd_chunk_size=1024, ce_weight=1.0,
+                     focal_weight=0.0, focal_alpha=0.25, focal_gamma=2.0, hidden_weight=1.0, hidden_layers=["derived"],
+                     hidden_kind="nmse", attn_weight=0.0, attn_layers=[], attn_num_queries=64)
+    model = DistillModel(student, teacher, cfg)
+    assert model.hidden_pairs and all(p.in_features == 48 and p.out_features == 64 for p in model.projectors.values())
+    # The projector starts as the channel scatter: kept channels back in their teacher places.
+    proj = next(iter(model.projectors.values()))
+    x = torch.randn(5, 48)
+    expected = torch.zeros(5, 64)
+    expected[:, kept_channels(student)] = x
+    torch.testing.assert_close(proj(x), expected)
+    out = model(input_ids=_blocks(2))
+    assert torch.isfinite(out.loss) and out.hidden > 0
+    out.loss.backward()
+    assert proj.weight.grad is not None and student.model.embed_tokens.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.slow
+def test_recipe_student_init_prune(tmp_path):
+    """``student_init=prune`` through the real recipe CLI; the CE-only ablation reuses the same student."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "run"
+    args = ["--config", "recipes/configs/tiny.yaml", f"output_dir={out}", "student_init=prune", "target_ratio=0.5",
+            "prune_search_steps=1", "prune_top_k=1", "prune_calib_blocks=4", "prune_eval_blocks=2", "max_steps=2",
+            "eval_every=0", "save_every=0", "attn_weight=0", "compare_ce_only=true"]
+    proc = subprocess.run([sys.executable, "recipes/distill.py", *args], cwd=root, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("calibrated on") == 1  # searched once, reused by the ablation
+    student = AutoModelForCausalLM.from_pretrained(out / "final")
+    assert student.config.distill_pruning["kept_layers"] == kept_layers(student)
+    full = family_of(tiny_model("llama", layers=4, hidden=64, vocab=512)).counts(Arch(4, 64, 2, 2, 128))[0]
+    assert abs(count_params(student)[0] - full / 2) <= 0.03 * full / 2
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["ce_only_ppl_final"] is not None
+    bad = subprocess.run([sys.executable, "recipes/distill.py", "--config", "recipes/configs/tiny.yaml",
+                          f"output_dir={tmp_path / 'bad'}", "student_init=prune"], cwd=root, capture_output=True,
+                         text=True, timeout=600)
+    assert bad.returncode == 2 and "exactly one of target_params= or target_ratio=" in bad.stderr
+
+
+def test_plan_prints_calibration_memory(capsys):
+    from distill import plan
+
+    shape = plan.ModelShape(num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2,
+                            vocab_size=320)
+    fp32 = plan.calibration_bytes(shape, 2, 16, mixed_precision=False)
+    bf16 = plan.calibration_bytes(shape, 2, 16, mixed_precision=True)
+    assert fp32["weights"] == 4 * shape.num_params == 2 * bf16["weights"]
+    # one layer's activations for 32 tokens: weight-dtype tensors + the hooks' fp32 copies
+    assert fp32["activations"] == 4 * 32 * (4 * 64 + 2 * 32 + 3 * 128) + 4 * 32 * (3 * 64 + 128)
+    assert fp32["offload_gpu"] < fp32["resident"]
+    assert plan.main(["--config", "recipes/configs/deepseek_17b_to_7b.yaml"]) == 0
+    out = capsys.readouterr().out
+    assert "calibration (python -m distill.prune" in out and '"calibration_gib"' in out.splitlines()[-1]
+
+
+def test_cli_writes_a_loadable_pruned_model(tmp_path, capsys):
+    import json
+
+    path = save_tiny(tmp_path / "teacher", layers=3)
+    words = "the quick brown fox jumps over the lazy dog and distills a teacher into a student".split()
+    lines = [" ".join(words[(i * 7 + j) % len(words)] for j in range(40)) for i in range(300)]
+    (tmp_path / "text.txt").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "pruned"
+    code = main(["--model", str(path), "--out", str(out), "--target-ratio", "0.5", "--axes", "depth,mlp",
+                 "--dataset", str(tmp_path / "text.txt"), "--seq-len", "32", "--calib-blocks", "4",
+                 "--eval-blocks", "2", "--search-steps", "1", "--top-k", "1", "--finalists", "2", "--batch-size", "2"])
+    stdout = capsys.readouterr().out
+    assert code == 0, stdout
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.hidden_size == 64 and model.config.num_attention_heads == 4  # axes respected
+    assert count_params(model)[0] == summary["winner"]["params_non_embedding"]
+    assert abs(summary["winner"]["params_non_embedding"] - summary["target"]) <= 0.03 * summary["target"]
+    table = json.loads((out / "search.json").read_text())["candidates"]
+    assert len(table) >= 2 and (out / "tokenizer.json").is_file()
+    assert model.config.distill_pruning["rounds"][0]["calibration"]["dataset"] == str(tmp_path / "text.txt")
+
+
+def test_recipe_config_checks_prune_fields():
+    from core.config import ConfigError
+    from distill.config import DistillConfig
+
+    assert DistillConfig(student_init="prune", target_ratio=0.3).prune_axes == "depth,mlp,heads,hidden"
+    for kw, msg in [({"student_init": "prune"}, "exactly one"),
+                    ({"student_init": "prune", "target_ratio": 0.3, "target_params": 1e6}, "exactly one"),
+                    ({"student_init": "prune", "target_ratio": 1.5}, "target_ratio must be in"),
+                    ({"student_init": "cut"}, "student_init must be one of keep_layers, prune"),
+                    ({"student_init": "prune", "target_ratio": 0.3, "student": "x"}, "student= loads")]:
+        with pytest.raises(ConfigError, match=msg):
+            DistillConfig(**kw)
