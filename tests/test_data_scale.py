@@ -369,3 +369,13 @@ def test_prepare_command_reads_a_recipe_config_and_reports(tmp_path, capsys):
     assert tokens == blocks * 16 and nbytes > tokens * 2  # uint16 train blocks plus held-out blocks
     with pytest.raises(ConfigError, match="unknown config key 'seqlen'"):
         main(["prepare", "--config", str(cfg), "seqlen=8"])
+
+
+def test_blocks_index_like_the_tensor_they_replace(tmp_path, tok):
+    data = D.build_data(tok, dataset=_jsonl(tmp_path / "a.jsonl", _texts(200, 3)), seq_len=16, eval_blocks=2,
+                        data_cache=str(tmp_path / "c"), progress=False)
+    full = data.train[slice(None)]
+    assert torch.equal(data.train[3, :5], full[3, :5])
+    assert torch.equal(data.train[1:4, 2:], full[1:4, 2:])
+    assert torch.equal(data.train[torch.tensor([5, 0])], full[torch.tensor([5, 0])])
+    assert torch.equal(data.train[2], full[2])

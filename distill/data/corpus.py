@@ -56,6 +56,9 @@ class Blocks:
         return out
 
     def __getitem__(self, index) -> torch.Tensor:
+        if isinstance(index, tuple):  # (rows, columns), as on the in-memory [n, seq_len] tensor it replaces
+            rows, *cols = index
+            return self[rows][(slice(None), *cols) if not isinstance(rows, (int, np.integer)) else tuple(cols)]
         if isinstance(index, slice):
             index = np.arange(*index.indices(self.shape[0]))
         elif isinstance(index, (int, np.integer)):
