@@ -1,11 +1,7 @@
 """Training data: sources, prepare-once memory-mapped blocks, mixtures, and a resumable order.
 
-The built-in corpus is the docstrings of the Python standard library installed with the
-interpreter that runs the recipe. Why this one: it is real English prose written by people
-(explanations, caveats, examples), it is present on every machine that can run the toolkit so it
-needs no download, its licence (PSF) allows the use, and it is large enough (about 1 MB of text,
-~250K SmolLM2 tokens) for a demo. Held-out text comes from different *files* than training text
-(a stable hash of the file's path decides), so evaluation never sees a training docstring.
+The built-in corpus (:mod:`core.corpus`) is the docstrings of the Python standard library; its
+held-out docstrings come from other files than its training ones.
 
 User data goes through ``datasets``: local ``.jsonl`` / ``.json`` / ``.txt`` / ``.parquet`` files or
 directories, or a hub name when online. Records with a ``messages`` list (chat format) are

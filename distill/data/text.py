@@ -1,18 +1,8 @@
-"""Where training text comes from: the built-in offline corpus, user datasets, chat rendering.
+"""Where training text comes from: the built-in corpus (:mod:`core.corpus`), user datasets, chat.
 
-The built-in corpus is the docstrings of the Python standard library installed with the
-interpreter that runs the recipe. Why this one: it is real English prose written by people
-(explanations, caveats, examples), it is present on every machine that can run the toolkit so it
-needs no download, its licence (PSF) allows the use, and it is large enough (about 1 MB of text,
-~250K SmolLM2 tokens) for a demo. Held-out text comes from different *files* than training text
-(a stable hash of the file's path decides), so evaluation never sees a training docstring.
-
-User data goes through ``datasets``: local ``.jsonl`` / ``.json`` / ``.txt`` / ``.parquet`` files or
-directories, or a hub name when online. Records with a ``messages`` list (chat format) are
-rendered with the tokenizer's chat template; otherwise ``text_field`` is read.
-
-Documents are tokenized, joined with EOS, and packed into fixed ``[seq_len]`` blocks: no padding,
-so every micro-batch holds the same number of tokens and gradient accumulation is exact.
+User files and hub datasets are read through ``datasets``; chat records (``messages``) are rendered
+with the tokenizer's chat template, with a mask of the assistant's tokens; other records give their
+``text_field``. :mod:`distill.data.prepare` packs what this module reads.
 """
 
 from __future__ import annotations
