@@ -55,12 +55,12 @@ SHAPES = ("demo", "long", "tiny")
 
 def shape_overrides(shape: str, steps: int, workdir: Path) -> dict:
     if shape == "tiny":  # the test suite's random 4-layer model: checks agreement in seconds, not speed
-        return dict(teacher="tiny-random", keep_layers="2", seq_len=64, micro_batch_size=2, max_steps=steps,
+        return dict(teacher="tiny-random", student_init="keep_layers", keep_layers="2", seq_len=64, micro_batch_size=2, max_steps=steps,
                     **OBJECTIVE)
     if shape == "demo":
-        return dict(teacher="smollm2-135m-instruct", keep_layers="0-3,24-29", seq_len=256, micro_batch_size=4,
+        return dict(teacher="smollm2-135m-instruct", student_init="keep_layers", keep_layers="0-3,24-29", seq_len=256, micro_batch_size=4,
                     max_steps=steps, **OBJECTIVE)
-    return dict(teacher=str(long_teacher(workdir)), keep_layers="2", seq_len=2048, micro_batch_size=1,
+    return dict(teacher=str(long_teacher(workdir)), student_init="keep_layers", keep_layers="2", seq_len=2048, micro_batch_size=1,
                 max_steps=steps, **OBJECTIVE)
 
 

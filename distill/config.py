@@ -28,20 +28,22 @@ class DistillConfig:
     teacher: str = field("smollm2-135m-instruct", help="teacher: an HF directory, a hub name, "
                          "'smollm2-135m-instruct' (built-in demo, offline) or 'tiny-random' (tests)")
     student: str | None = field(None, help="student HF directory/hub name; empty: derive from the teacher")
-    keep_layers: str = field("0-3,24-29", help="when deriving: how many teacher layers to keep ('10', spread "
-                             "evenly) or which ('0-5,26-29')")
-    student_init: str = field("keep_layers", choices=("keep_layers", "prune"), help="how to derive the student: "
-                              "keep_layers (the teacher layers in keep_layers) | prune (importance pruning + search "
-                              "at target_params/target_ratio, distill/prune.py)")
+    keep_layers: str = field("0-3,24-29", help="student_init=keep_layers: how many teacher layers to keep ('10', "
+                             "spread evenly) or which ('0-5,26-29')")
+    student_init: str = field("prune", choices=("prune", "keep_layers"), help="how a student is derived when "
+                              "student is empty: prune (importance pruning + a short-distill search at "
+                              "target_params/target_ratio, distill/prune.py) | keep_layers (the teacher layers "
+                              "in keep_layers)")
     target_params: float | None = field(None, gt=0, help="student_init=prune: budget in non-embedding parameters")
     target_ratio: float | None = field(None, gt=0, le=1, help="student_init=prune: budget as a fraction of the "
-                                       "teacher's non-embedding parameters")
+                                       "teacher's non-embedding parameters; with neither budget given, a third "
+                                       "(the size of 10 of the demo teacher's 30 layers)")
     prune_axes: str = field("depth,mlp,heads,hidden", help="student_init=prune: what may be cut")
-    prune_search_steps: int = field(20, ge=0, help="student_init=prune: short-distill steps per top candidate")
-    prune_top_k: int = field(3, ge=1, help="student_init=prune: candidates short-distilled before picking the winner")
-    prune_calib_blocks: int = field(32, ge=1, help="student_init=prune: training blocks for the importance scores")
-    prune_eval_blocks: int = field(8, ge=1, help="student_init=prune: held-out blocks that rank candidates")
-    prune_max_candidates: int = field(32, ge=2, help="student_init=prune: architectures ranked at init (evenly "
+    prune_search_steps: int = field(4, ge=0, help="student_init=prune: short-distill steps per top candidate")
+    prune_top_k: int = field(2, ge=1, help="student_init=prune: candidates short-distilled before picking the winner")
+    prune_calib_blocks: int = field(8, ge=1, help="student_init=prune: training blocks for the importance scores")
+    prune_eval_blocks: int = field(4, ge=1, help="student_init=prune: held-out blocks that rank candidates")
+    prune_max_candidates: int = field(16, ge=2, help="student_init=prune: architectures ranked at init (evenly "
                                       "spaced)")
     tokenizer: str | None = field(None, help="tokenizer source; default: the teacher's")
     # data
@@ -133,10 +135,8 @@ class DistillConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)  # every field's range/choices, declared above (core.config.field)
-        if self.student_init == "prune" and (self.target_params is None) == (self.target_ratio is None):
-            raise ConfigError("student_init=prune needs exactly one of target_params= or target_ratio=")
-        if self.student_init == "prune" and self.student:
-            raise ConfigError("student= loads a ready student; drop it or set student_init=keep_layers")
+        if self.target_params is not None and self.target_ratio is not None:
+            raise ConfigError("give one budget: target_params= or target_ratio=, not both")
         if self.datasets:  # sources and weights checked before any model loads
             parse_sources(self.datasets)
         if self.resume is not None and self.overwrite:

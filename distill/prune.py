@@ -770,6 +770,9 @@ def calibration_data(tokenizer, dataset: str, seq_len: int, calib_blocks: int, e
     return calib, data.eval, data.train if train_blocks is None else data.train[:train_blocks]
 
 
+DEFAULT_RATIO = 1 / 3  # the recipe's budget when it names none: a third of the teacher's non-embedding size
+
+
 def prune_for_recipe(teacher: PreTrainedModel, tokenizer, cfg: Any, log: Callable[[str], None] = print
                      ) -> PreTrainedModel:
     """``student_init: prune`` in ``recipes/distill.py``: search a student at the config's budget.
@@ -786,7 +789,8 @@ def prune_for_recipe(teacher: PreTrainedModel, tokenizer, cfg: Any, log: Callabl
     axes = parse_axes(cfg.prune_axes)
     calib, held, train = calibration_data(tokenizer, cfg.dataset, cfg.seq_len, cfg.prune_calib_blocks,
                                           cfg.prune_eval_blocks, text_field=cfg.text_field)
-    s = SearchSettings(target_params=cfg.target_params, target_ratio=cfg.target_ratio, axes=axes,
+    ratio = cfg.target_ratio if cfg.target_params is not None or cfg.target_ratio is not None else DEFAULT_RATIO
+    s = SearchSettings(target_params=cfg.target_params, target_ratio=ratio, axes=axes,
                        search_steps=cfg.prune_search_steps, top_k=cfg.prune_top_k, lr=cfg.lr,
                        max_candidates=getattr(cfg, "prune_max_candidates", 64),
                        batch_size=cfg.micro_batch_size, seed=cfg.seed,
