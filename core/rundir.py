@@ -42,10 +42,10 @@ def _forbidden(path: Path) -> str | None:
         return "is the filesystem root"
     if path == home:
         return "is your home folder"
+    if _is_within(CHECKOUT, path):  # before the current folder: a checkout's parent often holds both
+        return "contains the hybrid-distill checkout"
     if _is_within(cwd, path):
         return "is the current folder" if path == cwd else "contains the current folder"
-    if _is_within(CHECKOUT, path):
-        return "contains the hybrid-distill checkout"
     return None
 
 
