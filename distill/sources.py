@@ -13,6 +13,21 @@ from distill.prune import prune_for_recipe
 from distill.student import derive_student
 
 
+def load_recipe_tokenizer(model: str, tokenizer: str | None = None):
+    """The tokenizer a recipe trains with: ``tokenizer`` or the model's (the tiny one for ``tiny-random``).
+
+    A tokenizer without a pad token pads with EOS. Sources that cannot be loaded raise a one-line
+    :class:`ConfigError`.
+    """
+    try:
+        tok = tiny_teacher_tokenizer() if (tokenizer or model) == TINY else load_tokenizer(tokenizer or model)
+    except (ModelSourceError, OSError) as err:
+        raise ConfigError(str(err).splitlines()[0]) from None
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
 def load_pair(cfg: Any) -> tuple[torch.nn.Module | None, torch.nn.Module, Any]:
     """``(teacher, student, tokenizer)`` from ``cfg.teacher`` / ``cfg.student`` / ``cfg.student_init``.
 
@@ -25,16 +40,9 @@ def load_pair(cfg: Any) -> tuple[torch.nn.Module | None, torch.nn.Module, Any]:
     try:
         if cached and cfg.student:
             # Distilling from a teacher cache: the teacher is never loaded.
-            student = load_causal_lm(cfg.student)
-            tokenizer = load_tokenizer(cfg.tokenizer or cfg.student)
-            if tokenizer.pad_token is None:
-                tokenizer.pad_token = tokenizer.eos_token
-            return None, student, tokenizer
-        if cfg.teacher == TINY:
-            teacher, tokenizer = tiny_teacher(cfg.seed), tiny_teacher_tokenizer()
-        else:
-            teacher = load_causal_lm(cfg.teacher)
-            tokenizer = load_tokenizer(cfg.tokenizer or cfg.teacher)
+            return None, load_causal_lm(cfg.student), load_recipe_tokenizer(cfg.student, cfg.tokenizer)
+        teacher = tiny_teacher(cfg.seed) if cfg.teacher == TINY else load_causal_lm(cfg.teacher)
+        tokenizer = load_recipe_tokenizer(cfg.teacher, cfg.tokenizer)
         if cfg.student:
             student = load_causal_lm(cfg.student)
         elif getattr(cfg, "student_init", "keep_layers") == "prune":
@@ -47,8 +55,6 @@ def load_pair(cfg: Any) -> tuple[torch.nn.Module | None, torch.nn.Module, Any]:
     except (ModelSourceError, OSError) as err:
         raise ConfigError(str(err).splitlines()[0]) from None
     teacher.eval().requires_grad_(False)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
     if cached:  # the teacher was needed only to derive the student
         teacher = None
     return teacher, student, tokenizer

@@ -42,10 +42,11 @@ import attention
 from attention.errors import HybridAttentionError
 from attention.spec import HybridAttentionConfig
 from core.config import ConfigError, check_fields, field, run_cli
-from core.models import ModelSourceError, load_causal_lm, load_tokenizer
-from core.tiny import TINY, tiny_teacher, tiny_teacher_tokenizer
+from core.models import ModelSourceError, load_causal_lm
+from core.tiny import TINY, tiny_teacher
 from distill.data import BUILTIN, build_data, parse_sources, steps_for_tokens
 from distill.model import KD_KINDS, DistillModel, LossConfig
+from distill.sources import load_recipe_tokenizer
 from distill.training import (
     PRECISIONS,
     TRACKERS,
@@ -207,16 +208,11 @@ class RetrofitConfig:
 
 def load_models(cfg: RetrofitConfig) -> tuple[torch.nn.Module, torch.nn.Module, Any]:
     """``(model, dense_teacher, tokenizer)``: two copies of the same pretrained weights, fp32."""
+    tokenizer = load_recipe_tokenizer(cfg.teacher, cfg.tokenizer)
     try:
-        if cfg.teacher == TINY:
-            model, tokenizer = tiny_teacher(cfg.seed), tiny_teacher_tokenizer()
-        else:
-            model = load_causal_lm(cfg.teacher, dense=True)
-            tokenizer = load_tokenizer(cfg.tokenizer or cfg.teacher)
+        model = tiny_teacher(cfg.seed) if cfg.teacher == TINY else load_causal_lm(cfg.teacher, dense=True)
     except (ModelSourceError, OSError) as err:
         raise ConfigError(str(err).splitlines()[0]) from None
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
     teacher = copy.deepcopy(model).eval().requires_grad_(False)
     return model, teacher, tokenizer
 
