@@ -37,6 +37,7 @@ from torch import nn
 
 __all__ = [
     "gather_params",
+    "gathered_replica",
     "is_deepspeed",
     "is_fsdp",
     "is_zero3",
@@ -214,6 +215,45 @@ def gather_params(params: nn.Parameter | Iterable[nn.Parameter] | nn.Module) -> 
 
     with deepspeed.zero.GatheredParameters(zero, modifier_rank=None):
         yield
+
+
+def gathered_replica(model: nn.Module, replica: nn.Module | None = None) -> nn.Module:
+    """A plain (unsharded) copy of ``model``'s current weights, for code that reads weights directly.
+
+    Under ZeRO-3 a parameter is whole only inside a gather, and a module's forward hooks gather and
+    release it again per call, as a collective every rank must join in the same order. Code that
+    loops a data-dependent number of times per rank (a decode engine stopping rows at end of text)
+    cannot use the sharded modules. It uses this replica instead: built once with the same config
+    (``replica=None``), refreshed in place from one gather of every parameter on later calls. Cost:
+    one more full copy of the model per rank, and one all-gather + copy per refresh. Every rank must
+    call it (the gather is a collective). Buffers (rotary tables) are never sharded and are copied too.
+
+    Args:
+        model: the (possibly ZeRO-3 partitioned) ``PreTrainedModel``.
+        replica: the copy made by an earlier call, refreshed in place; ``None`` builds it.
+    """
+    params = dict(model.named_parameters())
+    if replica is None:
+        sample = next(iter(params.values()))
+        dtype = sample.ds_tensor.dtype if _is_zero_param(sample) else sample.dtype
+        device = sample.ds_tensor.device if _is_zero_param(sample) else sample.device
+        with torch.device("meta"):
+            replica = type(model)(model.config)
+        replica = replica.to_empty(device=device).to(dtype)
+        replica.tie_weights()
+        replica.requires_grad_(False)
+    own = dict(replica.named_parameters())
+    if own.keys() != params.keys():
+        raise RuntimeError(f"replica parameters differ from the model's: {sorted(own.keys() ^ params.keys())[:4]}")
+    with torch.no_grad(), gather_params(list(params.values())):
+        for name, p in params.items():
+            own[name].copy_(p)
+    with torch.no_grad():
+        for (name, b), (own_name, mine) in zip(model.named_buffers(), replica.named_buffers(), strict=True):
+            if name != own_name:
+                raise RuntimeError(f"replica buffer {own_name} does not match the model's {name}")
+            mine.copy_(b)
+    return replica
 
 
 def unwrap_teacher(teacher: nn.Module) -> nn.Module:

@@ -14,6 +14,9 @@ prefixes it produces itself. On a share ``fraction`` of the micro-batches, :clas
 Weights: the engine is built once over the live student's modules with ``fast_weights=False``, so
 it reads the very parameters the optimizer updates — no copy, no sync, always the current weights.
 (The engine's fused decode copies would be stale after every optimizer step; they are never made.)
+Under ZeRO-3 the parameters exist only as shards, and the engine's data-dependent number of forward
+calls per rank cannot join ZeRO-3's per-module gathers; there the engine decodes from a plain replica
+refreshed by one all-gather per optimizer step that generates (one extra student copy per rank).
 
 Which micro-batches go on-policy is a fixed function of (step, micro-batch index): every rank makes
 the same choice (DDP ranks stay in step) and a resumed run makes the same choices again.
@@ -29,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from core.config import ConfigError
+from distill.distributed import gathered_replica, is_zero3
 from serve.engine import Engine
 from serve.sampling import SamplingParams
 
@@ -151,23 +155,39 @@ def rollout_batch(prompts: list[list[int]], completions: list[list[int]], pad_id
 class Rollouts:
     """:class:`serve.engine.Engine` over a live student (its parameters used in place, never copied).
 
+    Under ZeRO-3 (``sharded=True``) the student's parameters exist only as shards, so the engine
+    decodes from :func:`distill.distributed.gathered_replica` instead: a plain copy refreshed by one
+    all-gather the first time each optimizer step generates (one extra copy of the student per rank).
+
     Args:
-        student: the HF causal LM being trained (unwrapped from DDP).
+        student: the HF causal LM being trained (unwrapped from DDP / DeepSpeed).
         tokenizer: its tokenizer.
         max_batch: rows decoded together (the micro-batch size).
         max_seq_len: prompt + continuation budget (the engine refuses longer requests).
+        sharded: the student's parameters are ZeRO-3 partitioned.
     """
 
-    def __init__(self, student, tokenizer, max_batch: int, max_seq_len: int):
-        p = next(student.parameters())
-        was = student.training
+    def __init__(self, student, tokenizer, max_batch: int, max_seq_len: int, sharded: bool = False):
         self.student = student
-        self.engine = Engine(model=student, tokenizer=tokenizer, device=p.device, dtype=p.dtype, max_batch=max_batch,
+        self.replica = gathered_replica(student) if sharded else None
+        self.synced_step: int | None = None
+        model = self.replica if sharded else student
+        p = next(model.parameters())
+        was = student.training
+        self.engine = Engine(model=model, tokenizer=tokenizer, device=p.device, dtype=p.dtype, max_batch=max_batch,
                              max_seq_len=max_seq_len, fast_weights=False)
         student.train(was)  # the engine puts its model in eval mode; training continues in train mode
 
-    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
-        """Continuations (token ids, stop token excluded) of ``prompts`` with the current weights."""
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams], step: int | None = None
+                 ) -> list[list[int]]:
+        """Continuations (token ids, stop token excluded) of ``prompts`` with the current weights.
+
+        ``step``: the optimizer step; a sharded student's replica is refreshed when it changes (every
+        rank calls this at the same steps, so the refresh's collective lines up).
+        """
+        if self.replica is not None and (step is None or step != self.synced_step):
+            gathered_replica(self.student, self.replica)
+            self.synced_step = step
         was = self.student.training
         self.student.eval()
         try:
@@ -190,14 +210,14 @@ class OnPolicy:
     """
 
     def __init__(self, settings: OnPolicySettings, model, unwrapped, tokenizer, micro_batch_size: int, rank: int = 0,
-                 prompts: list[list[int]] | None = None):
+                 prompts: list[list[int]] | None = None, sharded: bool = False):
         self.s = settings
         self.model, self.unwrapped = model, unwrapped
         self.rank = rank
         self.pool = prompts
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.rollouts = Rollouts(unwrapped.student, tokenizer, micro_batch_size,
-                                 settings.prompt_tokens + settings.max_new_tokens)
+                                 settings.prompt_tokens + settings.max_new_tokens, sharded=sharded)
         cfg = unwrapped.loss_config
         # The divergence (and hidden/attention matching, which is valid on any shared text) only.
         self.loss_config = dataclasses.replace(cfg, ce_weight=0.0, focal_weight=0.0)
@@ -224,7 +244,7 @@ class OnPolicy:
         """Roll out one micro-batch; returns the :func:`rollout_batch` tensors (on CPU)."""
         prompts = self.prompts_for(blocks, step, micro)
         t0 = time.perf_counter()
-        completions = self.rollouts.generate(prompts, self.params_for(len(prompts), step, micro))
+        completions = self.rollouts.generate(prompts, self.params_for(len(prompts), step, micro), step)
         self.gen_seconds += time.perf_counter() - t0
         self.gen_tokens += sum(len(c) for c in completions)
         self.micro_batches += 1
@@ -259,15 +279,11 @@ def build(cfg, accelerator, model, tokenizer) -> OnPolicy | None:
     settings = settings_from(cfg)
     if settings.fraction == 0:
         return None
-    from distill.distributed import is_zero3
-
-    if is_zero3(accelerator):
-        raise OnPolicyError("on-policy rollouts read the student's parameters in place, which ZeRO-3 shards; "
-                            "use DDP or ZeRO-2 (launch/deepspeed_zero2.yaml) or set on_policy_fraction=0")
     unwrapped = accelerator.unwrap_model(model)
     limit = unwrapped.student.config.max_position_embeddings
     if settings.prompt_tokens + settings.max_new_tokens > limit:
         raise OnPolicyError(f"gen_prompt_tokens + gen_max_new_tokens exceeds the student's context of {limit} "
                             "tokens; lower them")
     pool = chat_prompts(cfg.dataset, tokenizer, settings.prompt_tokens) if settings.prompts == "chat" else None
-    return OnPolicy(settings, model, unwrapped, tokenizer, cfg.micro_batch_size, accelerator.process_index, pool)
+    return OnPolicy(settings, model, unwrapped, tokenizer, cfg.micro_batch_size, accelerator.process_index, pool,
+                    sharded=is_zero3(accelerator))

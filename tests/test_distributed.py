@@ -239,9 +239,9 @@ needs_recipe = pytest.mark.skipif(not (RECIPE.exists() and TINY.exists()),
                                   reason="recipes/distill.py and recipes/configs/tiny.yaml not present")
 
 
-def _run_recipe(config: str, out: Path, cpu_ddp: bool) -> dict:
+def _run_recipe(config: str, out: Path, cpu_ddp: bool, *extra: str) -> dict:
     _launch(config, [str(RECIPE), "--config", str(TINY), f"output_dir={out}", "max_steps=3", "save_every=2",
-                     "seed=0"], cpu_ddp=cpu_ddp)
+                     "seed=0", *extra], cpu_ddp=cpu_ddp)
     _check_final(out / "final")
     assert (out / "checkpoints" / "step-2").is_dir()
     summary = json.loads((out / "summary.json").read_text())
@@ -260,7 +260,10 @@ def test_recipe_cpu_ddp_two_processes(tmp_path):
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_recipe_deepspeed_zero3_two_processes(tmp_path):
-    _run_recipe("deepspeed_zero3.yaml", tmp_path / "run", cpu_ddp=False)
+    """ZeRO-3 with half the micro-batches on-policy: the engine decodes from a replica of the sharded student."""
+    summary = _run_recipe("deepspeed_zero3.yaml", tmp_path / "run", False, "on_policy_fraction=0.5",
+                          "gen_prompt_tokens=8", "gen_max_new_tokens=8")
+    assert summary["on_policy"]["rollout_tokens"] > 0
 
 
 RETROFIT = ROOT / "recipes" / "retrofit.py"

@@ -204,3 +204,41 @@ def test_recipe_on_policy_under_two_process_ddp(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["num_processes"] == 2 and summary["on_policy"]["rollout_tokens"] > 0
     assert (out / "final" / "model.safetensors").exists()
+
+
+def test_sharded_rollouts_decode_from_a_replica_refreshed_per_step():
+    """The ZeRO-3 path (a replica synced once per step) rolls out what the live-weight path rolls out."""
+    _, student, model = _pair("forward_kl")
+    live = _policy(model, temperature=0.8, max_new=8)
+    s = live.s
+    sharded = OnPolicy(s, model, model, tiny_tokenizer(), 3, sharded=True)
+    replica = sharded.rollouts.replica
+    assert replica is not student and replica.lm_head.weight.data_ptr() != student.lm_head.weight.data_ptr()
+    blocks = torch.randint(3, 320, (3, 16), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(live.generate(blocks, 0, 0)["input_ids"], sharded.generate(blocks, 0, 0)["input_ids"])
+    opt = torch.optim.SGD(student.parameters(), lr=0.5)
+    live.forward(blocks, 0, 0, torch.device("cpu")).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    stale = sharded.generate(blocks, 0, 1)  # same step: the replica is not refreshed
+    fresh = sharded.generate(blocks, 1, 0)  # next step: refreshed from the updated weights
+    assert torch.equal(fresh["input_ids"], live.generate(blocks, 1, 0)["input_ids"])
+    for (name, a), b in zip(student.named_parameters(), replica.parameters()):
+        assert torch.equal(a, b), name
+    assert not any(p.requires_grad for p in replica.parameters())
+    assert stale["input_ids"].shape[0] == 3
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_gathered_replica_copies_weights_buffers_and_ties(tied):
+    from distill.distributed import gathered_replica
+
+    model = tiny_model(seed=3, layers=2, tie_word_embeddings=tied)
+    replica = gathered_replica(model)
+    assert (replica.lm_head.weight is replica.model.embed_tokens.weight) == tied
+    ids = torch.randint(3, 320, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, replica.eval()(ids).logits)
+        model.lm_head.weight.add_(1.0)
+    assert gathered_replica(model, replica) is replica  # refreshed in place
+    assert torch.equal(replica.lm_head.weight, model.lm_head.weight)
