@@ -14,6 +14,7 @@ import torch
 from core.corpus import heldout as _heldout
 from core.tiny import tiny_model, tiny_tokenizer
 from distill import data as D
+from distill.data import parallel
 from distill.data import prepare as P
 from distill.data.order import MixtureOrder, permute
 from distill.data.text import DataError, SourceSpec
@@ -74,12 +75,40 @@ def test_prepared_blocks_equal_the_in_memory_reference_and_are_compact(tmp_path,
 def test_multiprocess_prepare_equals_single_process(tmp_path, tok, monkeypatch):
     src = _jsonl(tmp_path / "a.jsonl", _texts(300, 1))
     monkeypatch.setattr(P, "_MIN_RECORDS_PER_PROC", 10)
+    monkeypatch.setattr(P, "_MIN_BYTES_PER_PROC", 100)
+    monkeypatch.setattr(parallel, "_MIN_RANGE", 500)  # many byte ranges, cut mid-file
     one = P.prepare_source(SourceSpec(src), tok, P.PackSettings(16), data_cache=str(tmp_path / "c1"), num_proc=1,
                            progress=False)
     two = P.prepare_source(SourceSpec(src), tok, P.PackSettings(16), data_cache=str(tmp_path / "c2"), num_proc=2,
                            progress=False)
-    assert two.meta["num_proc"] == 2
+    assert two.meta["num_proc"] == 2 and two.meta["reader"] == "jsonl-ranges"
     assert np.array_equal(one.train, two.train) and np.array_equal(one.eval, two.eval)
+    # The datasets reader (what hub / parquet / txt sources use) packs the same file identically.
+    monkeypatch.setattr(P, "_jsonl_files", lambda spec: None)
+    via = P.prepare_source(SourceSpec(src), tok, P.PackSettings(16), data_cache=str(tmp_path / "c3"), num_proc=2,
+                           progress=False)
+    assert via.meta["reader"] == "datasets" and via.meta["num_proc"] == 2
+    assert np.array_equal(one.train, via.train) and np.array_equal(one.eval, via.eval)
+
+
+def test_jsonl_reader_skips_blank_lines_like_datasets_and_names_a_bad_line(tmp_path, tok, monkeypatch):
+    texts = _texts(120, 4)
+    lines = [json.dumps({"text": t}) + ("\n\n   \n" if i % 7 == 0 else "\n") for i, t in enumerate(texts)]
+    src = tmp_path / "blank.jsonl"
+    src.write_text("".join(lines))
+    monkeypatch.setattr(parallel, "_MIN_RANGE", 300)
+    direct = P.prepare_source(SourceSpec(str(src)), tok, P.PackSettings(16, eval_fraction=0.2),
+                              data_cache=str(tmp_path / "c1"), num_proc=1, progress=False)
+    train, held = _reference_pack(texts, tok, 16, 0.2)  # record i = the i-th non-blank line
+    assert direct.meta["reader"] == "jsonl-ranges"
+    assert np.array_equal(np.asarray(direct.train, dtype=np.int64), train.numpy())
+    assert np.array_equal(np.asarray(direct.eval, dtype=np.int64), held.numpy())
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(lines[:50]) + "{not json\n" + "".join(lines[50:]))
+    with pytest.raises(DataError, match=r"record 50 is not valid JSON .* fix or remove that line"):
+        P.prepare_source(SourceSpec(str(bad)), tok, P.PackSettings(16), data_cache=str(tmp_path / "c2"),
+                         num_proc=1, progress=False)
+    assert [p for p in (tmp_path / "c2").iterdir()] == []  # nothing left that a later run would trust
 
 
 def test_cache_is_reused_and_invalidated_by_source_tokenizer_and_seq_len(tmp_path, tok, monkeypatch):
@@ -87,10 +116,11 @@ def test_cache_is_reused_and_invalidated_by_source_tokenizer_and_seq_len(tmp_pat
     cache = str(tmp_path / "c")
     first = P.prepare_source(SourceSpec(src), tok, P.PackSettings(16), data_cache=cache, progress=False)
 
-    def boom(_spec):
+    def boom(*_a, **_k):
         raise AssertionError("a cached source was tokenized again")
 
     monkeypatch.setattr(P, "_records", boom)
+    monkeypatch.setattr(P, "_tokenize_fn", boom)
     again = P.prepare_source(SourceSpec(src), tok, P.PackSettings(16), data_cache=cache, progress=False)
     assert again.path == first.path
     monkeypatch.undo()
@@ -120,7 +150,8 @@ def test_interrupted_prepare_leaves_nothing_a_later_run_trusts(tmp_path, tok, mo
     def killed(*_a, **_k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(P, "_pack", killed)
+    monkeypatch.setattr(P, "_pack", killed)  # the datasets reader's last stage
+    monkeypatch.setattr(parallel, "_tokenize_range", killed)  # the jsonl reader's workers
     with pytest.raises(KeyboardInterrupt):
         P.prepare_source(SourceSpec(src), tok, P.PackSettings(16), data_cache=str(cache), progress=False)
     assert list(cache.iterdir()) == []
