@@ -305,6 +305,34 @@ def test_chat_mask_marks_assistant_tokens_only(tmp_path, tok):
     assert off.train_mask is None and np.array_equal(off.train, prep.train)
 
 
+def test_heldout_loss_on_chat_counts_assistant_tokens_only(tmp_path, tok):
+    from accelerate import Accelerator
+
+    from distill.training import evaluate
+    from eval.metrics import evaluate_lm
+
+    src = _chat(tmp_path / "chat.jsonl", 80)
+    data = D.build_data(tok, dataset=src, seq_len=32, eval_blocks=4, eval_fraction=0.3, data_cache=str(tmp_path / "c"),
+                        progress=False)
+    assert data.eval_mask is not None and 0 < data.eval_mask.float().mean() < 1
+    model = tiny_model(vocab=max(len(tok), 320))
+    # Naive reference: every position t whose label t+1 is an assistant token, one at a time.
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=data.eval).logits.float(), -1)
+    nll, n = 0.0, 0
+    for b in range(data.eval.shape[0]):
+        for t in range(data.eval.shape[1] - 1):
+            if data.eval_mask[b, t + 1]:
+                nll -= float(logp[b, t, data.eval[b, t + 1]])
+                n += 1
+    stats, ref = evaluate(Accelerator(cpu=True), model, data.eval, 3, reference=model, mask=data.eval_mask)
+    assert stats.tokens == n == ref.tokens == stats.ref_tokens
+    assert stats.loss == pytest.approx(nll / n, rel=1e-5) and ref.loss == pytest.approx(nll / n, rel=1e-5)
+    everything = evaluate_lm(model, D.eval_batches(data.eval, 3))[0]
+    assert everything.tokens == data.eval.numel() - data.eval.shape[0] > n
+    assert everything.loss != pytest.approx(stats.loss, rel=1e-3)
+
+
 def test_completion_only_mask_reaches_every_loss_term(tmp_path, tok):
     from distill import losses
     from distill.losses import normalized_mse
