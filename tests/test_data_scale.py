@@ -164,6 +164,27 @@ def test_interrupted_prepare_leaves_nothing_a_later_run_trusts(tmp_path, tok, mo
         P.open_prepared(prep.path)
 
 
+def test_a_cached_start_imports_neither_datasets_nor_pyarrow(tmp_path, tok):
+    a = _jsonl(tmp_path / "a.jsonl", _texts(200, 5))
+    b = tmp_path / "b.txt"  # read through datasets when prepared: a cache miss would import it
+    b.write_text("\n".join(_texts(200, 6)) + "\n")
+    mix = [{"source": a, "weight": 1}, {"source": str(b), "weight": 2}]
+    cache = tmp_path / "c"
+    D.build_data(tok, datasets=mix, seq_len=16, eval_blocks=2, data_cache=str(cache), progress=False)
+    before = sorted(p.name for p in cache.iterdir())
+    tok.save_pretrained(tmp_path / "tok")
+    code = (f"import sys\nfrom transformers import AutoTokenizer\nfrom distill.data import build_data\n"
+            f"tok = AutoTokenizer.from_pretrained({str(tmp_path / 'tok')!r})\n"
+            f"d = build_data(tok, datasets={mix!r}, seq_len=16, eval_blocks=2, data_cache={str(cache)!r}, "
+            "progress=False)\n"
+            "o = d.order(4, 0); next(o.micro_batches(d.train, 0, 0, 1, 2))\n"
+            "print(sorted(m for m in ('datasets', 'pyarrow', 'pandas') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert sorted(p.name for p in cache.iterdir()) == before  # both sources were cache hits
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
 # -- mixtures and order ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 64, 1000, 4097])
