@@ -57,8 +57,9 @@ class DistillConfig:
     datasets: list | None = field(None, help="weighted mixture, overrides dataset: [{source: PATH_OR_NAME, "
                                   "weight: 0.7, text_field: text}, ...]; prepared once into data_cache")
     completion_only: bool = field(True, help="chat records: KD/CE/hidden terms only on assistant tokens")
-    streaming: bool = field(False, help="read one hub/local source on the fly instead of preparing it "
-                            "(resume re-reads the stream up to the step; see distill/data/stream.py)")
+    streaming: bool = field(False, help="read the sources on the fly instead of preparing them (or per entry: "
+                            "datasets: [{source: ..., streaming: true}]; resume re-reads each stream up to the "
+                            "step; see distill/data/stream.py)")
     data_cache: str | None = field(None, help="prepared-data folder; default $HYBRID_DISTILL_CACHE/data")
     max_tokens: int | None = field(None, ge=1, help="train on this many tokens (sets max_steps from the global "
                                    "batch)")

@@ -427,8 +427,39 @@ def test_streaming_reads_the_prepared_blocks_in_order_and_resumes(tmp_path, tok)
     with_held = D.build_data(tok, dataset=src, eval_dataset=held, seq_len=16, eval_blocks=3, streaming=True,
                              data_cache=str(tmp_path / "c"), progress=False)
     assert torch.equal(with_held.eval, D.pack(_texts(50, 12), tok, 16)[:3])
-    with pytest.raises(DataError, match="cannot be mixed"):
-        D.build_data(tok, datasets=[{"source": src, "streaming": True}, {"source": src}], seq_len=16, eval_blocks=1)
+
+
+@pytest.mark.filterwarnings("ignore:streamed data resumes")
+@pytest.mark.filterwarnings("error:stream rewound")  # every process must read each stream forward only
+def test_a_mixture_with_a_stream_keeps_weights_reads_forward_and_resumes(tmp_path, tok):
+    a = _jsonl(tmp_path / "a.jsonl", _texts(400, 20))
+    b = _jsonl(tmp_path / "b.jsonl", _texts(300, 21))
+    cache = str(tmp_path / "c")
+    mix = [{"source": a, "weight": 1, "streaming": True}, {"source": b, "weight": 2}]
+    data = D.build_data(tok, datasets=mix, seq_len=16, eval_blocks=6, data_cache=cache, progress=False)
+    ref = [D.build_data(tok, dataset=x, seq_len=16, eval_blocks=6, data_cache=cache, progress=False) for x in (a, b)]
+    assert data.train.sizes == [None, ref[1].train.shape[0]]
+    assert [r.eval_blocks for r in data.sources] == [2, 4]  # held-out shared by weight
+    assert torch.equal(data.eval[:2], ref[0].eval[:2]) and torch.equal(data.eval[2:], ref[1].eval[:4])
+    order = data.order(6, seed=0)
+    seen, run = [], {}
+    for t in range(8):
+        for r in range(2):
+            for index, blocks in order.micro_batches(data.train, t, r, 2, 1):
+                run.setdefault((t, r), []).append((int(index), blocks))
+                s, local = int(index) % 2, int(index) // 2
+                # The stream's k-th block is the prepared source's k-th block, unshuffled.
+                assert torch.equal(blocks[0], ref[s].train[local] if s else ref[0].train[local])
+                seen.append((t, s, local))
+    stream = [k for _, s, k in seen if s == 0]
+    assert stream == list(range(16))  # weight 1/3 of 6 blocks a step, read in stream order
+    assert all(sum(1 for u, s, _ in seen if u == t and s == 1) == 4 for t in range(8))
+    assert len({k for _, s, k in seen if s == 1}) == 32  # the prepared source stays shuffled, no repeats
+    # A fresh process resuming at step 5 (rank 1) reads what the uninterrupted run read.
+    fresh = D.build_data(tok, datasets=mix, seq_len=16, eval_blocks=6, data_cache=cache, progress=False)
+    got = list(fresh.order(6, seed=0).micro_batches(fresh.train, 5, 1, 2, 1))
+    assert [int(i) for i, _ in got] == [i for i, _ in run[(5, 1)]]
+    assert all(torch.equal(g, w) for (_, g), (_, w) in zip(got, run[(5, 1)]))
 
 
 # -- the prepare command -------------------------------------------------------------------------

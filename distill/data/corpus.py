@@ -98,7 +98,7 @@ class PackedData:
 
     def order(self, global_batch: int, seed: int) -> MixtureOrder:
         """The mixture order of this data: each source sampled in proportion to its weight."""
-        sizes = [None] if getattr(self.train, "streaming", False) else self.train.sizes
+        sizes = self.train.sizes  # None for a streamed source
         return MixtureOrder(sizes, self.weights, global_batch, seed)
 
     def summary(self, order: MixtureOrder | None = None, steps: int | None = None) -> dict:
@@ -146,14 +146,18 @@ def build_data(tokenizer, *, dataset: str | None = BUILTIN, seq_len: int, eval_b
     """
     specs = parse_sources(datasets, dataset, text_field=text_field, streaming=streaming)
     if any(s.streaming for s in specs):
-        if len(specs) > 1:
-            raise DataError("a streamed source cannot be mixed with others; stream one source, or prepare them "
-                            "all (python -m distill.data prepare)")
-        from distill.data.stream import build_streaming
+        from distill.data.stream import build_stream_mixture, build_streaming
 
-        data = build_streaming(tokenizer, specs[0], seq_len=seq_len, eval_blocks=eval_blocks,
-                               eval_fraction=eval_fraction, completion_only=completion_only,
-                               read_heldout=not eval_dataset)
+        if len(specs) == 1:
+            data = build_streaming(tokenizer, specs[0], seq_len=seq_len, eval_blocks=eval_blocks,
+                                   eval_fraction=eval_fraction, completion_only=completion_only,
+                                   read_heldout=not eval_dataset)
+        else:
+            pack_as = PackSettings(seq_len, eval_fraction, completion_only, "train" if eval_dataset else "split")
+            data = build_stream_mixture(
+                tokenizer, specs, seq_len=seq_len, eval_blocks=eval_blocks, eval_fraction=eval_fraction,
+                completion_only=completion_only, read_heldout=not eval_dataset, max_train_blocks=max_train_blocks,
+                prepare=lambda spec: _open_or_prepare(spec, tokenizer, pack_as, data_cache, num_proc, progress))
         if eval_dataset:  # a separate held-out set is prepared (it is small) and used whole
             held = _open_or_prepare(parse_sources(None, eval_dataset, text_field=text_field)[0], tokenizer,
                                     PackSettings(seq_len, eval_fraction, completion_only, "eval"), data_cache,
