@@ -122,6 +122,26 @@ def _tokenize_range(task: tuple[int, tuple[int, int, int], int]) -> tuple[int, d
     return part, {s: tuple(c) for s, c in counts.items()}
 
 
+def _append(src, dst) -> None:
+    """Append file ``src`` to ``dst``: in the kernel where it can (no copy through Python), else buffered."""
+    size = os.fstat(src.fileno()).st_size
+    dst.flush()
+    base = dst.seek(0, os.SEEK_END)
+    done = 0
+    if hasattr(os, "copy_file_range"):
+        try:
+            while done < size:
+                n = os.copy_file_range(src.fileno(), dst.fileno(), size - done, done, base + done)
+                if n == 0:
+                    break
+                done += n
+        except OSError:  # a file system without it: the buffered copy below does the rest
+            pass
+    src.seek(done)
+    dst.seek(base + done)
+    shutil.copyfileobj(src, dst, 16 << 20)
+
+
 def first_record(files: list[Path]) -> dict:
     """The first record of the source (its fields decide text vs chat, as ``datasets`` infers a schema)."""
     for f in files:
@@ -184,7 +204,7 @@ def tokenize_jsonl(files: list[Path], fn: Callable, fields: list[str], folder: P
                 for part in range(len(units)):
                     piece = folder / f"part-{part:06d}.{name}"
                     with open(piece, "rb") as fh:
-                        shutil.copyfileobj(fh, out, 16 << 20)
+                        _append(fh, out)
                     os.unlink(piece)
         totals[split] = (sum(done[p][split][0] for p in done), sum(done[p][split][1] for p in done))
     totals["concat_s"] = time.time() - t_cat
