@@ -138,8 +138,10 @@ class DistillConfig:
         check_fields(self)  # every field's range/choices, declared above (core.config.field)
         if self.target_params is not None and self.target_ratio is not None:
             raise ConfigError("give one budget: target_params= or target_ratio=, not both")
-        if self.datasets:  # sources and weights checked before any model loads
-            parse_sources(self.datasets)
+        specs = parse_sources(self.datasets) if self.datasets else []  # checked before any model loads
+        if self.teacher_cache and (self.streaming or any(s.streaming for s in specs)):
+            raise ConfigError("teacher_cache indexes prepared blocks, and a streamed source has none: set "
+                              "streaming=false (prepare the data: python -m distill.data prepare)")
         if self.resume is not None and self.overwrite:
             raise ConfigError("resume= and overwrite=true contradict each other; pick one")
         if self.teacher_cache and (self.hidden_weight > 0 or self.attn_weight > 0):

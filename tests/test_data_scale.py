@@ -298,6 +298,12 @@ def test_bad_input_gives_one_line_errors_that_name_the_fix(tmp_path, tok):
         assert "\n" not in str(err.value)
     with pytest.raises(DataError, match="cannot fill one global batch of 64; add data or lower"):
         MixtureOrder([30, 20], [1, 1], 64, 0)
+    from core.config import ConfigError
+    from distill.config import DistillConfig
+
+    with pytest.raises(ConfigError, match="teacher_cache indexes prepared blocks.*set streaming=false"):
+        DistillConfig(teacher_cache=str(tmp_path), hidden_weight=0, attn_weight=0,
+                      datasets=[{"source": a, "streaming": True}, {"source": a}])
 
 
 # -- completion-only chat ------------------------------------------------------------------------
