@@ -265,7 +265,8 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--num-proc", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3, help="runs of each throughput arm (medians are reported)")
-    ap.add_argument("--only", choices=["all", "throughput"], default="all")
+    ap.add_argument("--only", choices=["all", "throughput", "scale"], default="all",
+                    help="throughput: the prepare arms on the small corpus; scale: large prepare, cached start, RSS, mixture")
     ap.add_argument("--steps", type=int, default=200, help="training steps read in the RSS measurement")
     ap.add_argument("--batch", type=int, default=32, help="global batch (blocks) of the order")
     ap.add_argument("--work", default="/tmp/hd-bench-data")
@@ -282,19 +283,22 @@ def main() -> None:
           + (f", {large} ({large.stat().st_size / 1e6:.0f} MB)" if large else "") + f" in {time.time() - t0:.0f}s",
           flush=True)
     load0 = os.getloadavg()[0]
-    tp = throughput(small, args, work, cache)
-    rows = throughput_rows(tp)
-    result = {"small_tokens": tp["raw_tokens"], "num_proc": tp["num_proc"], "repeats": args.repeats,
-              "prepare_speedup": tp["speedup"], "prepare_speedup_rounds": tp["speedup_rounds"],
-              "speedup_vs_threaded_baseline": tp["speedup_vs_threads"], "prepare_scaling_vs_1_proc": tp["scaling_vs_prepare_1"],
-              **{f"{k}_s": v["seconds"] for k, v in tp["median"].items()},
-              **{f"{k}_cpu_s": v["cpu_s"] for k, v in tp["median"].items()}}
+    rows, result, tp = [], {}, None
+    if args.only != "scale":
+        tp = throughput(small, args, work, cache)
+        rows = throughput_rows(tp)
+        result = {"small_tokens": tp["raw_tokens"], "num_proc": tp["num_proc"], "repeats": args.repeats,
+                  "prepare_speedup": tp["speedup"], "prepare_speedup_rounds": tp["speedup_rounds"],
+                  "speedup_vs_threaded_baseline": tp["speedup_vs_threads"],
+                  "prepare_scaling_vs_1_proc": tp["scaling_vs_prepare_1"],
+                  **{f"{k}_s": v["seconds"] for k, v in tp["median"].items()},
+                  **{f"{k}_cpu_s": v["cpu_s"] for k, v in tp["median"].items()}}
     if large is not None:
         rows_scale, res_scale = scale(small, large, args, work, cache, tp)
         rows += rows_scale
         result |= res_scale
     load1 = os.getloadavg()[0]
-    print(f"\ncorpora: small {tp['raw_tokens'] / 1e6:.1f}M tokens"
+    print(f"\ncorpora: small {result['small_tokens'] / 1e6:.1f}M tokens"
           + (f", large {result['large_tokens'] / 1e6:.1f}M tokens" if large else "")
           + f" ({args.tokenizer}, seq_len {args.seq_len}); {os.cpu_count()} cores, load {load0:.1f} at start, "
           f"{load1:.1f} at end")
@@ -306,8 +310,9 @@ def main() -> None:
     print(json.dumps({**result, "load_avg_start": load0, "load_avg_end": load1}))
 
 
-def scale(small: Path, large: Path, args, work: Path, cache: Path, tp: dict) -> tuple[list, dict]:
+def scale(small: Path, large: Path, args, work: Path, cache: Path, tp: dict | None) -> tuple[list, dict]:
     """Large prepare, cached start at both sizes, RSS small vs large, mixture proportions."""
+    prep_small = prepare(small, args.tokenizer, args.seq_len, cache, args.num_proc, work)  # cached after throughput
     prep_large = prepare(large, args.tokenizer, args.seq_len, cache, args.num_proc, work)
     print(f"prepare large ({prep_large['num_proc']} proc, cached if ~0 s): {prep_large['seconds']:.1f}s", flush=True)
     start_small = cached_start([str(small)], args.tokenizer, args.seq_len, cache, args.steps, args.batch)
@@ -336,12 +341,15 @@ def scale(small: Path, large: Path, args, work: Path, cache: Path, tp: dict) -> 
         ("training RSS large", f"{start_large['rss_mb']:.0f} MB",
          f"{start_large['train_blocks']:,} blocks; anon {start_large['anon_mb']:.0f} + file {start_large['file_mb']:.0f}; "
          f"growth {growth:+.1f} MB (anon {anon_growth:+.1f}; target <= 100)"),
-        ("today's path RSS small", f"{tp['baseline_rss_mb']:.0f} MB",
-         f"+{tp['baseline_rss_mb'] - tp['baseline_rss0_mb']:.0f} MB over the tokenizer-loaded process"),
+    ]
+    if tp is not None:
+        rows.append(("today's path RSS small", f"{tp['baseline_rss_mb']:.0f} MB",
+                     f"+{tp['baseline_rss_mb'] - tp['baseline_rss0_mb']:.0f} MB over the tokenizer-loaded process"))
+    rows += [
         ("mixture over >= 10K blocks", f"{mix['max_abs_dev'] * 100:.3f} %",
          "got " + ", ".join(f"{g:.4f}" for g in mix["got"]) + " want " + ", ".join(f"{w:.2f}" for w in mix["want"])),
     ]
-    res = {"large_tokens": prep_large["raw_tokens"], "prepare_large_s": prep_large["prepared_in_s"],
+    res = {"small_tokens": prep_small["raw_tokens"], "large_tokens": prep_large["raw_tokens"], "prepare_large_s": prep_large["prepared_in_s"],
            "prepare_large_bytes": prep_large["bytes"],
            "cached_start_small_data_s": start_small["data_s"], "cached_start_large_data_s": start_large["data_s"],
            "cached_start_small_launch_to_batch_s": start_small["since_launch_s"],
@@ -349,7 +357,7 @@ def scale(small: Path, large: Path, args, work: Path, cache: Path, tp: dict) -> 
            "cached_start_large_imports_s": start_large["imports_s"], "cached_start_large_tokenizer_s": start_large["tokenizer_s"],
            "cached_start_unneeded_imports": start_large["unneeded_imports"],
            "rss_small_mb": start_small["rss_mb"], "rss_large_mb": start_large["rss_mb"], "rss_growth_mb": growth,
-           "rss_anon_growth_mb": anon_growth, "baseline_rss_small_mb": tp["baseline_rss_mb"],
+           "rss_anon_growth_mb": anon_growth, "baseline_rss_small_mb": tp["baseline_rss_mb"] if tp else None,
            "mixture_max_abs_dev": mix["max_abs_dev"], "mixture_blocks": mix["blocks"], "mixture_epochs": mix["epochs"]}
     return rows, res
 
