@@ -72,6 +72,25 @@ def test_prepared_blocks_equal_the_in_memory_reference_and_are_compact(tmp_path,
     assert P.token_dtype(70_000) == np.uint32
 
 
+def test_blocks_read_prepared_rows_with_pread_not_through_the_map(tmp_path, tok, monkeypatch):
+    from distill.data import corpus as C
+
+    src = _jsonl(tmp_path / "a.jsonl", _texts(400, 7))
+    prep = P.prepare_source(SourceSpec(src), tok, P.PackSettings(16), data_cache=str(tmp_path / "c"), progress=False)
+    n = prep.train.shape[0]
+    calls = []
+    real = os.preadv
+    monkeypatch.setattr(C.os, "preadv", lambda *a: calls.append(a[2]) or real(*a))
+    for view in (prep.train, prep.train[: n - 3], prep.train[5:]):  # views that start at row 0 and later
+        idx = torch.tensor([3, 0, len(view) - 1, 3, 7])
+        got = C.Blocks([view], [None], 16)[idx]
+        assert torch.equal(got, torch.from_numpy(np.asarray(view, dtype=np.int64)[idx.numpy()]))
+    assert len(calls) == 15 and calls[-5] == (5 + 0) * 32  # row 0 of the view prep.train[5:], 16 uint16s a row
+    plain = C.Blocks([np.asarray(prep.train)], [None], 16)  # an in-memory array is indexed, not read
+    assert torch.equal(plain[torch.tensor([1, 2])], C.Blocks([prep.train], [None], 16)[torch.tensor([1, 2])])
+    assert len(calls) == 17
+
+
 def test_multiprocess_prepare_equals_single_process(tmp_path, tok, monkeypatch):
     src = _jsonl(tmp_path / "a.jsonl", _texts(300, 1))
     monkeypatch.setattr(P, "_MIN_RECORDS_PER_PROC", 10)
