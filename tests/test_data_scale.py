@@ -91,6 +91,16 @@ def test_blocks_read_prepared_rows_with_pread_not_through_the_map(tmp_path, tok,
     assert len(calls) == 17
 
 
+def test_direct_encoder_equals_the_tokenizer_call(tok):
+    texts = _texts(50, 8) + ["", " ", "the </s> fox <s> café", "\n\n\t dog"]
+    assert P._encoder(tok)(texts) == tok(texts, add_special_tokens=False)["input_ids"]
+    tok.backend_tokenizer.enable_truncation(4)  # a backend setting the tokenizer call overrides: not used directly
+    try:
+        assert P._encoder(tok)(texts) == tok(texts, add_special_tokens=False)["input_ids"]
+    finally:
+        tok.backend_tokenizer.no_truncation()
+
+
 def test_multiprocess_prepare_equals_single_process(tmp_path, tok, monkeypatch):
     src = _jsonl(tmp_path / "a.jsonl", _texts(300, 1))
     monkeypatch.setattr(P, "_MIN_RECORDS_PER_PROC", 10)

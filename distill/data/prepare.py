@@ -155,11 +155,12 @@ def _encoder(tokenizer) -> Callable[[list[str]], list[list[int]]]:
     """Token ids of texts without special tokens: the Rust backend directly when that is the same thing.
 
     ``tokenizer(texts)`` calls the same ``encode_batch`` but also builds attention masks and Python
-    dicts per text (~10 % of the CPU); with truncation or padding configured in the backend the
-    wrapper's own handling is needed, so it is used then.
+    dicts per text (~10 % of the CPU); with truncation or padding configured in the backend, or
+    ``split_special_tokens``, the wrapper's own handling is needed, so it is used then.
     """
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or backend.truncation is not None or backend.padding is not None:
+    if (backend is None or backend.truncation is not None or backend.padding is not None
+            or getattr(tokenizer, "split_special_tokens", False)):
         return lambda texts: tokenizer(texts, add_special_tokens=False)["input_ids"]
     return lambda texts: [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
 
