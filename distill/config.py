@@ -57,8 +57,9 @@ class DistillConfig:
     datasets: list | None = field(None, help="weighted mixture, overrides dataset: [{source: PATH_OR_NAME, "
                                   "weight: 0.7, text_field: text}, ...]; prepared once into data_cache")
     completion_only: bool = field(True, help="chat records: KD/CE/hidden terms only on assistant tokens")
-    streaming: bool = field(False, help="read one hub/local source on the fly instead of preparing it "
-                            "(resume re-reads the stream up to the step; see distill/data/stream.py)")
+    streaming: bool = field(False, help="read the sources on the fly instead of preparing them (or per entry: "
+                            "datasets: [{source: ..., streaming: true}]; resume re-reads each stream up to the "
+                            "step; see distill/data/stream.py)")
     data_cache: str | None = field(None, help="prepared-data folder; default $HYBRID_DISTILL_CACHE/data")
     max_tokens: int | None = field(None, ge=1, help="train on this many tokens (sets max_steps from the global "
                                    "batch)")
@@ -137,8 +138,10 @@ class DistillConfig:
         check_fields(self)  # every field's range/choices, declared above (core.config.field)
         if self.target_params is not None and self.target_ratio is not None:
             raise ConfigError("give one budget: target_params= or target_ratio=, not both")
-        if self.datasets:  # sources and weights checked before any model loads
-            parse_sources(self.datasets)
+        specs = parse_sources(self.datasets) if self.datasets else []  # checked before any model loads
+        if self.teacher_cache and (self.streaming or any(s.streaming for s in specs)):
+            raise ConfigError("teacher_cache indexes prepared blocks, and a streamed source has none: set "
+                              "streaming=false (prepare the data: python -m distill.data prepare)")
         if self.resume is not None and self.overwrite:
             raise ConfigError("resume= and overwrite=true contradict each other; pick one")
         if self.teacher_cache and (self.hidden_weight > 0 or self.attn_weight > 0):

@@ -183,9 +183,14 @@ def reduce_stats(accelerator: Accelerator, stats: LMStats) -> LMStats:
 
 
 def evaluate(accelerator: Accelerator, model: torch.nn.Module, blocks: torch.Tensor, batch_size: int,
-             reference: torch.nn.Module | None = None) -> tuple[LMStats, LMStats | None]:
-    """:func:`eval.metrics.evaluate_lm` over this rank's share of ``blocks`` ``[n, seq]``, summed over ranks."""
-    batches = eval_batches(blocks, batch_size, accelerator.process_index, accelerator.num_processes)
+             reference: torch.nn.Module | None = None, mask: torch.Tensor | None = None
+             ) -> tuple[LMStats, LMStats | None]:
+    """:func:`eval.metrics.evaluate_lm` over this rank's share of ``blocks`` ``[n, seq]``, summed over ranks.
+
+    ``mask`` ``[n, seq]`` bool (``PackedData.eval_mask``): only targets count, as in training
+    (completion-only chat data scores the assistant's tokens). None: every token.
+    """
+    batches = eval_batches(blocks, batch_size, accelerator.process_index, accelerator.num_processes, mask=mask)
     stats, ref_stats = evaluate_lm(model, batches, reference, device=accelerator.device)
     return reduce_stats(accelerator, stats), (reduce_stats(accelerator, ref_stats) if ref_stats else None)
 

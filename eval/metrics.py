@@ -64,16 +64,21 @@ CHUNK_ELEMENTS = 2**25
 
 
 def _scored_chunks(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                   *others: torch.Tensor | None) -> Iterator[tuple[torch.Tensor, ...]]:
+                   *others: torch.Tensor | None, loss_mask: torch.Tensor | None = None
+                   ) -> Iterator[tuple[torch.Tensor, ...]]:
     """Scored positions in order (batch-major), a bounded chunk at a time.
 
-    Position t of row b is scored when it and its label t+1 are real tokens. Yields
+    Position t of row b is scored when it and its label t+1 are real tokens and, with ``loss_mask``
+    ``[batch, seq]``, when the label t+1 is a target (as in training: chat data scores the
+    assistant's tokens only). Yields
     ``(labels [n], logits [n, vocab] fp32, *others [n, vocab'])`` for each chunk; ``others`` are
     more ``[batch, seq, vocab']`` tensors sliced the same way (None stays None).
     """
     b, s = input_ids.shape
     valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
     valid = valid[:, 1:] & valid[:, :-1]
+    if loss_mask is not None:
+        valid = valid & loss_mask[:, 1:].to(valid.device).bool()
     step = max(1, CHUNK_ELEMENTS // logits.shape[-1])
     for row in range(b):
         for lo in range(0, s - 1, step):
@@ -88,7 +93,7 @@ def _scored_chunks(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask
 
 @torch.inference_mode()
 def batch_stats(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                ref_logits: torch.Tensor | None = None) -> LMStats:
+                ref_logits: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None) -> LMStats:
     """Stats of one batch.
 
     Args:
@@ -97,12 +102,14 @@ def batch_stats(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: t
         attention_mask: ``[batch, seq]``, 1 = real token.
         ref_logits: ``[batch, seq, vocab']`` of a reference (teacher); vocab' ≥ vocab rows are
             sliced to the evaluated model's vocabulary.
+        loss_mask: ``[batch, seq]`` bool, True where the token is a target (completion-only chat
+            data); a position counts only when its label is a target. None: every token.
 
     Positions are taken a bounded chunk at a time (``CHUNK_ELEMENTS``), so nothing beyond the
     inputs is ``[tokens, vocab]``-sized.
     """
     stats = LMStats()
-    for labels, lg, ref in _scored_chunks(logits, input_ids, attention_mask, ref_logits):
+    for labels, lg, ref in _scored_chunks(logits, input_ids, attention_mask, ref_logits, loss_mask=loss_mask):
         n = labels.numel()
         stats.nll_sum += F.cross_entropy(lg, labels, reduction="sum").item()
         stats.tokens += n
@@ -122,7 +129,8 @@ def evaluate_lm(model: torch.nn.Module, batches: Iterable[dict[str, torch.Tensor
                 ) -> tuple[LMStats, LMStats | None]:
     """Stats of ``model`` over ``batches`` (with top-1 agreement and KL to ``reference``) and of ``reference``.
 
-    Each batch is a dict with ``input_ids`` ``[batch, seq]`` and optionally ``attention_mask``. The
+    Each batch is a dict with ``input_ids`` ``[batch, seq]`` and optionally ``attention_mask`` and
+    ``loss_mask`` (``[batch, seq]`` bool: only positions whose label is a target count). The
     reference runs once per batch and only statistics are kept, never logits, so memory holds one
     batch of ``[batch, seq, vocab]`` whatever the number of batches.
     """
@@ -131,14 +139,14 @@ def evaluate_lm(model: torch.nn.Module, batches: Iterable[dict[str, torch.Tensor
     total, ref_total = LMStats(), (LMStats() if reference is not None else None)
     for batch in batches:
         ids = batch["input_ids"].to(device) if device is not None else batch["input_ids"]
-        am = batch.get("attention_mask")
+        am, lm = batch.get("attention_mask"), batch.get("loss_mask")
         if am is not None and device is not None:
             am = am.to(device)
         logits = model(input_ids=ids, attention_mask=am).logits
         ref = reference(input_ids=ids, attention_mask=am).logits if reference is not None else None
-        total.add(batch_stats(logits, ids, am, ref))
+        total.add(batch_stats(logits, ids, am, ref, loss_mask=lm))
         if ref is not None:
-            ref_total.add(batch_stats(ref, ids, am))
+            ref_total.add(batch_stats(ref, ids, am, loss_mask=lm))
         del logits, ref
     model.train(was_training)
     return total, ref_total

@@ -120,7 +120,7 @@ def main() -> None:
                     bar.update(blocks.numel())
                 write_shard(tmp / f"shard-{shard:05d}.safetensors", torch.cat(idx), torch.cat(val),
                             torch.cat(cnt) if cnt else None)
-            teacher_ppl = evaluate_lm(teacher, eval_batches(data.eval, cfg.batch_size))[0].perplexity
+            teacher_ppl = evaluate_lm(teacher, eval_batches(data.eval, cfg.batch_size, mask=data.eval_mask))[0].perplexity
         meta = {"mode": cfg.mode, "k": slots, "seq_len": cfg.seq_len, "blocks": n,
                 "fingerprint": fingerprint(data.train), "teacher": cfg.teacher, "dataset": cfg.dataset,
                 "vocab_size": vocab, "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),

@@ -124,7 +124,8 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: 
     state = run.resume()
     run.begin()
     if not state.init:
-        state.init = initial_metrics(cfg, accelerator, run, unwrapped.student, teacher, data.eval, cache, known_init)
+        state.init = initial_metrics(cfg, accelerator, run, unwrapped.student, teacher, data.eval, cache, known_init,
+                                     heldout_mask=data.eval_mask)
 
     def forward(micro):
         j, (index, blocks) = micro
@@ -152,7 +153,7 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: 
         run.record(step, terms, scheduler.get_last_lr()[0], tokens=global_batch * cfg.seq_len)
         if run.due(step, cfg.eval_every) or run.last(step):
             s, _ = evaluate(accelerator, unwrapped.student, data.eval, cfg.micro_batch_size,
-                            reference=None if cache else teacher)
+                            reference=None if cache else teacher, mask=data.eval_mask)
             state.evals.append({"step": step + 1, "perplexity": s.perplexity, "top1_agreement": s.top1_agreement,
                                 "kl_to_teacher": s.kl, "teacher_perplexity": state.init.get("teacher_ppl")})
             if cfg.tracker != "none":
@@ -178,13 +179,16 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: 
 
 
 def initial_metrics(cfg: DistillConfig, accelerator: Accelerator, run: Run, student, teacher, heldout: torch.Tensor,
-                    cache: TeacherCache | None, known: dict | None) -> dict:
-    """Held-out perplexity of teacher and student before training (reused from ``known`` when given)."""
+                    cache: TeacherCache | None, known: dict | None, heldout_mask: torch.Tensor | None = None) -> dict:
+    """Held-out perplexity of teacher and student before training (reused from ``known`` when given).
+
+    ``heldout_mask``: completion-only targets of chat data (only those count, as in training).
+    """
     if known:
         init = dict(known)
         kl = None
     else:
-        s, t = evaluate(accelerator, student, heldout, cfg.micro_batch_size, reference=teacher)
+        s, t = evaluate(accelerator, student, heldout, cfg.micro_batch_size, reference=teacher, mask=heldout_mask)
         teacher_ppl = t.perplexity if t is not None else (cache.meta.get("teacher_ppl") if cache else None)
         init = {"teacher_ppl": teacher_ppl, "student_ppl_init": s.perplexity, "top1_agreement_init": s.top1_agreement}
         kl = s.kl

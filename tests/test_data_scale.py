@@ -14,6 +14,7 @@ import torch
 from core.corpus import heldout as _heldout
 from core.tiny import tiny_model, tiny_tokenizer
 from distill import data as D
+from distill.data import parallel
 from distill.data import prepare as P
 from distill.data.order import MixtureOrder, permute
 from distill.data.text import DataError, SourceSpec
@@ -71,15 +72,72 @@ def test_prepared_blocks_equal_the_in_memory_reference_and_are_compact(tmp_path,
     assert P.token_dtype(70_000) == np.uint32
 
 
+def test_blocks_read_prepared_rows_with_pread_not_through_the_map(tmp_path, tok, monkeypatch):
+    from distill.data import corpus as C
+
+    src = _jsonl(tmp_path / "a.jsonl", _texts(400, 7))
+    prep = P.prepare_source(SourceSpec(src), tok, P.PackSettings(16), data_cache=str(tmp_path / "c"), progress=False)
+    n = prep.train.shape[0]
+    calls = []
+    real = os.preadv
+    monkeypatch.setattr(C.os, "preadv", lambda *a: calls.append(a[2]) or real(*a))
+    for view in (prep.train, prep.train[: n - 3], prep.train[5:]):  # views that start at row 0 and later
+        idx = torch.tensor([3, 0, len(view) - 1, 3, 7])
+        got = C.Blocks([view], [None], 16)[idx]
+        assert torch.equal(got, torch.from_numpy(np.asarray(view, dtype=np.int64)[idx.numpy()]))
+    assert len(calls) == 15 and calls[-5] == (5 + 0) * 32  # row 0 of the view prep.train[5:], 16 uint16s a row
+    plain = C.Blocks([np.asarray(prep.train)], [None], 16)  # an in-memory array is indexed, not read
+    assert torch.equal(plain[torch.tensor([1, 2])], C.Blocks([prep.train], [None], 16)[torch.tensor([1, 2])])
+    assert len(calls) == 17
+
+
+def test_direct_encoder_equals_the_tokenizer_call(tok):
+    texts = _texts(50, 8) + ["", " ", "the </s> fox <s> café", "\n\n\t dog"]
+    assert P._encoder(tok)(texts) == tok(texts, add_special_tokens=False)["input_ids"]
+    tok.backend_tokenizer.enable_truncation(4)  # a backend setting the tokenizer call overrides: not used directly
+    try:
+        assert P._encoder(tok)(texts) == tok(texts, add_special_tokens=False)["input_ids"]
+    finally:
+        tok.backend_tokenizer.no_truncation()
+
+
 def test_multiprocess_prepare_equals_single_process(tmp_path, tok, monkeypatch):
     src = _jsonl(tmp_path / "a.jsonl", _texts(300, 1))
     monkeypatch.setattr(P, "_MIN_RECORDS_PER_PROC", 10)
+    monkeypatch.setattr(P, "_MIN_BYTES_PER_PROC", 100)
+    monkeypatch.setattr(parallel, "_MIN_RANGE", 500)  # many byte ranges, cut mid-file
     one = P.prepare_source(SourceSpec(src), tok, P.PackSettings(16), data_cache=str(tmp_path / "c1"), num_proc=1,
                            progress=False)
     two = P.prepare_source(SourceSpec(src), tok, P.PackSettings(16), data_cache=str(tmp_path / "c2"), num_proc=2,
                            progress=False)
-    assert two.meta["num_proc"] == 2
+    assert two.meta["num_proc"] == 2 and two.meta["reader"] == "jsonl-ranges"
     assert np.array_equal(one.train, two.train) and np.array_equal(one.eval, two.eval)
+    # The datasets reader (what hub / parquet / txt sources use) packs the same file identically.
+    monkeypatch.setattr(P, "_jsonl_files", lambda spec: None)
+    via = P.prepare_source(SourceSpec(src), tok, P.PackSettings(16), data_cache=str(tmp_path / "c3"), num_proc=2,
+                           progress=False)
+    assert via.meta["reader"] == "datasets" and via.meta["num_proc"] == 2
+    assert np.array_equal(one.train, via.train) and np.array_equal(one.eval, via.eval)
+
+
+def test_jsonl_reader_skips_blank_lines_like_datasets_and_names_a_bad_line(tmp_path, tok, monkeypatch):
+    texts = _texts(120, 4)
+    lines = [json.dumps({"text": t}) + ("\n\n   \n" if i % 7 == 0 else "\n") for i, t in enumerate(texts)]
+    src = tmp_path / "blank.jsonl"
+    src.write_text("".join(lines))
+    monkeypatch.setattr(parallel, "_MIN_RANGE", 300)
+    direct = P.prepare_source(SourceSpec(str(src)), tok, P.PackSettings(16, eval_fraction=0.2),
+                              data_cache=str(tmp_path / "c1"), num_proc=1, progress=False)
+    train, held = _reference_pack(texts, tok, 16, 0.2)  # record i = the i-th non-blank line
+    assert direct.meta["reader"] == "jsonl-ranges"
+    assert np.array_equal(np.asarray(direct.train, dtype=np.int64), train.numpy())
+    assert np.array_equal(np.asarray(direct.eval, dtype=np.int64), held.numpy())
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(lines[:50]) + "{not json\n" + "".join(lines[50:]))
+    with pytest.raises(DataError, match=r"record 50 is not valid JSON .* fix or remove that line"):
+        P.prepare_source(SourceSpec(str(bad)), tok, P.PackSettings(16), data_cache=str(tmp_path / "c2"),
+                         num_proc=1, progress=False)
+    assert [p for p in (tmp_path / "c2").iterdir()] == []  # nothing left that a later run would trust
 
 
 def test_cache_is_reused_and_invalidated_by_source_tokenizer_and_seq_len(tmp_path, tok, monkeypatch):
@@ -87,10 +145,11 @@ def test_cache_is_reused_and_invalidated_by_source_tokenizer_and_seq_len(tmp_pat
     cache = str(tmp_path / "c")
     first = P.prepare_source(SourceSpec(src), tok, P.PackSettings(16), data_cache=cache, progress=False)
 
-    def boom(_spec):
+    def boom(*_a, **_k):
         raise AssertionError("a cached source was tokenized again")
 
     monkeypatch.setattr(P, "_records", boom)
+    monkeypatch.setattr(P, "_tokenize_fn", boom)
     again = P.prepare_source(SourceSpec(src), tok, P.PackSettings(16), data_cache=cache, progress=False)
     assert again.path == first.path
     monkeypatch.undo()
@@ -120,7 +179,8 @@ def test_interrupted_prepare_leaves_nothing_a_later_run_trusts(tmp_path, tok, mo
     def killed(*_a, **_k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(P, "_pack", killed)
+    monkeypatch.setattr(P, "_pack", killed)  # the datasets reader's last stage
+    monkeypatch.setattr(parallel, "_tokenize_range", killed)  # the jsonl reader's workers
     with pytest.raises(KeyboardInterrupt):
         P.prepare_source(SourceSpec(src), tok, P.PackSettings(16), data_cache=str(cache), progress=False)
     assert list(cache.iterdir()) == []
@@ -131,6 +191,27 @@ def test_interrupted_prepare_leaves_nothing_a_later_run_trusts(tmp_path, tok, mo
         f.truncate(10)
     with pytest.raises(DataError, match="damaged: delete"):
         P.open_prepared(prep.path)
+
+
+def test_a_cached_start_imports_neither_datasets_nor_pyarrow(tmp_path, tok):
+    a = _jsonl(tmp_path / "a.jsonl", _texts(200, 5))
+    b = tmp_path / "b.txt"  # read through datasets when prepared: a cache miss would import it
+    b.write_text("\n".join(_texts(200, 6)) + "\n")
+    mix = [{"source": a, "weight": 1}, {"source": str(b), "weight": 2}]
+    cache = tmp_path / "c"
+    D.build_data(tok, datasets=mix, seq_len=16, eval_blocks=2, data_cache=str(cache), progress=False)
+    before = sorted(p.name for p in cache.iterdir())
+    tok.save_pretrained(tmp_path / "tok")
+    code = (f"import sys\nfrom transformers import AutoTokenizer\nfrom distill.data import build_data\n"
+            f"tok = AutoTokenizer.from_pretrained({str(tmp_path / 'tok')!r})\n"
+            f"d = build_data(tok, datasets={mix!r}, seq_len=16, eval_blocks=2, data_cache={str(cache)!r}, "
+            "progress=False)\n"
+            "o = d.order(4, 0); next(o.micro_batches(d.train, 0, 0, 1, 2))\n"
+            "print(sorted(m for m in ('datasets', 'pyarrow', 'pandas') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert sorted(p.name for p in cache.iterdir()) == before  # both sources were cache hits
+    assert out.stdout.strip().splitlines()[-1] == "[]"
 
 
 # -- mixtures and order ------------------------------------------------------------------------
@@ -246,6 +327,12 @@ def test_bad_input_gives_one_line_errors_that_name_the_fix(tmp_path, tok):
         assert "\n" not in str(err.value)
     with pytest.raises(DataError, match="cannot fill one global batch of 64; add data or lower"):
         MixtureOrder([30, 20], [1, 1], 64, 0)
+    from core.config import ConfigError
+    from distill.config import DistillConfig
+
+    with pytest.raises(ConfigError, match="teacher_cache indexes prepared blocks.*set streaming=false"):
+        DistillConfig(teacher_cache=str(tmp_path), hidden_weight=0, attn_weight=0,
+                      datasets=[{"source": a, "streaming": True}, {"source": a}])
 
 
 # -- completion-only chat ------------------------------------------------------------------------
@@ -272,6 +359,34 @@ def test_chat_mask_marks_assistant_tokens_only(tmp_path, tok):
     off = P.prepare_source(SourceSpec(src), tok, P.PackSettings(32, eval_fraction=0.0, completion_only=False),
                            data_cache=str(tmp_path / "c"), progress=False)
     assert off.train_mask is None and np.array_equal(off.train, prep.train)
+
+
+def test_heldout_loss_on_chat_counts_assistant_tokens_only(tmp_path, tok):
+    from accelerate import Accelerator
+
+    from distill.training import evaluate
+    from eval.metrics import evaluate_lm
+
+    src = _chat(tmp_path / "chat.jsonl", 80)
+    data = D.build_data(tok, dataset=src, seq_len=32, eval_blocks=4, eval_fraction=0.3, data_cache=str(tmp_path / "c"),
+                        progress=False)
+    assert data.eval_mask is not None and 0 < data.eval_mask.float().mean() < 1
+    model = tiny_model(vocab=max(len(tok), 320))
+    # Naive reference: every position t whose label t+1 is an assistant token, one at a time.
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=data.eval).logits.float(), -1)
+    nll, n = 0.0, 0
+    for b in range(data.eval.shape[0]):
+        for t in range(data.eval.shape[1] - 1):
+            if data.eval_mask[b, t + 1]:
+                nll -= float(logp[b, t, data.eval[b, t + 1]])
+                n += 1
+    stats, ref = evaluate(Accelerator(cpu=True), model, data.eval, 3, reference=model, mask=data.eval_mask)
+    assert stats.tokens == n == ref.tokens == stats.ref_tokens
+    assert stats.loss == pytest.approx(nll / n, rel=1e-5) and ref.loss == pytest.approx(nll / n, rel=1e-5)
+    everything = evaluate_lm(model, D.eval_batches(data.eval, 3))[0]
+    assert everything.tokens == data.eval.numel() - data.eval.shape[0] > n
+    assert everything.loss != pytest.approx(stats.loss, rel=1e-3)
 
 
 def test_completion_only_mask_reaches_every_loss_term(tmp_path, tok):
@@ -347,8 +462,39 @@ def test_streaming_reads_the_prepared_blocks_in_order_and_resumes(tmp_path, tok)
     with_held = D.build_data(tok, dataset=src, eval_dataset=held, seq_len=16, eval_blocks=3, streaming=True,
                              data_cache=str(tmp_path / "c"), progress=False)
     assert torch.equal(with_held.eval, D.pack(_texts(50, 12), tok, 16)[:3])
-    with pytest.raises(DataError, match="cannot be mixed"):
-        D.build_data(tok, datasets=[{"source": src, "streaming": True}, {"source": src}], seq_len=16, eval_blocks=1)
+
+
+@pytest.mark.filterwarnings("ignore:streamed data resumes")
+@pytest.mark.filterwarnings("error:stream rewound")  # every process must read each stream forward only
+def test_a_mixture_with_a_stream_keeps_weights_reads_forward_and_resumes(tmp_path, tok):
+    a = _jsonl(tmp_path / "a.jsonl", _texts(400, 20))
+    b = _jsonl(tmp_path / "b.jsonl", _texts(300, 21))
+    cache = str(tmp_path / "c")
+    mix = [{"source": a, "weight": 1, "streaming": True}, {"source": b, "weight": 2}]
+    data = D.build_data(tok, datasets=mix, seq_len=16, eval_blocks=6, data_cache=cache, progress=False)
+    ref = [D.build_data(tok, dataset=x, seq_len=16, eval_blocks=6, data_cache=cache, progress=False) for x in (a, b)]
+    assert data.train.sizes == [None, ref[1].train.shape[0]]
+    assert [r.eval_blocks for r in data.sources] == [2, 4]  # held-out shared by weight
+    assert torch.equal(data.eval[:2], ref[0].eval[:2]) and torch.equal(data.eval[2:], ref[1].eval[:4])
+    order = data.order(6, seed=0)
+    seen, run = [], {}
+    for t in range(8):
+        for r in range(2):
+            for index, blocks in order.micro_batches(data.train, t, r, 2, 1):
+                run.setdefault((t, r), []).append((int(index), blocks))
+                s, local = int(index) % 2, int(index) // 2
+                # The stream's k-th block is the prepared source's k-th block, unshuffled.
+                assert torch.equal(blocks[0], ref[s].train[local] if s else ref[0].train[local])
+                seen.append((t, s, local))
+    stream = [k for _, s, k in seen if s == 0]
+    assert stream == list(range(16))  # weight 1/3 of 6 blocks a step, read in stream order
+    assert all(sum(1 for u, s, _ in seen if u == t and s == 1) == 4 for t in range(8))
+    assert len({k for _, s, k in seen if s == 1}) == 32  # the prepared source stays shuffled, no repeats
+    # A fresh process resuming at step 5 (rank 1) reads what the uninterrupted run read.
+    fresh = D.build_data(tok, datasets=mix, seq_len=16, eval_blocks=6, data_cache=cache, progress=False)
+    got = list(fresh.order(6, seed=0).micro_batches(fresh.train, 5, 1, 2, 1))
+    assert [int(i) for i, _ in got] == [i for i, _ in run[(5, 1)]]
+    assert all(torch.equal(g, w) for (_, g), (_, w) in zip(got, run[(5, 1)]))
 
 
 # -- the prepare command -------------------------------------------------------------------------

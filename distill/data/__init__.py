@@ -8,12 +8,14 @@ directories, or a hub name when online. Records with a ``messages`` list (chat f
 rendered with the tokenizer's chat template; with ``completion_only`` (the default) only assistant
 tokens are training targets and the prompt is context (``Blocks.loss_mask``).
 
-Documents are tokenized with every core (``datasets.map(num_proc=...)``), joined with EOS, and
+Documents are tokenized with every core (local ``.jsonl``: forked workers over byte ranges,
+:mod:`distill.data.parallel`; other sources: ``datasets.map(num_proc=...)``), joined with EOS, and
 packed into fixed ``[seq_len]`` blocks stored as uint16/uint32 in memory-mapped files under the
 data cache (:mod:`distill.data.prepare`); no padding, so every micro-batch holds the same number of
 tokens and gradient accumulation is exact. Held-out documents are chosen per document, before
 packing, so no document straddles the split. Several sources mix by weight
-(:class:`~distill.data.order.MixtureOrder`), the order a pure function of ``(seed, step)``.
+(:class:`~distill.data.order.MixtureOrder`), the order a pure function of ``(seed, step)``; a source
+marked ``streaming`` is read on the fly instead (:mod:`distill.data.stream`), alone or in a mixture.
 
     python -m distill.data prepare --config recipes/configs/NAME.yaml [key=value ...]
 """

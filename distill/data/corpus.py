@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import mmap
+import os
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -16,17 +18,58 @@ from distill.data.prepare import PackSettings, Prepared, cache_key_fields, open_
 from distill.data.text import BUILTIN, DataError, SourceSpec, parse_sources
 
 
+def _file_rows(arr: np.ndarray) -> tuple[str, int] | None:
+    """``(file, byte position of row 0)`` of a C-contiguous view into a whole-file ``np.memmap``; else None."""
+    mm = getattr(arr, "_mmap", None)
+    if not isinstance(arr, np.memmap) or mm is None or not arr.flags.c_contiguous or not arr.filename:
+        return None
+    # numpy maps from the offset rounded down to the allocation granularity; the view may start later.
+    start = arr.offset - arr.offset % mmap.ALLOCATIONGRANULARITY
+    base = np.frombuffer(mm, dtype=np.uint8)
+    return arr.filename, start + int(arr.__array_interface__["data"][0] - base.__array_interface__["data"][0])
+
+
 class Blocks:
-    """The training blocks of every source, laid end to end, read from memory maps on demand.
+    """The training blocks of every source, laid end to end, read from the prepared files on demand.
 
     ``blocks[index]`` (``index`` a ``[n]`` tensor of global indices) copies only those rows into a
-    ``[n, seq_len]`` int64 tensor, so a process's memory does not grow with the corpus.
+    ``[n, seq_len]`` int64 tensor, so a process's memory does not grow with the corpus. Rows of a
+    prepared file are read with ``pread``, not through the memory map: a mapped read also maps the
+    kernel's fault-around pages (64 KB per fault), so a process's RSS would grow with the corpus
+    (by the clean, shared page-cache pages it touched) even though none of it is its own memory.
     """
 
     def __init__(self, parts: Sequence[np.ndarray], masks: Sequence[np.ndarray | None], seq_len: int):
         self.parts, self.masks, self.seq_len = list(parts), list(masks), seq_len
         self.sizes = [p.shape[0] for p in self.parts]
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
+        self._fds: dict[str, int] = {}
+
+    def __del__(self) -> None:
+        for fd in getattr(self, "_fds", {}).values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def __getstate__(self) -> dict:  # file descriptors do not travel; reopened on first read
+        return {**self.__dict__, "_fds": {}}
+
+    def _rows(self, arr: np.ndarray, local: np.ndarray) -> np.ndarray:
+        """``arr[local]`` (``local`` sorted): ``pread`` per row from the file behind a memmap, else indexing."""
+        where = _file_rows(arr) if hasattr(os, "preadv") else None
+        if where is None:
+            return arr[local]
+        name, pos0 = where
+        fd = self._fds.get(name)
+        if fd is None:
+            fd = self._fds[name] = os.open(name, os.O_RDONLY)
+        rows = np.empty((local.size, arr.shape[1]), dtype=arr.dtype)
+        step = arr.strides[0]
+        for i, r in enumerate(local.tolist()):
+            if os.preadv(fd, [memoryview(rows[i]).cast("B")], pos0 + r * step) != step:
+                raise DataError(f"{name} is shorter than its metadata says; delete its folder and prepare again")
+        return rows
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -51,7 +94,7 @@ class Blocks:
                 local = idx[sel] - self.offsets[s]
                 order = np.argsort(local, kind="stable")
                 rows = np.empty((local.size, self.seq_len), dtype=arr.dtype)
-                rows[order] = arr[local[order]]
+                rows[order] = self._rows(arr, local[order])
                 out[sel] = rows
         return out
 
@@ -98,7 +141,7 @@ class PackedData:
 
     def order(self, global_batch: int, seed: int) -> MixtureOrder:
         """The mixture order of this data: each source sampled in proportion to its weight."""
-        sizes = [None] if getattr(self.train, "streaming", False) else self.train.sizes
+        sizes = self.train.sizes  # None for a streamed source
         return MixtureOrder(sizes, self.weights, global_batch, seed)
 
     def summary(self, order: MixtureOrder | None = None, steps: int | None = None) -> dict:
@@ -146,14 +189,18 @@ def build_data(tokenizer, *, dataset: str | None = BUILTIN, seq_len: int, eval_b
     """
     specs = parse_sources(datasets, dataset, text_field=text_field, streaming=streaming)
     if any(s.streaming for s in specs):
-        if len(specs) > 1:
-            raise DataError("a streamed source cannot be mixed with others; stream one source, or prepare them "
-                            "all (python -m distill.data prepare)")
-        from distill.data.stream import build_streaming
+        from distill.data.stream import build_stream_mixture, build_streaming
 
-        data = build_streaming(tokenizer, specs[0], seq_len=seq_len, eval_blocks=eval_blocks,
-                               eval_fraction=eval_fraction, completion_only=completion_only,
-                               read_heldout=not eval_dataset)
+        if len(specs) == 1:
+            data = build_streaming(tokenizer, specs[0], seq_len=seq_len, eval_blocks=eval_blocks,
+                                   eval_fraction=eval_fraction, completion_only=completion_only,
+                                   read_heldout=not eval_dataset)
+        else:
+            pack_as = PackSettings(seq_len, eval_fraction, completion_only, "train" if eval_dataset else "split")
+            data = build_stream_mixture(
+                tokenizer, specs, seq_len=seq_len, eval_blocks=eval_blocks, eval_fraction=eval_fraction,
+                completion_only=completion_only, read_heldout=not eval_dataset, max_train_blocks=max_train_blocks,
+                prepare=lambda spec: _open_or_prepare(spec, tokenizer, pack_as, data_cache, num_proc, progress))
         if eval_dataset:  # a separate held-out set is prepared (it is small) and used whole
             held = _open_or_prepare(parse_sources(None, eval_dataset, text_field=text_field)[0], tokenizer,
                                     PackSettings(seq_len, eval_fraction, completion_only, "eval"), data_cache,

@@ -77,7 +77,8 @@ class MixtureOrder:
     Step ``t``'s ``[global_batch]`` blocks depend only on ``(seed, t)``; process ``rank`` of ``world``
     takes its contiguous slice. A source whose draws run past its size starts a new epoch with a
     fresh permutation, so small sources repeat (reported by :meth:`epochs`) while large ones may be
-    seen less than once. A source of size ``None`` is a stream: its draws are read in stream order.
+    seen less than once. A source of size ``None`` is a stream: its draws are read in stream order,
+    and in a mixture with a stream global index ``local * S + s`` is block ``local`` of source ``s``.
     """
 
     def __init__(self, sizes: Sequence[int | None], weights: Sequence[float], global_batch: int, seed: int):
@@ -93,10 +94,10 @@ class MixtureOrder:
             )
         if any(s == 0 for s in sizes):
             raise DataError("a source has no training block; add data to it, lower seq_len, or drop it")
-        if any(s is None for s in sizes) and len(sizes) > 1:
-            raise DataError("a streamed source cannot be mixed with others; stream one source, or prepare "
-                            "them all (python -m distill.data prepare)")
         self.sizes = list(sizes)
+        # With a stream in a mixture the sources' sizes are not all known, so a global index cannot be
+        # an offset into sources laid end to end: it is ``local * S + s`` instead (:meth:`source_of`).
+        self.interleaved = len(sizes) > 1 and any(s is None for s in sizes)
         self.offsets = np.concatenate([[0], np.cumsum([s or 0 for s in sizes])[:-1]]).astype(np.int64)
         p = np.asarray(weights, dtype=np.float64)
         self.p = p / p.sum()
@@ -159,18 +160,26 @@ class MixtureOrder:
         source = np.repeat(np.arange(len(self.p)), counts)
         draw = np.concatenate([start[s] + np.arange(c) for s, c in enumerate(counts)])
         if len(self.p) > 1:
-            # Slots are shuffled within the step so every rank's slice holds every source. (A stream is
-            # a single source and keeps stream order, so each process reads forward only.)
+            # Slots are shuffled within the step so every rank's slice holds every source.
             slot = np.random.default_rng([self.seed, step]).permutation(self.global_batch)
             source, draw = source[slot], draw[slot]
+            for s in range(len(self.p)):
+                if self.sizes[s] is None:
+                    # A stream's draws go in slot order, so every process (and each micro-batch after the
+                    # last) reads that stream forward only.
+                    sel = source == s
+                    draw[sel] = start[s] + np.arange(int(sel.sum()))
         out = np.empty(self.global_batch, dtype=np.int64)
         for s in range(len(self.p)):
             sel = source == s
-            out[sel] = self.offsets[s] + self._block(s, draw[sel])
+            local = self._block(s, draw[sel])
+            out[sel] = local * len(self.p) + s if self.interleaved else self.offsets[s] + local
         return torch.from_numpy(out)
 
     def source_of(self, index: torch.Tensor) -> np.ndarray:
         """Which source each global block index belongs to."""
+        if self.interleaved:
+            return np.asarray(index) % len(self.p)
         return np.searchsorted(self.offsets, np.asarray(index), side="right") - 1
 
     def epochs(self, step: int) -> list[float | None]:

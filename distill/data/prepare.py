@@ -30,20 +30,23 @@ from pathlib import Path
 import numpy as np
 
 from core.corpus import heldout
+from distill.data import parallel
 from distill.data.text import (
     BUILTIN,
     DataError,
     SourceSpec,
     encode_chat,
     load_records,
+    local_files,
     source_identity,
     stdlib_docs,
     tokenizer_fingerprint,
 )
 
-FORMAT = 1  # bump when the on-disk layout or packing changes: old caches stop matching
+FORMAT = 2  # bump when the on-disk layout or packing changes: old caches stop matching (2: jsonl read directly)
 _STALE_TMP_S = 24 * 3600
-_MIN_RECORDS_PER_PROC = 2000  # below this a worker's start-up (~1 s) costs more than it tokenizes
+_MIN_RECORDS_PER_PROC = 2000  # below this a datasets worker's start-up (~1 s) costs more than it tokenizes
+_MIN_BYTES_PER_PROC = 1 << 20  # a forked jsonl worker starts in ms; below ~1 MB of text it is not worth one
 
 
 def data_cache_root(data_cache: str | None = None) -> Path:
@@ -145,12 +148,27 @@ def open_prepared(path: str | Path, expect: dict | None = None) -> Prepared:
 
 
 # --------------------------------------------------------------------------------------------
-# Tokenization (runs in datasets.map workers)
+# Tokenization (runs in the workers)
 # --------------------------------------------------------------------------------------------
+
+def _encoder(tokenizer) -> Callable[[list[str]], list[list[int]]]:
+    """Token ids of texts without special tokens: the Rust backend directly when that is the same thing.
+
+    ``tokenizer(texts)`` calls the same ``encode_batch`` but also builds attention masks and Python
+    dicts per text (~10 % of the CPU); with truncation or padding configured in the backend, or
+    ``split_special_tokens``, the wrapper's own handling is needed, so it is used then.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if (backend is None or backend.truncation is not None or backend.padding is not None
+            or getattr(tokenizer, "split_special_tokens", False)):
+        return lambda texts: tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return lambda texts: [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
+
 
 def _tokenize_fn(tokenizer, spec: SourceSpec, settings: PackSettings, chat: bool) -> Callable:
     eos = tokenizer.eos_token_id
     text_field = spec.text_field
+    encode = _encoder(tokenizer)
 
     def fn(batch: dict, indices: list[int]) -> dict:
         if chat:
@@ -158,7 +176,7 @@ def _tokenize_fn(tokenizer, spec: SourceSpec, settings: PackSettings, chat: bool
             keys = [f"{i}:{json.dumps(m)[:64]}" for i, m in zip(indices, batch["messages"])]
         else:
             texts = [t if isinstance(t, str) and t.strip() else "" for t in batch[text_field]]
-            ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+            ids = encode(texts)
             masks = None
             keys = [f"{i}:{t[:64]}" for i, t in zip(indices, texts)]
             ids = [x if t else [] for x, t in zip(ids, texts)]  # empty records are dropped
@@ -168,7 +186,9 @@ def _tokenize_fn(tokenizer, spec: SourceSpec, settings: PackSettings, chat: bool
                 out_ids.append([])
                 out_mask.append([])
                 continue
-            out_ids.append(x + ([eos] if eos is not None else []))
+            if eos is not None:  # the lists are this call's own: append in place, no copy
+                x.append(eos)
+            out_ids.append(x)
             if masks is not None:
                 # The joining EOS is no target for chat: the template already ends each turn.
                 out_mask.append(masks[j] + ([0] if eos is not None else []))
@@ -237,54 +257,15 @@ def prepare_source(spec: SourceSpec, tokenizer, settings: PackSettings, *, data_
     tmp.mkdir()
     t0 = time.time()
     try:
-        import datasets
-
-        records = _records(spec)
-        t_load = time.time()
-        cols = records.column_names
-        chat = "messages" in cols
-        if chat and getattr(tokenizer, "chat_template", None) is None:
-            raise DataError(f"{spec.source} is in chat format but the tokenizer has no chat template; use text records")
-        if not chat and spec.text_field not in cols:
-            raise DataError(f"{spec.source} has no '{spec.text_field}' column (columns: {cols}); set text_field=")
-        with_mask = chat and settings.completion_only
-        nproc = num_proc or default_num_proc()
-        nproc = max(1, min(nproc, len(records) // _MIN_RECORDS_PER_PROC))
-        if not progress:
-            datasets.disable_progress_bars()
-        # Each worker is one core: the tokenizer's own thread pool on top would oversubscribe them.
-        parallelism = os.environ.get("TOKENIZERS_PARALLELISM")
-        if nproc > 1:
-            os.environ["TOKENIZERS_PARALLELISM"] = "false"
-        try:
-            mapped = records.map(
-                _tokenize_fn(tokenizer, spec, settings, chat), batched=True, batch_size=1000, with_indices=True,
-                num_proc=nproc if nproc > 1 else None, remove_columns=cols,
-            cache_file_name=str(tmp / "tokens.arrow"), desc=f"tokenize {spec.name} ({nproc} proc)",
-            )
-        finally:
-            if parallelism is None:
-                os.environ.pop("TOKENIZERS_PARALLELISM", None)
-            else:
-                os.environ["TOKENIZERS_PARALLELISM"] = parallelism
-        t_tok = time.time()
-        dtype = token_dtype(len(tokenizer))
-        writers = {"train": _Writer(tmp, "train", dtype, with_mask), "eval": _Writer(tmp, "eval", dtype, with_mask)}
-        _pack(mapped, writers, with_mask)
-        meta = {"key": key, "key_fields": fields, "source": spec.source, "dtype": dtype.name,
-                "seq_len": settings.seq_len, "has_mask": with_mask, "chat": chat, "num_proc": nproc}
-        for name, w in writers.items():
-            meta[f"{name}_blocks"] = w.close(settings.seq_len)
-            meta[f"{name}_tokens"] = w.tokens
-            meta[f"{name}_docs"] = w.docs
-        del mapped
-        for f in tmp.glob("tokens*.arrow"):
-            f.unlink()
-        for f in tmp.glob("cache-*.arrow"):
-            f.unlink()
+        direct = _jsonl_files(spec)
+        if direct is not None:
+            meta, stages = _tokenize_direct(spec, direct, tokenizer, settings, tmp, num_proc, progress)
+        else:
+            meta, stages = _tokenize_datasets(spec, tokenizer, settings, tmp, num_proc, progress)
+        meta = {"key": key, "key_fields": fields, "source": spec.source, "seq_len": settings.seq_len, **meta}
         meta["bytes"] = sum(f.stat().st_size for f in tmp.glob("*.bin"))
         meta["seconds"] = time.time() - t0
-        meta["stage_seconds"] = {"load": t_load - t0, "tokenize": t_tok - t_load, "pack": time.time() - t_tok}
+        meta["stage_seconds"] = stages
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))  # written last: marks the folder complete
         try:
             os.rename(tmp, final)
@@ -296,6 +277,106 @@ def prepare_source(spec: SourceSpec, tokenizer, settings: PackSettings, *, data_
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return open_prepared(final, fields)
+
+
+def _jsonl_files(spec: SourceSpec) -> list[Path] | None:
+    """The source's files when it is local ``.jsonl`` (tokenized by byte range); None: read via ``datasets``."""
+    if spec.source == BUILTIN:
+        return None
+    local = local_files(spec.source)
+    if local is None or any(p.suffix != ".jsonl" for p in local[1]):
+        return None
+    return local[1]
+
+
+def _check_columns(spec: SourceSpec, cols: list[str], tokenizer) -> bool:
+    """Whether the records are chat (``messages``); a one-line error when neither chat nor ``text_field``."""
+    chat = "messages" in cols
+    if chat and getattr(tokenizer, "chat_template", None) is None:
+        raise DataError(f"{spec.source} is in chat format but the tokenizer has no chat template; use text records")
+    if not chat and spec.text_field not in cols:
+        raise DataError(f"{spec.source} has no '{spec.text_field}' column (columns: {cols}); set text_field=")
+    return chat
+
+
+def _tokenize_direct(spec: SourceSpec, files: list[Path], tokenizer, settings: PackSettings, tmp: Path,
+                     num_proc: int | None, progress: bool) -> tuple[dict, dict]:
+    """Local ``.jsonl``: forked workers over byte ranges write the token streams (:mod:`distill.data.parallel`)."""
+    t0 = time.time()
+    first = parallel.first_record(files)
+    chat = _check_columns(spec, sorted(first), tokenizer)
+    with_mask = chat and settings.completion_only
+    fields = ["messages" if chat else spec.text_field] + (["heldout"] if "heldout" in first else [])
+    nproc = num_proc or default_num_proc()
+    nproc = max(1, min(nproc, sum(f.stat().st_size for f in files) // _MIN_BYTES_PER_PROC))
+    dtype = token_dtype(len(tokenizer))
+    with _tokenizer_threads(nproc):
+        totals = parallel.tokenize_jsonl(files, _tokenize_fn(tokenizer, spec, settings, chat), fields, tmp, dtype,
+                                         with_mask, nproc, progress, f"tokenize {spec.name} ({nproc} proc)")
+    t_tok = time.time()
+    meta = {"dtype": dtype.name, "has_mask": with_mask, "chat": chat, "num_proc": totals["num_proc"],
+            "reader": "jsonl-ranges"}
+    for name in ("train", "eval"):
+        tokens, docs = totals[name]
+        blocks = tokens // settings.seq_len
+        for suffix, size in ((".bin", dtype.itemsize), (".mask.bin", 1)):
+            if suffix == ".bin" or with_mask:
+                os.truncate(tmp / f"{name}{suffix}", blocks * settings.seq_len * size)
+        meta |= {f"{name}_blocks": blocks, f"{name}_tokens": tokens, f"{name}_docs": docs}
+    cat = totals["concat_s"]
+    return meta, {"load": 0.0, "tokenize": t_tok - t0 - cat, "pack": time.time() - t_tok + cat}
+
+
+class _tokenizer_threads:
+    """Each worker is one core: the tokenizer's own thread pool on top would oversubscribe them."""
+
+    def __init__(self, nproc: int):
+        self.nproc = nproc
+
+    def __enter__(self):
+        self.saved = os.environ.get("TOKENIZERS_PARALLELISM")
+        if self.nproc > 1:
+            os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+    def __exit__(self, *exc):
+        if self.saved is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = self.saved
+
+
+def _tokenize_datasets(spec: SourceSpec, tokenizer, settings: PackSettings, tmp: Path, num_proc: int | None,
+                       progress: bool) -> tuple[dict, dict]:
+    """Other sources (hub, parquet, txt, json, the built-in): ``datasets.map(num_proc=...)``, then packed."""
+    import datasets
+
+    t0 = time.time()
+    records = _records(spec)
+    t_load = time.time()
+    cols = records.column_names
+    chat = _check_columns(spec, cols, tokenizer)
+    with_mask = chat and settings.completion_only
+    nproc = num_proc or default_num_proc()
+    nproc = max(1, min(nproc, len(records) // _MIN_RECORDS_PER_PROC))
+    if not progress:
+        datasets.disable_progress_bars()
+    with _tokenizer_threads(nproc):
+        mapped = records.map(
+            _tokenize_fn(tokenizer, spec, settings, chat), batched=True, batch_size=1000, with_indices=True,
+            num_proc=nproc if nproc > 1 else None, remove_columns=cols,
+            cache_file_name=str(tmp / "tokens.arrow"), desc=f"tokenize {spec.name} ({nproc} proc)",
+        )
+    t_tok = time.time()
+    dtype = token_dtype(len(tokenizer))
+    writers = {"train": _Writer(tmp, "train", dtype, with_mask), "eval": _Writer(tmp, "eval", dtype, with_mask)}
+    _pack(mapped, writers, with_mask)
+    meta = {"dtype": dtype.name, "has_mask": with_mask, "chat": chat, "num_proc": nproc, "reader": "datasets"}
+    for name, w in writers.items():
+        meta |= {f"{name}_blocks": w.close(settings.seq_len), f"{name}_tokens": w.tokens, f"{name}_docs": w.docs}
+    del mapped
+    for f in [*tmp.glob("tokens*.arrow"), *tmp.glob("cache-*.arrow")]:
+        f.unlink()
+    return meta, {"load": t_load - t0, "tokenize": t_tok - t_load, "pack": time.time() - t_tok}
 
 
 def _pack(mapped, writers: dict, with_mask: bool) -> None:

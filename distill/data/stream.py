@@ -1,4 +1,4 @@
-"""Streaming: one source too large to prepare, tokenized and packed on the fly (``streaming: true``).
+"""Streaming: sources too large to prepare, tokenized and packed on the fly (``streaming: true``).
 
 Records come from ``datasets.load_dataset(..., streaming=True)`` (a hub name, or local files when
 testing), are split into train / held-out per document by the same stable hash as prepared data,
@@ -10,8 +10,15 @@ Resume position: the block number ``step · global_batch``; it is all a checkpoi
 On resume each process re-reads the stream from its start and skips to that block, which costs
 time proportional to the position (reading and tokenizing, no training).
 
+Mixtures (``datasets:`` with ``streaming: true`` on some entries): a streamed source takes its
+weight's share of every step like a prepared one, and its draws are numbered in stream order, so
+its resume position is its own block number: the draws of steps ``0 .. t-1``, a closed form of
+``t`` (:meth:`~distill.data.order.MixtureOrder.draws_before`). Each process still re-reads every
+streamed source from its start up to that number. Prepared sources in the mixture keep their
+shuffled, exactly resumable order.
+
 What resume can and cannot guarantee: it replays exactly the blocks of the uninterrupted run when
-the source yields the same records in the same order (the same local files, or a hub dataset at the
+every streamed source yields the same records in the same order (the same local files, or a hub dataset at the
 same revision with the same shards). If the upstream data changed, resume still starts at the same
 block *number*, but those blocks may hold other text. When the stream runs out it starts over
 (epochs are not counted: the length of a stream is unknown until it ends).
@@ -19,6 +26,7 @@ block *number*, but those blocks may hold other text. When the stream runs out i
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections.abc import Iterator
 
@@ -176,3 +184,100 @@ def build_streaming(tokenizer, spec: SourceSpec, *, seq_len: int, eval_blocks: i
     report = SourceReport(spec.name, spec.weight, None, len(held), None, None, 0.0)
     return PackedData(train=train, eval=torch.from_numpy(np.stack(held)), eval_mask=eval_mask,
                       weights=[spec.weight], sources=[report])
+
+
+class MixedBlocks:
+    """Training blocks of a mixture with streamed sources: global index ``local * S + s`` (see MixtureOrder).
+
+    Prepared sources are memory-mapped :class:`~distill.data.corpus.Blocks`, streamed ones
+    :class:`StreamBlocks`; the order hands each process a stream's blocks in increasing order.
+    """
+
+    streaming = True
+
+    def __init__(self, parts: list, seq_len: int):
+        self.parts, self.seq_len = parts, seq_len
+        self.sizes = [None if getattr(p, "streaming", False) else p.shape[0] for p in parts]
+
+    @property
+    def shape(self) -> tuple[None, int]:
+        return None, self.seq_len
+
+    def _split(self, index) -> tuple[np.ndarray, np.ndarray]:
+        idx = np.asarray(index, dtype=np.int64).reshape(-1)
+        return idx % len(self.parts), idx // len(self.parts)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        source, local = self._split(index)
+        out = torch.empty(len(source), self.seq_len, dtype=torch.long)
+        for s in np.unique(source):
+            sel = source == s
+            out[torch.from_numpy(sel)] = self.parts[s][torch.from_numpy(local[sel])]
+        return out
+
+    def loss_mask(self, index) -> torch.Tensor | None:
+        source, local = self._split(index)
+        rows = {int(s): self.parts[s].loss_mask(torch.from_numpy(local[source == s])) for s in np.unique(source)}
+        if all(r is None for r in rows.values()):
+            return None
+        out = torch.ones(len(source), self.seq_len, dtype=torch.bool)  # a source without a mask: every token
+        for s, r in rows.items():
+            if r is not None:
+                out[torch.from_numpy(source == s)] = r
+        return out
+
+
+def build_stream_mixture(tokenizer, specs: list[SourceSpec], *, seq_len: int, eval_blocks: int, eval_fraction: float,
+                         completion_only: bool, read_heldout: bool, max_train_blocks: int | None, prepare):
+    """:class:`~distill.data.corpus.PackedData` of several weighted sources, at least one streamed.
+
+    Prepared sources (``prepare(spec)`` gives their :class:`~distill.data.prepare.Prepared`) are
+    mapped; streamed ones are read on the fly. Held-out blocks are shared by weight as for prepared
+    mixtures (a stream gives its first held-out blocks). Resume: the order gives each stream the
+    block numbers it gave the uninterrupted run (a closed form of the step), and each stream is
+    re-read from its start up to that number, so resume is exact when every streamed source yields
+    the same records in the same order (see the module docstring).
+    """
+    from distill.data.corpus import Blocks, PackedData, SourceReport, _split_eval
+
+    warnings.warn(RESUME_NOTE, stacklevel=3)
+    settings = PackSettings(seq_len, eval_fraction, completion_only, "split")
+    parts, held_src, reports = [], [], []
+    for spec in specs:
+        if spec.streaming:
+            parts.append(StreamBlocks(spec, tokenizer, settings))
+            held_src.append(parts[-1])
+            reports.append(SourceReport(spec.name, spec.weight, None, 0, None, None, 0.0))
+            continue
+        p = prepare(spec)
+        n = p.train.shape[0] if max_train_blocks is None else min(p.train.shape[0], max_train_blocks)
+        if n == 0:
+            raise DataError(f"dataset {spec.source} gives 0 training blocks of {seq_len} tokens; add data, lower "
+                            "seq_len, or drop the source")
+        parts.append(Blocks([p.train[:n]], [None if p.train_mask is None else p.train_mask[:n]], seq_len))
+        held_src.append(p)
+        reports.append(SourceReport(spec.name, spec.weight, n, 0, n * seq_len, str(p.path), 0.0))
+    train = MixedBlocks(parts, seq_len)
+    if not read_heldout:
+        return PackedData(train=train, eval=torch.empty(0, seq_len, dtype=torch.long),
+                          weights=[s.weight for s in specs], sources=reports)
+    want = _split_eval(eval_blocks, [s.weight for s in specs], [eval_blocks] * len(specs))
+    ids, masks = [], []
+    for src, n, r in zip(held_src, want, reports):
+        if isinstance(src, StreamBlocks):
+            rows = list(itertools.islice(src.blocks("eval"), n))
+            got = [torch.from_numpy(np.asarray(i, dtype=np.int64)) for i, _ in rows]
+            got_mask = [None if m is None else torch.from_numpy(np.asarray(m, dtype=bool)) for _, m in rows]
+        else:
+            got = list(torch.from_numpy(np.asarray(src.eval[:n], dtype=np.int64)))
+            got_mask = [None] * len(got) if src.eval_mask is None else list(
+                torch.from_numpy(np.asarray(src.eval_mask[:n]).astype(bool)))
+        ids += got
+        masks += got_mask
+        r.eval_blocks = len(got)
+    if not ids:
+        raise DataError(f"the mixture leaves no held-out block of {seq_len} tokens; add data or set eval_dataset=")
+    eval_mask = None if all(m is None for m in masks) else torch.stack(
+        [torch.ones(seq_len, dtype=torch.bool) if m is None else m for m in masks])
+    return PackedData(train=train, eval=torch.stack(ids), eval_mask=eval_mask, weights=[s.weight for s in specs],
+                      sources=reports)
