@@ -6,7 +6,8 @@
 One model is loaded once (fp32, dense); head scores (``attention.heads``: retrieval hits and
 attention mass, on needle samples built from the retrofit's training text, the recipe's defaults)
 are computed once on the dense model; then every arm switches the same model in place and scores
-the same pass-key prompts (``eval.longctx``: exact match of the greedy answer, every answer token).
+the same pass-key prompts (``eval.longctx``: exact match of the greedy answer, every answer token;
+``--scoring first_number``: the first number of the greedy continuation is the key).
 Arms:
 
 * ``dense``: the untouched model (the reference);
@@ -76,6 +77,8 @@ def main() -> None:
     p.add_argument("--head-len", type=int, default=1536)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--scoring", default="exact", choices=("exact", "first_number"),
+                   help="eval.longctx scoring: the greedy answer starts with the key, or its first number is the key")
     p.add_argument("--out", default=None, help="write every sample's result to this JSON file")
     p.add_argument("--scores", default=None, help="head scores file: read if it exists, else computed and written")
     args = p.parse_args()
@@ -117,7 +120,7 @@ def main() -> None:
             t0 = time.perf_counter()
             found = []
             for s in samples:
-                ok, pred = score_sample(model, s)
+                ok, pred = score_sample(model, s, scoring=args.scoring, tokenizer=tok)
                 found.append(ok)
                 rows.append({"arm": arm, "length": length, "depth": s.depth, "trial": s.trial, "found": ok,
                              "pred": tok.convert_ids_to_tokens(json.loads(pred)), "key": s.key})
@@ -133,7 +136,8 @@ def main() -> None:
         ratio = "".join(f"{acc[a][n] / acc['dense'][n]:>6.2f}" if acc.get("dense", {}).get(n) else "     -"
                         for n in lengths)
         print(f"{a:<16}" + "".join(f"{acc[a][n]:>8.0%}" for n in lengths) + "   " + ratio)
-    print(json.dumps({"bench": "head_roles", "model": args.model, "spec": spec.to_dict(), "depths": grid,
+    print(json.dumps({"bench": "head_roles", "model": args.model, "scoring": args.scoring, "spec": spec.to_dict(),
+                      "depths": grid,
                       "trials": args.trials, "accuracy": acc,
                       "full_heads": {a: s and s.full_head_count(model.config.num_hidden_layers,
                                                                  model.config.num_key_value_heads)
