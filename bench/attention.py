@@ -3,22 +3,31 @@
     python bench/attention.py                 # full run (minutes)
     python bench/attention.py --quick         # 2K / 4K op only, no model
 
+    python bench/attention.py --sizes '' --prefill 8192 --repeats 5   # whole-model prefill at 8K only
+
 Op: fp32, batch 1, 9 query heads / 3 KV heads, head dim 64 (SmolLM2-135M's attention), spec
 sink 128 / window 512 / global every 1024. Rows: causal SDPA (``is_causal=True``), masked SDPA
 with the boolean hybrid mask (skipped where the [n, n] mask is too big), the block-sparse
-kernel, and the same call with per-head roles (1 of 3 KV heads full); forward and forward+backward. Timings are the best of interleaved repeats, so load from
-other processes hits every variant alike. Then whole-model prefill (last-token logits only, as a
-server does) dense vs hybrid vs mixed (25 % of KV heads full) at 4K and 8K. Prints a table, then one JSON line.
+kernel, and the same call with per-head roles (1 of 3 KV heads full); forward and forward+backward.
+Op timings are the best of interleaved repeats, so load from other processes hits every variant
+alike. Then whole-model prefill (last-token logits only, as a server does) dense vs hybrid vs mixed
+at 4K and 8K, the median of interleaved repeats (the best beside it). Mixed keeps the retrofit
+default's share of (layer, KV head) pairs full (``full_head_share`` of
+recipes/configs/retrofit_smollm2.yaml, or ``--full-share``), spread evenly over the layers, or the
+roles a retrofitted model chose (``--roles DIR``). Prints a table, then one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -34,14 +43,36 @@ from attention.masks import hybrid_mask  # noqa: E402
 SPEC = HybridAttentionConfig(sink_tokens=128, window=512, global_every=1024)
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 # Per-head roles (issue 14): the op row "mixed" keeps 1 of the 3 KV heads full in its layer; the model
-# row keeps FULL_SHARE of all (layer, KV head) pairs full, spread evenly over the layers (which heads
+# row keeps the retrofit default's share of all (layer, KV head) pairs full, spread evenly over the layers (which heads
 # does not change the cost, only how many).
 OP_MIXED = HybridAttentionConfig(sink_tokens=128, window=512, global_every=1024, full_heads={0: [1]})
-FULL_SHARE = 0.25
 
 
-def mixed_spec(layers: int, kv_heads: int, share: float = FULL_SHARE) -> HybridAttentionConfig:
+def mixed_spec(layers: int, kv_heads: int, share: float, roles: str | None = None) -> HybridAttentionConfig:
+    """SPEC with ``share`` of the pairs full (evenly spread), or with the full heads of model ``roles``."""
+    if roles:
+        raw = json.loads((Path(roles) / "config.json").read_text()).get(attention.CONFIG_KEY) or {}
+        return dataclasses.replace(SPEC, full_heads=raw.get("full_heads"), full_layers=raw.get("full_layers"))
     return spread_roles(SPEC, layers, kv_heads, share)
+
+
+def default_share() -> float:
+    """``full_head_share`` of the default retrofit config (what a user of the demo gets)."""
+    import yaml
+
+    path = Path(__file__).resolve().parents[1] / "recipes" / "configs" / "retrofit_smollm2.yaml"
+    return float(yaml.safe_load(path.read_text())["full_head_share"])
+
+
+def median_of(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, tuple[float, float]]:
+    """``(median, best)`` wall time per function, round-robin ``repeats`` times (warm up before)."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for name, f in fns.items():
+            t = time.perf_counter()
+            f()
+            times[name].append(time.perf_counter() - t)
+    return {k: (statistics.median(v), min(v)) for k, v in times.items()}
 
 
 def best_of(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
@@ -97,7 +128,8 @@ def _fwd_bwd(f, q, k, v):
     f(q, k, v).sum().backward()
 
 
-def prefill_bench(lengths: list[int], repeats: int) -> dict[int, dict[str, float]]:
+def prefill_bench(lengths: list[int], repeats: int, mixed_sp: HybridAttentionConfig
+                  ) -> dict[int, dict[str, tuple[float, float]]]:
     from transformers import AutoModelForCausalLM
 
     from core.models import smollm2_dir
@@ -106,8 +138,12 @@ def prefill_bench(lengths: list[int], repeats: int) -> dict[int, dict[str, float
     dense = AutoModelForCausalLM.from_pretrained(smollm2_dir(), dtype=torch.float32).eval()
     mixed = AutoModelForCausalLM.from_pretrained(smollm2_dir(), dtype=torch.float32).eval()
     attention.retrofit(model, SPEC)
-    attention.retrofit(mixed, mixed_spec(mixed.config.num_hidden_layers, mixed.config.num_key_value_heads))
+    attention.retrofit(mixed, mixed_sp)
     out = {}
+    warm = torch.randint(100, 40000, (1, 1024), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # a short warm-up of each model (a full-length one would double the cost at 8K)
+        for m in (dense, model, mixed):
+            m(warm, use_cache=False, logits_to_keep=1)
     for n in lengths:
         ids = torch.randint(100, 40000, (1, n), generator=torch.Generator().manual_seed(n))
 
@@ -115,8 +151,8 @@ def prefill_bench(lengths: list[int], repeats: int) -> dict[int, dict[str, float
             with torch.no_grad():
                 return m(ids, use_cache=False, logits_to_keep=1).logits
 
-        out[n] = best_of({"dense": lambda: run(dense), "hybrid": lambda: run(model), "mixed": lambda: run(mixed)},
-                         repeats)
+        out[n] = median_of({"dense": lambda: run(dense), "hybrid": lambda: run(model), "mixed": lambda: run(mixed)},
+                           repeats)
     return out
 
 
@@ -129,6 +165,9 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     p.add_argument("--block", type=int, help="kernel query block size, both paths (default: the kernel's)")
     p.add_argument("--quick", action="store_true", help="2K and 4K op only, no model")
+    p.add_argument("--full-share", type=float, default=None, help="mixed prefill: share of (layer, KV head) pairs "
+                   "full (default: the retrofit config's full_head_share)")
+    p.add_argument("--roles", default=None, help="mixed prefill: take the full heads from this model's config")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     if a.block:
@@ -151,13 +190,19 @@ def main() -> int:
             print(f"{n:>6} {pas:>8} {c * 1e3:10.1f}ms {ms} {kt * 1e3:8.1f}ms {c / kt:9.2f}x {mx * 1e3:8.1f}ms "
                   f"{c / mx:9.2f}x", flush=True)
 
-    pre = prefill_bench(prefill, max(2, a.repeats - 1)) if prefill else {}
+    share = default_share() if a.full_share is None else a.full_share
+    mixed_sp = mixed_spec(30, KV_HEADS, share, a.roles)  # SmolLM2-135M: 30 layers
+    full = mixed_sp.full_head_count(30, KV_HEADS)
+    pre_t = prefill_bench(prefill, max(2, a.repeats - 1), mixed_sp) if prefill else {}
+    pre = {n: {k: v[0] for k, v in r.items()} for n, r in pre_t.items()}  # medians
     if pre:
-        print(f"\nSmolLM2-135M prefill (last-token logits), fp32 batch 1; mixed = {FULL_SHARE:.0%} of KV heads full\n"
-              f"{'n':>6} {'dense':>10} {'hybrid':>10} {'speedup':>8} {'mixed':>10} {'speedup':>8}")
-        for n, r in pre.items():
-            print(f"{n:>6} {r['dense']:9.2f}s {r['hybrid']:9.2f}s {r['dense'] / r['hybrid']:7.2f}x "
-                  f"{r['mixed']:9.2f}s {r['dense'] / r['mixed']:7.2f}x", flush=True)
+        print(f"\nSmolLM2-135M prefill (last-token logits), fp32 batch 1, median (best) of {max(2, a.repeats - 1)} "
+              f"interleaved; mixed = {full} of 90 KV heads full{' (' + a.roles + ')' if a.roles else ''}\n"
+              f"{'n':>6} {'dense':>16} {'hybrid':>16} {'speedup':>8} {'mixed':>16} {'speedup':>8}")
+        for n, r in pre_t.items():
+            cell = {k: f"{v[0]:7.2f}s ({v[1]:5.2f})" for k, v in r.items()}
+            print(f"{n:>6} {cell['dense']:>16} {cell['hybrid']:>16} {r['dense'][0] / r['hybrid'][0]:7.2f}x "
+                  f"{cell['mixed']:>16} {r['dense'][0] / r['mixed'][0]:7.2f}x", flush=True)
 
     def speedup(n, pas="fwd"):
         return round(ops[n][f"causal_sdpa/{pas}"] / ops[n][f"kernel/{pas}"], 3) if n in ops else None
@@ -177,7 +222,9 @@ def main() -> int:
         "kernel_fwd_ms": {str(n): round(kernel_fwd[n] * 1e3, 2) for n in ns},
         "causal_fwd_ms": {str(n): round(ops[n]["causal_sdpa/fwd"] * 1e3, 2) for n in ns},
         # Cost per token relative to the smallest size: ~1.0 everywhere means linear in n.
-        "kernel_per_token_growth": round((kernel_fwd[ns[-1]] / ns[-1]) / (kernel_fwd[ns[0]] / ns[0]), 3),
+        "kernel_per_token_growth": round((kernel_fwd[ns[-1]] / ns[-1]) / (kernel_fwd[ns[0]] / ns[0]), 3) if ns else None,
+        "mixed_full_heads": full,
+        "prefill_s_median": {str(n): {k: round(v, 3) for k, v in r.items()} for n, r in pre.items()},
         "threads": a.threads,
         "targets": {"speedup_4k": 2.5, "speedup_16k": 6.0, "prefill_speedup_8k": 1.6, "mixed_prefill_speedup_8k": 1.0},
     }

@@ -1,6 +1,7 @@
 """Decode throughput: the serving engine vs HF ``generate`` on SmolLM2-135M, side by side in one run.
 
     python bench/decode.py [--quick] [--new-tokens 128] [--threads 2]
+    python bench/decode.py --cases 8k --engines hf,mixed --repeats 3 --new-tokens 64   # the 8K mixed target
 
 Cases: prompt 512 × batch 1, prompt 512 × batch 8, prompt 8K × batch 1. Each runs HF ``generate``
 (greedy, its default dynamic cache), the engine with a preallocated dense cache, and the engine on a
@@ -16,15 +17,21 @@ JSON keys:
 * ``speedup_8k``: engine hybrid bounded / HF dense at the 8K prompt, the number a user of a hybrid
   export sees; ``speedup_8k_dense`` is engine dense / HF and ``speedup_8k_bounded_vs_dense`` the cache alone.
 * ``kv_ratio_32k``: bounded / dense KV-cache bytes at 32K positions (``kv_ratio_8k`` likewise).
-* ``mixed_*``: the same for a third engine whose spec keeps 25 % of the (layer, KV head) pairs full
-  (``MixedKVCache``: full cache for those, bounded for the rest): ``mixed_speedup_8k`` vs HF,
-  ``mixed_kv_ratio_32k`` and the bytes per kind.
+* ``mixed_*``: the same for a third engine whose spec keeps the retrofit default's share of the
+  (layer, KV head) pairs full (``full_head_share`` of recipes/configs/retrofit_smollm2.yaml, or
+  ``--full-share``; or the roles a retrofitted model chose, ``--roles DIR``) (``MixedKVCache``: full
+  cache for those, bounded for the rest): ``mixed_speedup_8k`` vs HF, ``mixed_kv_ratio_32k`` and the
+  bytes per kind.
+
+``--repeats N`` runs the arms of each case round-robin N times and reports the median tokens/s per
+arm (ratios are of medians); ``--engines`` picks the arms (HF is always the reference).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -39,11 +46,23 @@ from serve.engine import Engine  # noqa: E402
 from serve.sampling import SamplingParams  # noqa: E402
 
 SPEC = HybridAttentionConfig(sink_tokens=128, window=512, global_every=1024, max_globals=16)
-FULL_SHARE = 0.25  # mixed engine: this share of (layer, KV head) pairs keeps a full cache (issue 14)
 
 
-def mixed_spec(layers: int, kv_heads: int, share: float = FULL_SHARE) -> HybridAttentionConfig:
+def mixed_spec(layers: int, kv_heads: int, share: float, roles: str | None = None) -> HybridAttentionConfig:
+    """SPEC with ``share`` of the pairs full (evenly spread), or with the full heads of model ``roles``."""
+    if roles:
+        raw = json.loads((Path(roles) / "config.json").read_text()).get("hybrid_attention") or {}
+        return HybridAttentionConfig(**{**SPEC.to_dict(), "full_heads": raw.get("full_heads"),
+                                        "full_layers": raw.get("full_layers")})
     return spread_roles(SPEC, layers, kv_heads, share)
+
+
+def default_share() -> float:
+    """``full_head_share`` of the default retrofit config (what a user of the demo gets)."""
+    import yaml
+
+    path = Path(__file__).resolve().parents[1] / "recipes" / "configs" / "retrofit_smollm2.yaml"
+    return float(yaml.safe_load(path.read_text())["full_head_share"])
 
 
 def hf_decode(model, prompts: torch.Tensor, new: int) -> tuple[float, float]:
@@ -103,7 +122,15 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cases", default="512_b1,512_b8,8k", help="comma-separated subset of 512_b1,512_b8,8k")
+    ap.add_argument("--engines", default="dense,hybrid,mixed", help="engine arms beside HF: subset of "
+                    "dense,hybrid,mixed")
+    ap.add_argument("--repeats", type=int, default=1, help="round-robin repeats per case (medians reported)")
+    ap.add_argument("--full-share", type=float, default=None, help="mixed engine: share of (layer, KV head) "
+                    "pairs full (default: the retrofit config's full_head_share)")
+    ap.add_argument("--roles", default=None, help="mixed engine: take the full heads from this model's config")
     args = ap.parse_args()
+    engines = [e for e in args.engines.split(",") if e]
+    share = default_share() if args.full_share is None else args.full_share
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     new = args.new_tokens or (32 if args.quick else 128)
@@ -120,7 +147,7 @@ def main() -> None:
     max_len = long_len + new
     dense = Engine(model=model, tokenizer=tok, max_batch=8, max_seq_len=max_len, dense=True)
     hybrid = Engine(model=model, tokenizer=tok, max_batch=8, max_seq_len=max_len)
-    mixed_sp = mixed_spec(model.config.num_hidden_layers, model.config.num_key_value_heads)
+    mixed_sp = mixed_spec(model.config.num_hidden_layers, model.config.num_key_value_heads, share, args.roles)
     model.config.hybrid_attention = mixed_sp.to_dict()  # the engine reads the spec once, at construction
     mixed = Engine(model=model, tokenizer=tok, max_batch=8, max_seq_len=max_len)
     model.config.hybrid_attention = SPEC.to_dict()
@@ -136,14 +163,19 @@ def main() -> None:
     engine_decode(mixed, warm, 4)
 
     rows, result = [], {}
+    nan = (float("nan"), float("nan"))
+    arms = {"dense": dense, "hybrid": hybrid, "mixed": mixed}
     cases = [c for c in [("512_b1", 1, 512), ("512_b8", 8, 512), ("8k", 1, long_len)] if c[0] in args.cases.split(",")]
     for name, batch, n in cases:
         p = prompts(batch, n)
-        with torch.inference_mode():
-            hf = hf_decode(model, p, new)
-        en = engine_decode(dense, p, new)
-        hy = engine_decode(hybrid, p, new)
-        mx = engine_decode(mixed, p, new)
+        runs: dict[str, list[tuple[float, float]]] = {k: [] for k in ["hf", *engines]}
+        for _ in range(args.repeats):  # interleaved: load from other processes hits every arm alike
+            with torch.inference_mode():
+                runs["hf"].append(hf_decode(model, p, new))
+            for e in engines:
+                runs[e].append(engine_decode(arms[e], p, new))
+        med = {k: (statistics.median(t for t, _ in v), statistics.median(s for _, s in v)) for k, v in runs.items()}
+        hf, en, hy, mx = (med.get(k, nan) for k in ("hf", "dense", "hybrid", "mixed"))
         rows.append((name, hf, en, hy, mx))
         result[f"hf_tok_s_{name}"] = round(hf[1], 2)
         result[f"engine_dense_tok_s_{name}"] = round(en[1], 2)
@@ -158,7 +190,8 @@ def main() -> None:
     kv = {n: (kv_bytes(n, False), kv_bytes(n, True)) for n in (8192, 32768)}
     mixed_kv = {n: mixed.model.new_cache(1, n).nbytes_by_kind() for n in (8192, 32768)}
     print(f"\nSmolLM2-135M fp32, {torch.get_num_threads()} threads, {new} new tokens, decode tokens/s "
-          f"(TTFT in parentheses); hybrid = {SPEC.to_json()}")
+          f"(TTFT in parentheses), median of {args.repeats} interleaved; hybrid = {SPEC.to_json()}; mixed: "
+          f"{mixed_sp.full_head_count(model.config.num_hidden_layers, model.config.num_key_value_heads)} KV heads full")
     print(f"{'case':<14}{'HF generate':>22}{'engine dense':>22}{'engine hybrid':>22}{'engine mixed':>22}")
     for name, hf, en, hy, mx in rows:
         print(f"{name:<14}" + "".join(f"{t:>12.1f} ({f:6.2f}s)" for f, t in (hf, en, hy, mx)))
@@ -170,7 +203,9 @@ def main() -> None:
     r = {name: (hf[1], en[1], hy[1], mx[1]) for name, hf, en, hy, mx in rows}
 
     def ratio(case: str, a: int, b: int) -> float | None:
-        return round(r[case][a] / r[case][b], 3) if case in r else None
+        if case not in r or r[case][a] != r[case][a] or r[case][b] != r[case][b]:  # not run (NaN)
+            return None
+        return round(r[case][a] / r[case][b], 3)
 
     out = {
         "speedup_512_b1": ratio("512_b1", 1, 0),
@@ -183,7 +218,9 @@ def main() -> None:
         "kv_ratio_32k": round(kv[32768][1] / kv[32768][0], 5),
         "mixed_kv_ratio_32k": round(sum(mixed_kv[32768].values()) / kv[32768][0], 5),
         "mixed_kv_bytes_32k": mixed_kv[32768],
-        "mixed_full_share": FULL_SHARE,
+        "mixed_full_share": share if not args.roles else None,
+        "mixed_full_heads": mixed_sp.full_head_count(model.config.num_hidden_layers, model.config.num_key_value_heads),
+        "repeats": args.repeats,
         "long_prompt": long_len,
         "new_tokens": new,
         **result,

@@ -3,7 +3,8 @@
 Command line::
 
     python -m eval.longctx --model DIR --lengths 1024,2048,4096,8192 --depths 10 --trials 2 \\
-        [--kinds passkey,multikey] [--out runs/longctx] [--dense] [--retrofit default|JSON]
+        [--kinds passkey,multikey] [--out runs/longctx] [--dense] [--retrofit default|JSON] \\
+        [--scoring exact|first_number]
 
 Each sample is built offline: an instruction, repeated filler sentences up to ``length`` tokens,
 the needle at a relative ``depth`` (0 = right after the instruction, 1 = just before the question),
@@ -17,7 +18,9 @@ Scoring is exact match of greedy decoding: the answer's tokens are appended to t
 sample counts as found iff every answer token is the model's argmax at its position. That is the
 same as "greedy generation starts with the key" (one forward pass instead of a decode loop), given
 the key's tokenization is the one the model would produce; digits are single tokens in the
-tokenizers we ship, and ``key_tokens_canonical`` in the JSON says whether that held.
+tokenizers we ship, and ``key_tokens_canonical`` in the JSON says whether that held. ``--scoring
+first_number`` instead decodes a few greedy tokens and checks that the first number in them is the
+key (exact digits; "The pass key is the 71432" counts, a longer or different number does not).
 
 A model whose config carries a hybrid attention spec loads hybrid (``attention.load``), otherwise
 dense; ``--dense`` forces dense and ``--retrofit`` switches a dense model to a spec for a probe.
@@ -31,6 +34,7 @@ import argparse
 import json
 import math
 import random
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -119,15 +123,41 @@ def build_sample(tok, kind: str, length: int, depth: float, rng: random.Random, 
     return Sample(kind, length, depth, trial, ids, len(a_ids), key, needle_pos, canonical)
 
 
+SCORINGS = ("exact", "first_number")
+
+
 @torch.inference_mode()
-def score_sample(model, sample: Sample, device: str = "cpu") -> tuple[bool, str]:
-    """``(found, predicted)``: whether greedy decoding reproduces the key (teacher-forced argmax check)."""
-    ids = torch.tensor([sample.ids[:-1]], device=device)
+def score_sample(model, sample: Sample, device: str = "cpu", scoring: str = "exact", tokenizer=None
+                 ) -> tuple[bool, str]:
+    """``(found, predicted)`` for one sample.
+
+    ``exact``: greedy decoding starts with the key's tokens (teacher-forced argmax check, one forward
+    pass). ``first_number``: the first number in the greedy continuation (``answer_len + 3`` tokens,
+    decoded with the model's KV cache) is the key — "The pass key is the 71432" counts, "714329" or a
+    wrong number does not (the passkey scoring of LongLoRA / Landmark Attention); needs ``tokenizer``.
+    """
     n = sample.answer_len
-    logits = model(input_ids=ids, logits_to_keep=n, use_cache=False).logits[0, -n:]
-    pred = logits.argmax(-1).tolist()
-    gold = sample.ids[-n:]
-    return pred == gold, json.dumps(pred)
+    if scoring == "exact":
+        ids = torch.tensor([sample.ids[:-1]], device=device)
+        logits = model(input_ids=ids, logits_to_keep=n, use_cache=False).logits[0, -n:]
+        pred = logits.argmax(-1).tolist()
+        return pred == sample.ids[-n:], json.dumps(pred)
+    if scoring != "first_number" or tokenizer is None:
+        raise LongCtxError(f"scoring {scoring!r} needs one of {', '.join(SCORINGS)} (first_number: a tokenizer)")
+    pred = greedy_continuation(model, sample.ids[:-n], n + 3, device)
+    number = re.search(r"\d+", tokenizer.decode(pred))
+    return number is not None and number.group() == sample.key, json.dumps(pred)
+
+
+def greedy_continuation(model, prompt: list[int], new: int, device: str = "cpu") -> list[int]:
+    """``new`` greedy tokens after ``prompt`` (prefill once, then one token at a time through the cache)."""
+    out = model(input_ids=torch.tensor([prompt], device=device), use_cache=True, logits_to_keep=1)
+    tokens = [int(out.logits[0, -1].argmax())]
+    while len(tokens) < new:
+        out = model(input_ids=torch.tensor([[tokens[-1]]], device=device), past_key_values=out.past_key_values,
+                    use_cache=True)
+        tokens.append(int(out.logits[0, -1].argmax()))
+    return tokens
 
 
 def depths_for(depths: int | str | list[float]) -> list[float]:
@@ -154,8 +184,8 @@ def depths_for(depths: int | str | list[float]) -> list[float]:
 
 
 def run_longctx(model, tok, *, lengths: list[int], depths: int | str | list[float], trials: int,
-                kinds: list[str] | tuple[str, ...],
-                seed: int = 0, device: str = "cpu", progress: bool = True) -> dict[str, Any]:
+                kinds: list[str] | tuple[str, ...], seed: int = 0, device: str = "cpu", progress: bool = True,
+                scoring: str = "exact") -> dict[str, Any]:
     """Accuracy per kind × length × depth over ``trials`` samples per cell (seeded, same prompts every run)."""
     from tqdm.auto import tqdm
 
@@ -165,6 +195,8 @@ def run_longctx(model, tok, *, lengths: list[int], depths: int | str | list[floa
                            "drop it from --lengths")
     if trials < 1:
         raise LongCtxError(f"--trials must be >= 1, got {trials}")
+    if scoring not in SCORINGS:
+        raise LongCtxError(f"unknown scoring {scoring!r}; use one of {', '.join(SCORINGS)}")
     grid = depths_for(depths)
     samples = []
     for kind in kinds:
@@ -179,7 +211,7 @@ def run_longctx(model, tok, *, lengths: list[int], depths: int | str | list[floa
     found_so_far = 0
     t0 = time.perf_counter()
     for i, s in enumerate(bar):
-        ok, pred = score_sample(model, s, device)
+        ok, pred = score_sample(model, s, device, scoring, tok)
         found_so_far += ok
         rows.append({"kind": s.kind, "length": s.length, "tokens": len(s.ids), "depth": s.depth, "trial": s.trial,
                      "key": s.key, "found": ok, "pred_tokens": pred, "needle_pos": s.needle_pos})
@@ -194,7 +226,7 @@ def run_longctx(model, tok, *, lengths: list[int], depths: int | str | list[floa
             cells[kind][str(length)] = {f"{d:.3f}": sum(r["found"] for r in sel if r["depth"] == d) / trials
                                         for d in grid}
     return {"accuracy": acc, "cells": cells, "depths": grid, "lengths": lengths, "trials": trials,
-            "kinds": list(kinds), "seed": seed, "key_tokens_canonical": canonical,
+            "kinds": list(kinds), "seed": seed, "key_tokens_canonical": canonical, "scoring": scoring,
             "seconds": time.perf_counter() - t0, "samples": rows}
 
 
@@ -274,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dense", action="store_true", help="load dense even when the config carries a hybrid spec")
     p.add_argument("--retrofit", default=None, help="switch the model to a hybrid spec first: 'default' or JSON")
     p.add_argument("--device", default="cpu", help="cpu | cuda")
+    p.add_argument("--scoring", default="exact", help="exact: the greedy answer starts with the key (one "
+                   "forward pass); first_number: the first number of the greedy continuation is the key")
     args = p.parse_args(argv)
     try:
         from attention.errors import HybridAttentionError
@@ -289,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
             raise LongCtxError(str(err).splitlines()[0]) from None
         model.to(args.device)
         result = run_longctx(model, tok, lengths=lengths, depths=args.depths, trials=args.trials, kinds=kinds,
-                             seed=args.seed, device=args.device)
+                             seed=args.seed, device=args.device, scoring=args.scoring)
     except LongCtxError as err:
         print(f"error: {err}", file=sys.stderr)
         return 3
@@ -310,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         plot_heatmap(result, out / "longctx.png", f"{args.model} ({attn})")
         print(f"wrote {out / 'longctx.json'} and {out / 'longctx.png'}")
     summary = {k: result[k] for k in ("model", "attention", "accuracy", "lengths", "trials", "kinds",
-                                      "key_tokens_canonical", "seconds")}
+                                      "key_tokens_canonical", "scoring", "seconds")}
     summary["depths"] = len(result["depths"])
     print(json.dumps(summary))
     return 0

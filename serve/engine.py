@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from core.models import load_causal_lm, load_tokenizer
-from serve.kv_cache import KVCache
+from serve.kv_cache import KVCache, MixedKVCache
 from serve.model import DecoderModel
 from serve.prefix_cache import PrefixCache
 from serve.quantize import is_quantized
@@ -149,6 +149,12 @@ class Engine:
         if self.prefill_budget < 1:
             raise ValueError(f"prefill_budget must be >= 1, got {prefill_budget}")
         self.prefix_cache = PrefixCache(prefix_cache_bytes, prefix_block) if prefix_cache_bytes else None
+        if self.prefix_cache is not None and self.spec is not None and self.spec.has_head_roles:
+            # Per-head roles give a MixedKVCache (a full and a bounded cache side by side); the prefix
+            # cache stores and restores one KVCache's slots, so it is off for those models.
+            logger.warning("prefix cache: off for a model with per-head roles (full_heads/full_layers); "
+                           "prompts are prefilled in full")
+            self.prefix_cache = None
         if self.prefix_cache is not None and self.spec is not None:
             window = min([self.spec.window] + [w for _, w in (self.spec.window_policy or [])])
             if prefill_chunk + prefix_block > window:  # serve.prefix_cache: "Bounded (hybrid) caches"
@@ -354,18 +360,22 @@ class Engine:
         plus their recorded positions). Saving those few slots and restoring them after the step is
         cheaper than gathering the decoding rows into a compact batch.
         """
-        cache = self.cache
         saved = []
-        for r in rows:
-            pos = self._pos[r:r + 1]
-            slots = torch.cat([cache.persistent + pos % cache.window[r], cache._persistent_slot(pos)])
-            saved.append((r, slots, cache.k[:, r][:, :, slots].clone(), cache.v[:, r][:, :, slots].clone(),
-                          cache.slot_pos[r].clone()))
+        for cache in self._cache_parts():
+            for r in rows:
+                pos = self._pos[r:r + 1]
+                slots = torch.cat([cache.persistent + pos % cache.window[r], cache._persistent_slot(pos)])
+                saved.append((cache, r, slots, cache.k[:, r][:, :, slots].clone(), cache.v[:, r][:, :, slots].clone(),
+                              cache.slot_pos[r].clone()))
         return saved
 
-    def _unshield(self, saved: list[tuple]) -> None:
+    def _cache_parts(self) -> list[KVCache]:
+        """The slot caches behind ``self.cache`` (a MixedKVCache holds a full and a bounded one)."""
         cache = self.cache
-        for r, slots, k, v, slot_pos in saved:
+        return [cache.full, cache.stream] if isinstance(cache, MixedKVCache) else [cache]
+
+    def _unshield(self, saved: list[tuple]) -> None:
+        for cache, r, slots, k, v, slot_pos in saved:
             cache.k[:, r][:, :, slots] = k
             cache.v[:, r][:, :, slots] = v
             cache.slot_pos[r].copy_(slot_pos)

@@ -74,7 +74,7 @@ def test_cli_writes_heatmap_and_json_and_loads_hybrid(tmp_path, tok, capsys):
     dense_dir, hybrid_dir = tmp_path / "dense", tmp_path / "hybrid"
     model.save_pretrained(dense_dir)
     tok.save_pretrained(dense_dir)
-    attention.retrofit(model, attention.HybridAttentionConfig(sink_tokens=4, window=16, global_every=0,
+    attention.retrofit(model, attention.HybridAttentionConfig(sink_tokens=4, window=24, global_every=0,
                                                               full_heads={1: [0]}))
     model.save_pretrained(hybrid_dir)
     tok.save_pretrained(hybrid_dir)
@@ -100,3 +100,30 @@ def test_depths_are_a_count_or_explicit_fractions():
     for bad in ("0", "1.5,0.2", "x,y", "many"):
         with pytest.raises(longctx.LongCtxError, match="depths"):
             longctx.depths_for(bad)
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_greedy_continuation_through_the_cache_equals_recompute(tok, hybrid):
+    model = tiny_teacher(0).eval()
+    if hybrid:  # per-head roles: the cached decode runs full heads dense and the rest block-sparse
+        attention.retrofit(model, attention.HybridAttentionConfig(sink_tokens=4, window=24, global_every=0,
+                                                                  full_heads={0: [0]}))
+    s = longctx.build_sample(tok, "passkey", 200, 0.3, random.Random(5))
+    prompt = s.ids[:-s.answer_len]
+    got = longctx.greedy_continuation(model, prompt, 6)
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(6):
+            ids.append(int(model(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+    assert got == ids[len(prompt):]
+
+
+def test_first_number_scoring_needs_the_key_as_the_first_whole_number(tok, monkeypatch):
+    s = longctx.build_sample(tok, "passkey", 200, 0.5, random.Random(1))
+    model = tiny_teacher(0).eval()
+    for text, found in [(f" {s.key}. Remember", True), (f" the {s.key} is", True), (f" {s.key}7", False),
+                        (f" 1 {s.key}", False), (" the pass key", False)]:
+        monkeypatch.setattr(longctx, "greedy_continuation", lambda *a, text=text: tok(text)["input_ids"])
+        assert longctx.score_sample(model, s, scoring="first_number", tokenizer=tok)[0] == found, text
+    with pytest.raises(longctx.LongCtxError, match="tokenizer"):
+        longctx.score_sample(model, s, scoring="first_number")

@@ -69,6 +69,31 @@ def test_hybrid_model_dir_decodes_exactly_with_bounded_cache(tmp_path):
     assert dense.generate(PROMPTS[1:2], SamplingParams(max_new_tokens=n))[0].token_ids != results[1].token_ids
 
 
+def test_engine_with_per_head_roles_decodes_exactly():
+    """A spec with full heads (MixedKVCache) through the whole engine, prefix cache budget left on."""
+    import copy
+
+    import attention
+
+    spec = HybridAttentionConfig(sink_tokens=3, window=8, global_every=5, max_globals=4, full_heads={0: [1]},
+                                 full_layers=[1])
+    model = no_eos(tiny_model("llama", seed=4))
+    ref_model = attention.retrofit(copy.deepcopy(model), spec)
+    model.config.hybrid_attention = spec.to_dict()
+    engine = Engine(model=model, tokenizer=tiny_tokenizer(), max_batch=2, prefill_chunk=5)
+    assert engine.spec == spec and engine.prefix_cache is None
+    n = 30
+    for _ in range(2):  # the second round would hit a prefix cache, were one on
+        results = engine.generate(PROMPTS[1:3], SamplingParams(max_new_tokens=n, ignore_eos=True))
+        for p, r in zip(PROMPTS[1:3], results):
+            assert r.finish_reason == "length"
+            ids = list(p)
+            for _ in range(n):  # full recompute with the per-head boolean-mask reference
+                with torch.no_grad(), attention.use_backend("sdpa"):
+                    ids.append(int(ref_model(torch.tensor([ids])).logits[0, -1].argmax()))
+            assert r.token_ids == ids[len(p):]
+
+
 def test_sampling_is_seeded_and_top_k_one_is_greedy():
     model = tiny_model("qwen2", seed=5)
     engine = Engine(model=model, tokenizer=tiny_tokenizer(), max_batch=4)
