@@ -96,7 +96,7 @@ def test_on_policy_step_equals_hand_computed_loss(kind, temperature, beta):
 
     # Same weights, same seeds, a stand-alone engine: the same continuations.
     prompts = [row[:4].tolist() for row in blocks]
-    engine = Engine(model=reference, tokenizer=tiny_tokenizer(), max_batch=3, max_seq_len=10, fast_weights=False)
+    engine = Engine(model=reference, tokenizer=tiny_tokenizer(), max_batch=3, max_seq_len=10)
     completions = [c.token_ids for c in engine.generate(prompts, policy.params_for(3, 2, 1))]
     assert out.tokens == sum(len(c) for c in completions) > 0
     reference.train()
@@ -111,27 +111,54 @@ def test_on_policy_step_equals_hand_computed_loss(kind, temperature, beta):
 def test_rollouts_during_training_follow_the_live_weights():
     """After optimizer steps the training engine's rollouts equal a fresh engine's on a copy of the weights."""
     _, student, model = _pair("forward_kl")
-    policy = _policy(model, temperature=0.8, max_new=8)
-    opt = torch.optim.SGD(student.parameters(), lr=0.5)
-    blocks = torch.randint(3, 320, (3, 16), generator=torch.Generator().manual_seed(1))
+    # Prompts longer than a prefix-cache block sharing their first 32 tokens: a prompt-prefix cache kept
+    # across updates would restore keys/values of the old weights here (Rollouts turns it off).
+    blocks = torch.randint(3, 320, (3, 48), generator=torch.Generator().manual_seed(1))
+    blocks[:, :32] = blocks[0, :32]
+    policy = _policy(model, temperature=0.8, max_new=8, prompt=40)
+    rollouts = policy.rollouts
+    opt = torch.optim.AdamW(student.parameters(), lr=0.05)
     before = policy.generate(blocks, 0, 0)
+    policy.generate(blocks, 0, 1)
+    assert rollouts.syncs == 0  # unchanged weights: the decode copies are not rebuilt
     for step in range(2):
         policy.forward(blocks, step, 0, torch.device("cpu")).loss.backward()
         opt.step()
         opt.zero_grad()
     assert student.training  # rollouts leave the student in train mode
     during = policy.generate(blocks, 5, 0)
-    prompts = [row[:4].tolist() for row in blocks]
-    fresh = Engine(model=copy.deepcopy(student), tokenizer=tiny_tokenizer(), max_batch=3, max_seq_len=12,
-                   fast_weights=False)
+    assert rollouts.syncs == 2  # once after each update seen by a rollout (step 1's rollout saw step 0's)
+    prompts = [row[:40].tolist() for row in blocks]
+    fresh = Engine(model=copy.deepcopy(student), tokenizer=tiny_tokenizer(), max_batch=3, max_seq_len=48)
     alone = rollout_batch(prompts, [c.token_ids for c in fresh.generate(prompts, policy.params_for(3, 5, 0))], 0)
     assert torch.equal(during["input_ids"], alone["input_ids"])
-    # No copy: the engine decodes from the very tensors the optimizer updates, and holds no fused copies.
-    engine_model = policy.rollouts.engine.model
-    assert engine_model.hf is student and engine_model.fast_weight_bytes() == 0
-    assert engine_model.lm_head.weight.data_ptr() == student.lm_head.weight.data_ptr()
-    assert before["input_ids"].shape[0] == 3
+    assert not torch.equal(before["input_ids"], during["input_ids"])  # the updates changed what is sampled
+    # The engine decodes from the very module the optimizer updates (prefill reads its weights in place);
+    # on CPU its fused decode copies exist and were refreshed; no prefix cache.
+    engine = rollouts.engine
+    assert engine.model.hf is student and engine.prefix_cache is None
+    assert engine.model.lm_head.weight.data_ptr() == student.lm_head.weight.data_ptr()
+    assert engine.model.fast_weight_bytes() > 0
     assert policy.stats(1.0)["rollout_tokens"] > 0
+
+
+def test_stale_decode_copies_would_change_rollouts():
+    """The refresh is what keeps rollouts right: skip it after an update and they differ from a fresh engine."""
+    _, student, model = _pair("forward_kl")
+    policy = _policy(model, temperature=0.8, max_new=8)
+    blocks = torch.randint(3, 320, (3, 16), generator=torch.Generator().manual_seed(2))
+    policy.generate(blocks, 0, 0)
+    with torch.no_grad():
+        for q in student.parameters():
+            q.add_(torch.randn_like(q) * 0.5)
+    policy.rollouts._synced = policy.rollouts._weights_version()  # pretend nothing changed
+    stale = policy.generate(blocks, 1, 0)
+    prompts = [row[:4].tolist() for row in blocks]
+    fresh = Engine(model=copy.deepcopy(student), tokenizer=tiny_tokenizer(), max_batch=3, max_seq_len=12)
+    alone = rollout_batch(prompts, [c.token_ids for c in fresh.generate(prompts, policy.params_for(3, 1, 0))], 0)
+    assert not torch.equal(stale["input_ids"], alone["input_ids"])
+    policy.rollouts._synced = ()  # now let it see the change
+    assert torch.equal(policy.generate(blocks, 1, 0)["input_ids"], alone["input_ids"])
 
 
 def test_settings_errors_are_one_line_and_early():
@@ -182,6 +209,9 @@ def test_recipe_on_policy_run(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["on_policy"]["rollout_tokens"] > 0 and 0 < summary["on_policy"]["gen_time_share"] < 1
+    # Logged every step: the share so far counts the step in progress (never above 1, even at step 1).
+    history = json.loads((out / "checkpoints" / "step-3" / "trainer_state.json").read_text())["history"]
+    assert len(history) == 3 and all(0 < h["gen_time_share"] < 1 and h["rollout_tok_s"] > 0 for h in history)
     assert summary["student_ppl_final"] is not None
     bad = subprocess.run([sys.executable, "recipes/distill.py", "--config", "recipes/configs/tiny.yaml",
                           f"output_dir={tmp_path / 'bad'}", "on_policy_fraction=2"], cwd=ROOT, capture_output=True,
