@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import json
 import math
 import os
@@ -103,10 +102,8 @@ def run_arm(name: str, fraction: float, args, teacher, student0, tokenizer, data
     model = DistillModel(student, teacher, loss_cfg)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, betas=(0.9, 0.95))
     settings = OnPolicySettings(fraction=fraction, max_new_tokens=args.gen, temperature=args.gen_temperature,
-                                prompt_tokens=args.prompt, seed=args.seed)
+                                prompt_tokens=args.prompt, seed=args.seed, kd_kind=args.on_kind)
     policy = OnPolicy(settings, model, model, tokenizer, args.batch)
-    if args.on_kind:  # a different divergence on the student's own samples (e.g. reverse KL, as GKD / MiniLLM)
-        policy.loss_config = dataclasses.replace(policy.loss_config, kd_kind=args.on_kind)
     order = torch.randperm(data.train.shape[0], generator=torch.Generator().manual_seed(args.seed))
     clock = _clock(args.clock)
     times = {"on": [], "off": []}
@@ -154,7 +151,7 @@ def main() -> None:
                     help="budget and step times in process CPU seconds (fair on a shared machine) or wall seconds")
     ap.add_argument("--fraction", type=float, default=0.5, help="on-policy share of micro-batches in the mix")
     ap.add_argument("--kind", default="forward_kl", help="divergence for both arms (forward_kl, reverse_kl, jsd, ...)")
-    ap.add_argument("--on-kind", default=None, help="divergence on on-policy micro-batches only (default: --kind)")
+    ap.add_argument("--on-kind", default=None, help="divergence on on-policy micro-batches only (the recipe's gen_kd_kind; default: --kind)")
     ap.add_argument("--beta", type=float, default=0.5, help="JSD / skew KL beta")
     ap.add_argument("--gen", type=int, default=64, help="tokens generated per on-policy prompt")
     ap.add_argument("--gen-temperature", type=float, default=1.0, help="sampling temperature of the rollouts")

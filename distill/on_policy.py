@@ -55,6 +55,7 @@ class OnPolicySettings:
     prompt_tokens: int = 64
     prompts: str = "prefix"
     seed: int = 0
+    kd_kind: str | None = None  # divergence on the rollouts (None: the loss config's kd_kind)
 
     def check(self, seq_len: int, *, kd_weight: float, cached_teacher: bool) -> None:
         """Everything that can be checked before a model loads; one-line errors."""
@@ -226,7 +227,8 @@ class OnPolicy:
                                  settings.prompt_tokens + settings.max_new_tokens)
         cfg = unwrapped.loss_config
         # The divergence (and hidden/attention matching, which is valid on any shared text) only.
-        self.loss_config = dataclasses.replace(cfg, ce_weight=0.0, focal_weight=0.0)
+        self.loss_config = dataclasses.replace(cfg, ce_weight=0.0, focal_weight=0.0,
+                                               kd_kind=settings.kd_kind or cfg.kd_kind)
         self.gen_seconds = 0.0
         self.gen_tokens = 0
         self.micro_batches = 0
@@ -277,7 +279,7 @@ def settings_from(cfg) -> OnPolicySettings:
     """:class:`OnPolicySettings` from a recipe config's ``on_policy_fraction`` / ``gen_*`` fields."""
     return OnPolicySettings(fraction=cfg.on_policy_fraction, max_new_tokens=cfg.gen_max_new_tokens,
                             temperature=cfg.gen_temperature, prompt_tokens=cfg.gen_prompt_tokens,
-                            prompts=cfg.gen_prompts, seed=cfg.seed)
+                            prompts=cfg.gen_prompts, seed=cfg.seed, kd_kind=cfg.gen_kd_kind)
 
 
 def build(cfg, accelerator, model, tokenizer) -> OnPolicy | None:

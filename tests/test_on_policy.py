@@ -37,9 +37,9 @@ def _pair(kind="reverse_kl", temperature=1.0, beta=0.5):
     return teacher, student, DistillModel(student, teacher, cfg)
 
 
-def _policy(model, fraction=1.0, temperature=1.0, max_new=6, prompt=4, batch=3, seed=0):
+def _policy(model, fraction=1.0, temperature=1.0, max_new=6, prompt=4, batch=3, seed=0, kd_kind=None):
     s = OnPolicySettings(fraction=fraction, max_new_tokens=max_new, temperature=temperature, prompt_tokens=prompt,
-                         seed=seed)
+                         seed=seed, kd_kind=kd_kind)
     return OnPolicy(s, model, model, tiny_tokenizer(), batch)
 
 
@@ -83,15 +83,19 @@ def _hand_loss(student, teacher, prompts, completions, kind, temperature, beta):
     return torch.stack(terms).mean()
 
 
-@pytest.mark.parametrize("kind,temperature,beta", [("reverse_kl", 1.0, 0.5), ("forward_kl", 2.0, 0.5),
-                                                   ("skew_kl", 1.0, 0.1)])
-def test_on_policy_step_equals_hand_computed_loss(kind, temperature, beta):
+@pytest.mark.parametrize("kind,temperature,beta,on_kind", [("reverse_kl", 1.0, 0.5, None), ("forward_kl", 2.0, 0.5, None),
+                                                           ("skew_kl", 1.0, 0.1, None),
+                                                           ("forward_kl", 1.0, 0.5, "reverse_kl")])
+def test_on_policy_step_equals_hand_computed_loss(kind, temperature, beta, on_kind):
+    """``on_kind`` (the recipe's gen_kd_kind): the rollouts' divergence replaces kd_kind on them only."""
     teacher, student, model = _pair(kind, temperature, beta)
-    policy = _policy(model)
+    policy = _policy(model, kd_kind=on_kind)
+    kind = on_kind or kind
     blocks = torch.randint(3, 320, (3, 16), generator=torch.Generator().manual_seed(0))
     reference = copy.deepcopy(student)
     out = policy.forward(blocks, step=2, micro=1, device=torch.device("cpu"))
     assert model.loss_config.ce_weight == 1.0  # restored after the on-policy forward
+    assert model.loss_config.kd_kind != on_kind  # the rollouts' divergence applied to them only
     assert float(out.ce) == 0.0  # the divergence only: no CE on the student's own samples
 
     # Same weights, same seeds, a stand-alone engine: the same continuations.
@@ -171,6 +175,7 @@ def test_settings_errors_are_one_line_and_early():
         (dict(on_policy_fraction=0.5, teacher_cache="x", hidden_weight=0, attn_weight=0), "live teacher"),
         (dict(on_policy_fraction=0.5, kd_weight=0), "kd_weight > 0"),
         (dict(on_policy_fraction=0.5, gen_prompts="files"), "gen_prompts must be one of prefix, chat, got 'files'"),
+        (dict(on_policy_fraction=0.5, gen_kd_kind="l2"), "gen_kd_kind must be one of forward_kl"),
     ]
     for kwargs, match in cases:
         with pytest.raises(ConfigError, match=match.replace("[", r"\[").replace("]", r"\]")) as err:
