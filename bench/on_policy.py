@@ -160,6 +160,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate (the recipe default)")
     ap.add_argument("--eval-blocks", type=int, default=16, help="held-out blocks for perplexity")
     ap.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts for the reverse KL")
+    ap.add_argument("--off-json", default=None, help="reuse the off-policy arm of an earlier run's log (same "
+                    "student, data, seed, budget, clock): only the mix arm runs")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -188,7 +190,11 @@ def main() -> None:
             "own_rkl": own_continuation_rkl(student0, teacher, tokenizer, eval_prompts, args.gen, seed=10_000)}
     print(f"  init: ppl {init['ppl']:.2f}, reverse KL on own continuations {init['own_rkl']:.4f}", flush=True)
     loads = [os.getloadavg()[0]]
-    off = run_arm("off-policy", 0.0, args, teacher, student0, tokenizer, data, eval_prompts)
+    if args.off_json:  # the off-policy arm of an earlier run with the same settings (it is deterministic)
+        off = json.loads(Path(args.off_json).read_text().strip().splitlines()[-1])["off_policy"]
+        print(f"  off-policy: from {args.off_json} ({off['steps']} steps)", flush=True)
+    else:
+        off = run_arm("off-policy", 0.0, args, teacher, student0, tokenizer, data, eval_prompts)
     loads.append(os.getloadavg()[0])
     mix = run_arm(f"on-policy {args.fraction:g}", args.fraction, args, teacher, student0, tokenizer, data,
                   eval_prompts)
