@@ -109,6 +109,8 @@ class DistillConfig:
     gen_temperature: float = field(1.0, ge=0, help="on-policy: sampling temperature of the rollouts (0 = greedy)")
     gen_prompt_tokens: int = field(64, ge=1, help="on-policy: prompt length (prefix of each block) or, with "
                                    "gen_prompts=chat, the longest user-turn prompt used")
+    gen_kd_kind: str | None = field(None, choices=KD_KINDS, help="on-policy: divergence on the rollouts (default: "
+                                    "kd_kind); reverse_kl is what GKD / MiniLLM use on the student's own samples")
     gen_prompts: str = field("prefix", choices=("prefix", "chat"), help="on-policy prompts: prefix (the start of "
                              "each training block) | chat (the first user turn of each chat record in dataset)")
     # eval, logging, outputs

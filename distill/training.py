@@ -287,6 +287,10 @@ class Run:
             self.rss.mark("eval_save")  # what the step did after its record: evaluation, checkpoint
         self.bar.close()
 
+    def loop_seconds_now(self) -> float:
+        """The training loop's seconds including the step in progress (``loop_seconds`` adds it at record)."""
+        return self.loop_seconds + time.perf_counter() - self._t_step
+
     def record(self, step: int, terms: dict[str, float], lr: float, tokens: int, **extra: Any) -> None:
         """Book step ``step`` (0-based) that trained on ``tokens`` tokens; a non-finite loss stops the run."""
         if not math.isfinite(terms["loss"]):

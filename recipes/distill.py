@@ -148,8 +148,8 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: 
                                               accelerator.num_processes, cfg.micro_batch_size))
         terms = train_step(accelerator, model, optimizer, scheduler, params, micro, forward,
                            grad_accum=cfg.grad_accum, max_grad_norm=cfg.max_grad_norm)
-        if policy is not None:  # rollout tokens/s and share of time generating (this rank)
-            terms |= policy.stats(run.loop_seconds)
+        if policy is not None:  # rollout tokens/s and share of time generating so far (this rank, this step included)
+            terms |= policy.stats(run.loop_seconds_now())
         run.record(step, terms, scheduler.get_last_lr()[0], tokens=global_batch * cfg.seq_len)
         if run.due(step, cfg.eval_every) or run.last(step):
             s, _ = evaluate(accelerator, unwrapped.student, data.eval, cfg.micro_batch_size,

@@ -193,6 +193,20 @@ class DecoderModel(nn.Module):
                 self._fast = [_LayerWeights(layer) for layer in self.layers]
                 self._fast_head = _Fused([self.lm_head])
 
+    def refresh_fast_weights(self) -> None:
+        """Rebuild the decode copies from the model's current weights (no-op without ``fast_weights``).
+
+        The copies are snapshots: a caller that changes the weights in place (a trainer decoding from
+        the live student, :mod:`distill.on_policy`) calls this after each change, before decoding.
+        The old copies are dropped first, so memory never holds two sets.
+        """
+        if self._fast_head is None:
+            return
+        self._fast, self._fast_head = [], None
+        with torch.no_grad():
+            self._fast = [_LayerWeights(layer) for layer in self.layers]
+            self._fast_head = _Fused([self.lm_head])
+
     def fast_weight_bytes(self) -> int:
         """Memory held by the decode weight copies (0 with ``fast_weights=False``)."""
         if self._fast_head is None:

@@ -37,9 +37,9 @@ def _pair(kind="reverse_kl", temperature=1.0, beta=0.5):
     return teacher, student, DistillModel(student, teacher, cfg)
 
 
-def _policy(model, fraction=1.0, temperature=1.0, max_new=6, prompt=4, batch=3, seed=0):
+def _policy(model, fraction=1.0, temperature=1.0, max_new=6, prompt=4, batch=3, seed=0, kd_kind=None):
     s = OnPolicySettings(fraction=fraction, max_new_tokens=max_new, temperature=temperature, prompt_tokens=prompt,
-                         seed=seed)
+                         seed=seed, kd_kind=kd_kind)
     return OnPolicy(s, model, model, tiny_tokenizer(), batch)
 
 
@@ -83,20 +83,24 @@ def _hand_loss(student, teacher, prompts, completions, kind, temperature, beta):
     return torch.stack(terms).mean()
 
 
-@pytest.mark.parametrize("kind,temperature,beta", [("reverse_kl", 1.0, 0.5), ("forward_kl", 2.0, 0.5),
-                                                   ("skew_kl", 1.0, 0.1)])
-def test_on_policy_step_equals_hand_computed_loss(kind, temperature, beta):
+@pytest.mark.parametrize("kind,temperature,beta,on_kind", [("reverse_kl", 1.0, 0.5, None), ("forward_kl", 2.0, 0.5, None),
+                                                           ("skew_kl", 1.0, 0.1, None),
+                                                           ("forward_kl", 1.0, 0.5, "reverse_kl")])
+def test_on_policy_step_equals_hand_computed_loss(kind, temperature, beta, on_kind):
+    """``on_kind`` (the recipe's gen_kd_kind): the rollouts' divergence replaces kd_kind on them only."""
     teacher, student, model = _pair(kind, temperature, beta)
-    policy = _policy(model)
+    policy = _policy(model, kd_kind=on_kind)
+    kind = on_kind or kind
     blocks = torch.randint(3, 320, (3, 16), generator=torch.Generator().manual_seed(0))
     reference = copy.deepcopy(student)
     out = policy.forward(blocks, step=2, micro=1, device=torch.device("cpu"))
     assert model.loss_config.ce_weight == 1.0  # restored after the on-policy forward
+    assert model.loss_config.kd_kind != on_kind  # the rollouts' divergence applied to them only
     assert float(out.ce) == 0.0  # the divergence only: no CE on the student's own samples
 
     # Same weights, same seeds, a stand-alone engine: the same continuations.
     prompts = [row[:4].tolist() for row in blocks]
-    engine = Engine(model=reference, tokenizer=tiny_tokenizer(), max_batch=3, max_seq_len=10, fast_weights=False)
+    engine = Engine(model=reference, tokenizer=tiny_tokenizer(), max_batch=3, max_seq_len=10)
     completions = [c.token_ids for c in engine.generate(prompts, policy.params_for(3, 2, 1))]
     assert out.tokens == sum(len(c) for c in completions) > 0
     reference.train()
@@ -111,27 +115,54 @@ def test_on_policy_step_equals_hand_computed_loss(kind, temperature, beta):
 def test_rollouts_during_training_follow_the_live_weights():
     """After optimizer steps the training engine's rollouts equal a fresh engine's on a copy of the weights."""
     _, student, model = _pair("forward_kl")
-    policy = _policy(model, temperature=0.8, max_new=8)
-    opt = torch.optim.SGD(student.parameters(), lr=0.5)
-    blocks = torch.randint(3, 320, (3, 16), generator=torch.Generator().manual_seed(1))
+    # Prompts longer than a prefix-cache block sharing their first 32 tokens: a prompt-prefix cache kept
+    # across updates would restore keys/values of the old weights here (Rollouts turns it off).
+    blocks = torch.randint(3, 320, (3, 48), generator=torch.Generator().manual_seed(1))
+    blocks[:, :32] = blocks[0, :32]
+    policy = _policy(model, temperature=0.8, max_new=8, prompt=40)
+    rollouts = policy.rollouts
+    opt = torch.optim.AdamW(student.parameters(), lr=0.05)
     before = policy.generate(blocks, 0, 0)
+    policy.generate(blocks, 0, 1)
+    assert rollouts.syncs == 0  # unchanged weights: the decode copies are not rebuilt
     for step in range(2):
         policy.forward(blocks, step, 0, torch.device("cpu")).loss.backward()
         opt.step()
         opt.zero_grad()
     assert student.training  # rollouts leave the student in train mode
     during = policy.generate(blocks, 5, 0)
-    prompts = [row[:4].tolist() for row in blocks]
-    fresh = Engine(model=copy.deepcopy(student), tokenizer=tiny_tokenizer(), max_batch=3, max_seq_len=12,
-                   fast_weights=False)
+    assert rollouts.syncs == 2  # once after each update seen by a rollout (step 1's rollout saw step 0's)
+    prompts = [row[:40].tolist() for row in blocks]
+    fresh = Engine(model=copy.deepcopy(student), tokenizer=tiny_tokenizer(), max_batch=3, max_seq_len=48)
     alone = rollout_batch(prompts, [c.token_ids for c in fresh.generate(prompts, policy.params_for(3, 5, 0))], 0)
     assert torch.equal(during["input_ids"], alone["input_ids"])
-    # No copy: the engine decodes from the very tensors the optimizer updates, and holds no fused copies.
-    engine_model = policy.rollouts.engine.model
-    assert engine_model.hf is student and engine_model.fast_weight_bytes() == 0
-    assert engine_model.lm_head.weight.data_ptr() == student.lm_head.weight.data_ptr()
-    assert before["input_ids"].shape[0] == 3
+    assert not torch.equal(before["input_ids"], during["input_ids"])  # the updates changed what is sampled
+    # The engine decodes from the very module the optimizer updates (prefill reads its weights in place);
+    # on CPU its fused decode copies exist and were refreshed; no prefix cache.
+    engine = rollouts.engine
+    assert engine.model.hf is student and engine.prefix_cache is None
+    assert engine.model.lm_head.weight.data_ptr() == student.lm_head.weight.data_ptr()
+    assert engine.model.fast_weight_bytes() > 0
     assert policy.stats(1.0)["rollout_tokens"] > 0
+
+
+def test_stale_decode_copies_would_change_rollouts():
+    """The refresh is what keeps rollouts right: skip it after an update and they differ from a fresh engine."""
+    _, student, model = _pair("forward_kl")
+    policy = _policy(model, temperature=0.8, max_new=8)
+    blocks = torch.randint(3, 320, (3, 16), generator=torch.Generator().manual_seed(2))
+    policy.generate(blocks, 0, 0)
+    with torch.no_grad():
+        for q in student.parameters():
+            q.add_(torch.randn_like(q) * 0.5)
+    policy.rollouts._synced = policy.rollouts._weights_version()  # pretend nothing changed
+    stale = policy.generate(blocks, 1, 0)
+    prompts = [row[:4].tolist() for row in blocks]
+    fresh = Engine(model=copy.deepcopy(student), tokenizer=tiny_tokenizer(), max_batch=3, max_seq_len=12)
+    alone = rollout_batch(prompts, [c.token_ids for c in fresh.generate(prompts, policy.params_for(3, 1, 0))], 0)
+    assert not torch.equal(stale["input_ids"], alone["input_ids"])
+    policy.rollouts._synced = ()  # now let it see the change
+    assert torch.equal(policy.generate(blocks, 1, 0)["input_ids"], alone["input_ids"])
 
 
 def test_settings_errors_are_one_line_and_early():
@@ -144,6 +175,7 @@ def test_settings_errors_are_one_line_and_early():
         (dict(on_policy_fraction=0.5, teacher_cache="x", hidden_weight=0, attn_weight=0), "live teacher"),
         (dict(on_policy_fraction=0.5, kd_weight=0), "kd_weight > 0"),
         (dict(on_policy_fraction=0.5, gen_prompts="files"), "gen_prompts must be one of prefix, chat, got 'files'"),
+        (dict(on_policy_fraction=0.5, gen_kd_kind="l2"), "gen_kd_kind must be one of forward_kl"),
     ]
     for kwargs, match in cases:
         with pytest.raises(ConfigError, match=match.replace("[", r"\[").replace("]", r"\]")) as err:
@@ -182,6 +214,9 @@ def test_recipe_on_policy_run(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["on_policy"]["rollout_tokens"] > 0 and 0 < summary["on_policy"]["gen_time_share"] < 1
+    # Logged every step: the share so far counts the step in progress (never above 1, even at step 1).
+    history = json.loads((out / "checkpoints" / "step-3" / "trainer_state.json").read_text())["history"]
+    assert len(history) == 3 and all(0 < h["gen_time_share"] < 1 and h["rollout_tok_s"] > 0 for h in history)
     assert summary["student_ppl_final"] is not None
     bad = subprocess.run([sys.executable, "recipes/distill.py", "--config", "recipes/configs/tiny.yaml",
                           f"output_dir={tmp_path / 'bad'}", "on_policy_fraction=2"], cwd=ROOT, capture_output=True,
