@@ -128,9 +128,9 @@ class Engine:
         if tokenizer is None:
             raise ValueError("Engine(model=...) also needs tokenizer=")
         if is_quantized(model):
-            # The fused decode copies are fp32 re-layouts; a quantized export decodes through torchao's
-            # own int8 linears instead (serve.quantize), and keeps its weights in the stored dtype.
-            fast_weights, dtype = False, model.dtype
+            # A quantized export keeps its stored dtype. Its int8 (W8A8) linears run through fused int8
+            # copies in oneDNN's int8 GEMM (serve.model); other torchao layouts through torchao's own linears.
+            dtype = model.dtype
         self.model = DecoderModel(model.to(device=device, dtype=dtype), fast_weights=fast_weights)
         extra = self.model.fast_weight_bytes()
         if extra:
