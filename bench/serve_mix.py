@@ -178,6 +178,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2, help="server torch threads (OMP_NUM_THREADS)")
     ap.add_argument("--max-batch", type=int, default=4)
     ap.add_argument("--prefill-budget", type=int, default=None, help="server --prefill-budget")
+    ap.add_argument("--prefill-step-ms", type=float, default=None, help="server --prefill-step-ms (0: fixed budget)")
     ap.add_argument("--prefix-cache-mb", type=float, default=256)
     ap.add_argument("--max-seq-len", type=int, default=4096)
     ap.add_argument("--out", default=None, help="keep the request log and locust CSVs here")
@@ -202,6 +203,8 @@ def main() -> int:
                   "--max-seq-len", str(args.max_seq_len), "--prefix-cache-mb", str(args.prefix_cache_mb)]
     if args.prefill_budget:
         server_cmd += ["--prefill-budget", str(args.prefill_budget)]
+    if args.prefill_step_ms is not None:
+        server_cmd += ["--prefill-step-ms", str(args.prefill_step_ms)]
     server = subprocess.Popen(server_cmd, env=env, cwd=REPO, stdout=open(work / "server.log", "w"),
                               stderr=subprocess.STDOUT)
     try:
@@ -236,7 +239,7 @@ def main() -> int:
         out["rss_growth_after_warmup"] = round(after[-1] / after[0] - 1, 4)
         out.update(soak_net_of_prefix_cache(rss, watch.cache, warmup))
     out.update(users=args.users, seconds=round(elapsed, 1), threads=args.threads, model=args.model,
-               max_batch=args.max_batch, logs=str(work))
+               max_batch=args.max_batch, prefill_step_ms=args.prefill_step_ms, logs=str(work))
     short_p95 = out["classes"]["short"]["ttft_p95_ms"]
     out["targets"] = {"short_ttft_p95_le_150ms": short_p95 is not None and short_p95 <= 150,
                       "zero_errors": out["errors"] == 0, "events_equal_tokens": out["events_equal_tokens"]}
