@@ -20,6 +20,12 @@ Prefill keeps the model's own weights (large row counts are compute-bound, where
 reordered copies cost one more copy of the projection and head weights; ``fast_weights=False``
 decodes with the model's weights and holds nothing extra. Without oneDNN the fused weights run
 through ``F.linear``.
+
+An int8 export (torchao W8A8, :mod:`serve.quantize`) gets fused copies of its int8 weights instead,
+prepacked for oneDNN's int8 GEMM (``onednn.qlinear_pointwise``); each call quantizes its input per token
+(:func:`quantize_per_token`, torchao's own rule) and scales the int32 result back, which is torchao's
+W8A8 linear computed faster (its CPU path and its weight-only sibling are slower than fp32 here). Prefill
+goes through them too; the head stays fp32. Other torchao layouts run through torchao's linears.
 """
 
 from __future__ import annotations
