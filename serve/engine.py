@@ -77,6 +77,10 @@ class Request:
         self.cancelled = False
         self.generator: torch.Generator | None = None
         self.arrival = time.perf_counter()
+        # Where the time to first token goes: arrival -> first prefill forward (waiting for the step in
+        # flight, admission, earlier prompts) -> first token (its own prefill).
+        self.prefill_start: float | None = None
+        self.first_token_at: float | None = None
 
     @property
     def done(self) -> bool:
@@ -287,6 +291,8 @@ class Engine:
 
     def _accept(self, req: Request, token: int) -> None:
         """Record a sampled token: stop token, stop string, or length may end the request."""
+        if req.first_token_at is None:
+            req.first_token_at = time.perf_counter()
         if token in req.stop_ids:
             self._finish(req, "stop")
             return
@@ -362,6 +368,8 @@ class Engine:
             t = min(self.prefill_chunk, n - start, budget)
             ids = torch.tensor(req.prompt_ids[start:start + t], dtype=torch.long, device=self.device)
             t0 = time.perf_counter()
+            if req.prefill_start is None:
+                req.prefill_start = t0
             logits = self.model.prefill(cache, req.row, ids, start)
             self._note_prefill_time(t, time.perf_counter() - t0)
             req.prefilled += t
