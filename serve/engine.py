@@ -115,7 +115,9 @@ class Engine:
             wait of a request arriving mid-step and every running request's next token, stays
             near this whatever the machine's speed. None: always ``prefill_budget`` tokens. With no
             one decoding, prompts prefill at the full budget.
-        min_prefill_tokens: the least a timed step prefills (small chunks cost more per token).
+        min_prefill_tokens: the least a timed step prefills: a short prompt (up to this many tokens
+            left) is prefilled whole, in one step, rather than spread over several with decode steps
+            between; small chunks also cost more per token.
         prefix_cache_bytes: byte budget of the prompt-prefix cache (0 turns it off); see
             :mod:`serve.prefix_cache`.
         prefix_block: tokens per prefix-cache block (hits cover a multiple of it).
@@ -126,7 +128,7 @@ class Engine:
                  max_batch: int = 8, max_seq_len: int | None = None, prefill_chunk: int = 512,
                  compile: bool = False, dense: bool = False, fast_weights: bool | None = None,
                  prefill_budget: int | None = None, prefix_cache_bytes: int = 256 * 2**20,
-                 prefix_block: int = 32, prefill_step_s: float | None = 0.08, min_prefill_tokens: int = 32) -> None:
+                 prefix_block: int = 32, prefill_step_s: float | None = 0.08, min_prefill_tokens: int = 128) -> None:
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         if model is None:
