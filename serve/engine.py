@@ -113,8 +113,10 @@ class Engine:
             this long (tokens = seconds / the measured seconds per prefill token, at least
             ``min_prefill_tokens``, at most ``prefill_budget``), so a step's length, and with it the
             wait of a request arriving mid-step and every running request's next token, stays
-            near this whatever the machine's speed. None: always ``prefill_budget`` tokens. With no
-            one decoding, prompts prefill at the full budget.
+            near this whatever the machine's speed. None (the default): always ``prefill_budget``
+            tokens. With no one decoding, prompts prefill at the full budget. Off by default: on the
+            loaded 2-core machine it was measured (``bench/serve_sched.py``) no better for short
+            prompts' time to first token and worse for medium and long ones.
         min_prefill_tokens: the least a timed step prefills: a short prompt (up to this many tokens
             left) is prefilled whole, in one step, rather than spread over several with decode steps
             between; small chunks also cost more per token.
@@ -128,7 +130,7 @@ class Engine:
                  max_batch: int = 8, max_seq_len: int | None = None, prefill_chunk: int = 512,
                  compile: bool = False, dense: bool = False, fast_weights: bool | None = None,
                  prefill_budget: int | None = None, prefix_cache_bytes: int = 256 * 2**20,
-                 prefix_block: int = 32, prefill_step_s: float | None = 0.08, min_prefill_tokens: int = 128) -> None:
+                 prefix_block: int = 32, prefill_step_s: float | None = None, min_prefill_tokens: int = 128) -> None:
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         if model is None:

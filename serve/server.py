@@ -703,9 +703,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-cache-mb", type=float, default=256, help="prompt-prefix KV cache budget (0: off)")
     p.add_argument("--prefill-budget", type=int, default=None,
                    help="prompt tokens prefilled per engine step, between decode steps (default: 512)")
-    p.add_argument("--prefill-step-ms", type=float, default=80,
+    p.add_argument("--prefill-step-ms", type=float, default=0,
                    help="while requests decode, size each step's prefill to about this many ms by the measured "
-                        "prefill speed (CPU; 0: always --prefill-budget tokens)")
+                        "prefill speed (CPU; default 0: always --prefill-budget tokens)")
     return p
 
 
