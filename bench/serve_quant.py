@@ -35,6 +35,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--defaults-only", action="store_true",
+                    help="only the two default engines (fused fp32, fused int8): skips the slow reference arms")
     args = ap.parse_args()
 
     import torch
@@ -66,6 +68,8 @@ def main() -> None:
                                          prefix_cache_bytes=0),
     }
     int8_name, fp32_name = "int8 (fused, oneDNN int8)", "fp32 (fused packed copies)"
+    if args.defaults_only:
+        engines = {k: v for k, v in engines.items() if k in (int8_name, fp32_name)}
     g = torch.Generator().manual_seed(0)
     vocab = min(tok.vocab_size, fp32.config.vocab_size)
     sp = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
