@@ -165,11 +165,14 @@ class _Fused:
             self._out, self._in = w.shape
         self.bias: torch.Tensor | None = None
         if any(m.bias is not None for m in linears):
-            self.bias = torch.cat([m.bias.detach().float() if m.bias is not None else torch.zeros(m.out_features)
+            ref = next(m.bias for m in linears if m.bias is not None).detach()
+            self.bias = torch.cat([m.bias.detach() if m.bias is not None else ref.new_zeros(m.out_features)
                                    for m in linears])
-        self.packed = (not self.int8 and w.device.type == "cpu" and w.dtype == torch.float32
-                       and _onednn_linear_available())
+            if self.int8:  # the int8 GEMM returns fp32
+                self.bias = self.bias.float()
+        self.packed = False
         if not self.int8:
+            self.packed = w.device.type == "cpu" and w.dtype == torch.float32 and _onednn_linear_available()
             self.weight = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS) if self.packed else w
 
     @staticmethod
