@@ -96,15 +96,18 @@ def _onednn_int8_available() -> bool:
         return False
 
 
-_ONE, _ZERO = torch.ones(()), torch.zeros((), dtype=torch.long)
+_ONE, _ZERO, _U8_ZERO = torch.ones(()), torch.zeros((), dtype=torch.long), torch.full((), 128, dtype=torch.long)
 
 
 def _qlinear(xq: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, w_zp: torch.Tensor) -> torch.Tensor:
-    """oneDNN int8 x int8 -> fp32: ``(xq @ wq.T) * w_scale`` (exact int32 accumulation, then one scale).
+    """oneDNN int8 GEMM -> fp32: ``(xq @ wq.T) * w_scale`` (exact int32 accumulation, then one scale).
 
-    ``xq`` ``[rows, in]`` int8; ``w`` from ``qlinear_prepack``; ``w_scale`` ``[out]`` fp32.
+    ``xq`` ``[rows, in]``: int8, or uint8 holding int8 + 128 (zero point 128; the same result, and
+    oneDNN's fast u8 x s8 kernels: with s8 activations it falls back to a reference kernel ~100x slower,
+    measured); ``w`` from ``qlinear_prepack``; ``w_scale`` ``[out]`` fp32.
     """
-    return torch.ops.onednn.qlinear_pointwise.tensor(xq, _ONE, _ZERO, w, w_scale, w_zp, None, 1.0, 0,
+    zp = _U8_ZERO if xq.dtype == torch.uint8 else _ZERO
+    return torch.ops.onednn.qlinear_pointwise.tensor(xq, _ONE, zp, w, w_scale, w_zp, None, 1.0, 0,
                                                      torch.float32, "none", [None], "")
 
 
@@ -139,8 +142,15 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     max |x| / 127.5, at least fp32 eps; values rounded and clamped to [-128, 127]), so the engine's
     int8 path computes what the exported model computes when transformers loads it.
     """
+    q, scale = _quantize_per_token_u8(x)
+    return (q.to(torch.int16) - 128).to(torch.int8), scale
+
+
+def _quantize_per_token_u8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_per_token` shifted by 128 into uint8 (what :func:`_qlinear` runs fast)."""
     scale = (x.abs().amax(-1, keepdim=True) / 127.5).clamp_min(torch.finfo(torch.float32).eps)
-    return torch.round(x * (1.0 / scale)).clamp_(-128, 127).to(torch.int8), scale  # torchao multiplies too
+    q = torch.round(x * (1.0 / scale)).clamp_(-128, 127).add_(128)  # torchao multiplies by 1 / scale too
+    return q.to(torch.uint8), scale
 
 
 class _Fused:
@@ -184,7 +194,7 @@ class _Fused:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[rows, t, in]`` -> ``[rows, t, sum(out)]``."""
         if self.int8:
-            xq, xs = quantize_per_token(x.reshape(-1, self._in))
+            xq, xs = _quantize_per_token_u8(x.reshape(-1, self._in))
             y = _qlinear(xq, self.weight, self.scale, self._zp) * xs
             y = y if self.bias is None else y + self.bias
             return y.view(*x.shape[:-1], self._out)
