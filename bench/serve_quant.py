@@ -106,7 +106,7 @@ def main() -> None:
                     rates.setdefault((name, b), []).append(decode_rate(e, b)[0])
         chat = tok.apply_chat_template([{"role": "user", "content": "Explain what a compiler does."}],
                                        add_generation_prompt=True, tokenize=True)
-        chat = chat["input_ids"] if isinstance(chat, dict) else list(chat)
+        chat = list(chat["input_ids"]) if hasattr(chat, "keys") else list(chat)  # a BatchEncoding in transformers 5
         greedy = SamplingParams(max_new_tokens=args.new_tokens)
         a = engines[fp32_name].generate([chat], greedy)[0].token_ids
         b = engines[int8_name].generate([chat], greedy)[0].token_ids
