@@ -18,9 +18,9 @@ quantizing them garbles output, and with tied embeddings the head *is* the embed
 Why W8A8 rather than weight-only int8: on CPU, int8 weights only pay off when the matmul itself is
 int8. torchao's weight-only linear converts the int8 weights to fp32 at every call, and its W8A8 linear
 falls back to a slow integer matmul, both slower than fp32. The engine runs the same W8A8 math through
-oneDNN's int8 GEMM on fused copies of the same int8 weights (:mod:`serve.model`): faster than fp32 for
-prefill chunks, still slower at decode on small models (the per-token activation quantization is a
-handful of small ops per linear; ``bench/serve_quant.py``). Per-token activation scales keep every
+oneDNN's int8 GEMM on fused copies of the same int8 weights (:mod:`serve.model`): 2-2.5x fp32 for
+prefill, about even with fp32 at decode on the small demo student (the per-token activation
+quantization is a handful of small ops per linear; ``bench/serve_quant.py``). Per-token scales keep every
 request's numbers independent of what it is batched with.
 
 int4: torchao's int4 weight-only layout needs its ``mslk`` kernels, which exist for CUDA only (checked
