@@ -94,6 +94,10 @@ class ChatUser(HttpUser):
                             done = True
                             break
                         chunk = json.loads(data)
+                        if "error" in chunk:  # the server ended the stream with an error event (e.g. its timeout)
+                            err = chunk["error"]
+                            error = f"error event: {err.get('code') or err.get('type')}: {err.get('message', '')[:120]}"
+                            break
                         now = time.perf_counter()
                         if chunk["choices"][0]["finish_reason"] is None:
                             events += 1

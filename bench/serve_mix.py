@@ -55,21 +55,46 @@ def rss_bytes(pid: int) -> int | None:
     return None
 
 
-class RssWatch(threading.Thread):
-    """Samples a process's RSS every ``every`` seconds: ``samples`` = [(seconds since start, bytes)]."""
+def prefix_cache_bytes(url: str) -> int | None:
+    """The server's ``prefix_cache_bytes`` gauge from ``/metrics`` (None when off or unreachable)."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=2) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith("hd_serve_prefix_cache_bytes "):
+                    return int(float(line.split()[1]))
+    except OSError:
+        return None
+    return None
 
-    def __init__(self, pid: int, every: float = 0.5) -> None:
+
+class RssWatch(threading.Thread):
+    """Samples a process's RSS every ``every`` seconds: ``samples`` = [(seconds since start, bytes)].
+
+    With ``url``, also the server's prefix-cache bytes every ``metrics_every`` seconds: ``cache`` =
+    [(seconds, bytes)]. The prefix cache grows by design until its byte budget (then it evicts), so
+    the soak reports the RSS both as is and net of it.
+    """
+
+    def __init__(self, pid: int, every: float = 0.5, url: str | None = None, metrics_every: float = 5.0) -> None:
         super().__init__(daemon=True)
-        self.pid, self.every = pid, every
+        self.pid, self.every, self.url, self.metrics_every = pid, every, url, metrics_every
         self.samples: list[tuple[float, int]] = []
+        self.cache: list[tuple[float, int]] = []
         self._halt = threading.Event()
         self.t0 = time.perf_counter()
 
     def run(self) -> None:
+        next_metrics = 0.0
         while not self._halt.is_set():
             r = rss_bytes(self.pid)
+            now = time.perf_counter() - self.t0
             if r is not None:
-                self.samples.append((time.perf_counter() - self.t0, r))
+                self.samples.append((now, r))
+            if self.url and now >= next_metrics:
+                c = prefix_cache_bytes(self.url)
+                if c is not None:
+                    self.cache.append((now, c))
+                next_metrics = now + self.metrics_every
             self._halt.wait(self.every)
 
     def stop(self) -> None:
@@ -122,6 +147,22 @@ def summarize(entries: list[dict], elapsed: float) -> dict:
     return out
 
 
+def soak_net_of_prefix_cache(rss: list[tuple[float, int]], cache: list[tuple[float, int]], warmup: float) -> dict:
+    """RSS growth after warm-up net of the prefix cache's own bytes (bounded by its budget, by design).
+
+    Uses the cache samples nearest the warm-up end and the soak end; empty without cache samples.
+    """
+    if not rss or not cache:
+        return {}
+    at = lambda series, t: min(series, key=lambda s: abs(s[0] - t))[1]  # noqa: E731
+    t_wu = next((t for t, _ in rss if t >= warmup), rss[-1][0])
+    t_end = rss[-1][0]
+    c_wu, c_end = at(cache, t_wu), at(cache, t_end)
+    r_wu, r_end = at(rss, t_wu), at(rss, t_end)
+    return {"prefix_cache_after_warmup_mb": round(c_wu / 2**20, 1), "prefix_cache_end_mb": round(c_end / 2**20, 1),
+            "rss_growth_after_warmup_net_of_prefix_cache": round((r_end - c_end) / max(1, r_wu - c_wu) - 1, 4)}
+
+
 def _ms(s: float | None) -> float | None:
     return None if s is None else round(s * 1000, 1)
 
@@ -137,6 +178,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2, help="server torch threads (OMP_NUM_THREADS)")
     ap.add_argument("--max-batch", type=int, default=4)
     ap.add_argument("--prefill-budget", type=int, default=None, help="server --prefill-budget")
+    ap.add_argument("--prefill-step-ms", type=float, default=None, help="server --prefill-step-ms (0: fixed budget)")
     ap.add_argument("--prefix-cache-mb", type=float, default=256)
     ap.add_argument("--max-seq-len", type=int, default=4096)
     ap.add_argument("--out", default=None, help="keep the request log and locust CSVs here")
@@ -161,11 +203,13 @@ def main() -> int:
                   "--max-seq-len", str(args.max_seq_len), "--prefix-cache-mb", str(args.prefix_cache_mb)]
     if args.prefill_budget:
         server_cmd += ["--prefill-budget", str(args.prefill_budget)]
+    if args.prefill_step_ms is not None:
+        server_cmd += ["--prefill-step-ms", str(args.prefill_step_ms)]
     server = subprocess.Popen(server_cmd, env=env, cwd=REPO, stdout=open(work / "server.log", "w"),
                               stderr=subprocess.STDOUT)
     try:
         wait_healthy(url, server)
-        watch = RssWatch(server.pid)
+        watch = RssWatch(server.pid, url=url)
         watch.start()
         locust_cmd = ["locust", "-f", str(REPO / "bench" / "locustfile.py"), "--headless", "-u", str(args.users),
                       "-r", str(args.users), "-t", f"{int(seconds)}s", "--host", url, "--csv", str(work / "locust"),
@@ -193,8 +237,9 @@ def main() -> int:
         out["soak_seconds"], out["warmup_seconds"] = round(elapsed, 1), round(warmup, 1)
         out["rss_after_warmup_mb"] = round(after[0] / 2**20, 1)
         out["rss_growth_after_warmup"] = round(after[-1] / after[0] - 1, 4)
+        out.update(soak_net_of_prefix_cache(rss, watch.cache, warmup))
     out.update(users=args.users, seconds=round(elapsed, 1), threads=args.threads, model=args.model,
-               max_batch=args.max_batch, logs=str(work))
+               max_batch=args.max_batch, prefill_step_ms=args.prefill_step_ms, logs=str(work))
     short_p95 = out["classes"]["short"]["ttft_p95_ms"]
     out["targets"] = {"short_ttft_p95_le_150ms": short_p95 is not None and short_p95 <= 150,
                       "zero_errors": out["errors"] == 0, "events_equal_tokens": out["events_equal_tokens"]}
@@ -210,9 +255,15 @@ def main() -> int:
         cols = [s[k] for k in ("ttft_p50_ms", "ttft_p95_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p95_ms", "itl_p99_ms")]
         print(f"{c:<8}{s['requests']:>5}" + "".join(f"{'-' if v is None else f'{v:.0f}':>{w}}"
                                                      for v, w in zip(cols, (10, 8, 8, 9, 8, 8))))
+    (work / "rss.csv").write_text("seconds,rss_bytes\n" + "".join(f"{t:.1f},{r}\n" for t, r in rss))
+    (work / "prefix_cache.csv").write_text("seconds,bytes\n" + "".join(f"{t:.1f},{b}\n" for t, b in watch.cache))
     print(f"server RSS MB: start {out['rss_start_mb']}, peak {out['rss_peak_mb']}, end {out['rss_end_mb']}"
           + (f"; after warm-up {out['rss_after_warmup_mb']} -> growth {out['rss_growth_after_warmup']:.2%}"
              if args.soak and rss else ""))
+    if "prefix_cache_end_mb" in out:
+        print(f"prefix cache MB: after warm-up {out['prefix_cache_after_warmup_mb']}, end {out['prefix_cache_end_mb']} "
+              f"(budget {args.prefix_cache_mb}); RSS growth after warm-up net of it: "
+              f"{out['rss_growth_after_warmup_net_of_prefix_cache']:.2%}")
     print(json.dumps(out))
     return 0
 

@@ -11,8 +11,8 @@ tokenizer and chat template, generation config, the hybrid-attention spec in ``c
 model has one, and a ``README.md`` model card built from the run's config, metrics and gate report.
 It loads with plain ``AutoModelForCausalLM.from_pretrained``. The directory appears whole or not at all.
 
-``quantize=int8`` stores the decoder's linears as torchao int8 weight-only (embeddings and head in full
-precision; :mod:`serve.quantize`), runs the release gate of the quantized model against the unquantized
+``quantize=int8`` stores the decoder's linears as torchao int8 W8A8 (int8 weights, dynamic int8 activations
+per token; embeddings and head in full precision; :mod:`serve.quantize`), runs the release gate of the quantized model against the unquantized
 one and writes the verdict and the sizes into the model card (``quantization_gate.json`` beside it).
 """
 
@@ -48,8 +48,9 @@ class ExportConfig:
     overwrite: bool = field(False, help="replace an existing output_dir")
     threads: int = field(0, ge=0, help="torch CPU threads (0: leave torch's default)")
     # -- quantized export (serve.quantize) --
-    quantize: str = field("none", help="none | int8: torchao int8 weight-only decoder linears (embeddings and "
-                                       "head stay full precision; needs pip install 'hybrid-distill[quant]')")
+    quantize: str = field("none", help="none | int8: torchao int8 decoder linears, int8 weights and dynamic int8 "
+                                       "activations (embeddings and head stay full precision; needs pip install "
+                                       "'hybrid-distill[quant]')")
     quant_gate: bool = field(True, help="with quantize: run the release gate of the quantized model against the "
                                         "unquantized one and put the verdict in the model card")
     quant_max_drop: float = field(0.02, gt=0, lt=1, help="with quant_gate: largest acceptable BERTScore drop "

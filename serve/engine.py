@@ -77,6 +77,10 @@ class Request:
         self.cancelled = False
         self.generator: torch.Generator | None = None
         self.arrival = time.perf_counter()
+        # Where the time to first token goes: arrival -> first prefill forward (waiting for the step in
+        # flight, admission, earlier prompts) -> first token (its own prefill).
+        self.prefill_start: float | None = None
+        self.first_token_at: float | None = None
 
     @property
     def done(self) -> bool:
@@ -105,6 +109,17 @@ class Engine:
         prefill_budget: most prompt tokens prefilled per engine step, across requests (default
             ``prefill_chunk``); decode steps run between budgets, so it bounds how long a long
             prompt delays everyone else's next token.
+        prefill_step_s: while other requests are decoding, size each step's prefill to take about
+            this long (tokens = seconds / the measured seconds per prefill token, at least
+            ``min_prefill_tokens``, at most ``prefill_budget``), so a step's length, and with it the
+            wait of a request arriving mid-step and every running request's next token, stays
+            near this whatever the machine's speed. None (the default): always ``prefill_budget``
+            tokens. With no one decoding, prompts prefill at the full budget. Off by default: on the
+            loaded 2-core machine it was measured (``bench/serve_sched.py``) no better for short
+            prompts' time to first token and worse for medium and long ones.
+        min_prefill_tokens: the least a timed step prefills: a short prompt (up to this many tokens
+            left) is prefilled whole, in one step, rather than spread over several with decode steps
+            between; small chunks also cost more per token.
         prefix_cache_bytes: byte budget of the prompt-prefix cache (0 turns it off); see
             :mod:`serve.prefix_cache`.
         prefix_block: tokens per prefix-cache block (hits cover a multiple of it).
@@ -115,7 +130,7 @@ class Engine:
                  max_batch: int = 8, max_seq_len: int | None = None, prefill_chunk: int = 512,
                  compile: bool = False, dense: bool = False, fast_weights: bool | None = None,
                  prefill_budget: int | None = None, prefix_cache_bytes: int = 256 * 2**20,
-                 prefix_block: int = 32) -> None:
+                 prefix_block: int = 32, prefill_step_s: float | None = None, min_prefill_tokens: int = 128) -> None:
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         if model is None:
@@ -128,9 +143,9 @@ class Engine:
         if tokenizer is None:
             raise ValueError("Engine(model=...) also needs tokenizer=")
         if is_quantized(model):
-            # The fused decode copies are fp32 re-layouts; a quantized export decodes through torchao's
-            # own int8 linears instead (serve.quantize), and keeps its weights in the stored dtype.
-            fast_weights, dtype = False, model.dtype
+            # A quantized export keeps its stored dtype. Its int8 (W8A8) linears run through fused int8
+            # copies in oneDNN's int8 GEMM (serve.model); other torchao layouts through torchao's own linears.
+            dtype = model.dtype
         self.model = DecoderModel(model.to(device=device, dtype=dtype), fast_weights=fast_weights)
         extra = self.model.fast_weight_bytes()
         if extra:
@@ -148,6 +163,12 @@ class Engine:
         self.prefill_budget = prefill_budget or prefill_chunk
         if self.prefill_budget < 1:
             raise ValueError(f"prefill_budget must be >= 1, got {prefill_budget}")
+        if prefill_step_s is not None and not prefill_step_s > 0:
+            raise ValueError(f"prefill_step_s must be > 0 seconds (or None for a fixed budget), got {prefill_step_s}")
+        if min_prefill_tokens < 1:
+            raise ValueError(f"min_prefill_tokens must be >= 1, got {min_prefill_tokens}")
+        self.prefill_step_s, self.min_prefill_tokens = prefill_step_s, min_prefill_tokens
+        self._prefill_s_per_token: float | None = None  # moving average of measured prefill chunks
         self.prefix_cache = PrefixCache(prefix_cache_bytes, prefix_block) if prefix_cache_bytes else None
         if self.prefix_cache is not None and self.spec is not None and self.spec.has_head_roles:
             # Per-head roles give a MixedKVCache (a full and a bounded cache side by side); the prefix
@@ -280,6 +301,8 @@ class Engine:
 
     def _accept(self, req: Request, token: int) -> None:
         """Record a sampled token: stop token, stop string, or length may end the request."""
+        if req.first_token_at is None:
+            req.first_token_at = time.perf_counter()
         if token in req.stop_ids:
             self._finish(req, "stop")
             return
@@ -316,7 +339,7 @@ class Engine:
         """
         pending = sorted((r for r in self._rows if r is not None and r.prefilled < len(r.prompt_ids)),
                          key=lambda r: len(r.prompt_ids) - r.prefilled)
-        budget = self.prefill_budget
+        budget = self.step_prefill_budget()
         for req in pending:
             if budget <= 0:
                 break
@@ -328,6 +351,23 @@ class Engine:
             if req.prefilled < len(req.prompt_ids):
                 break
 
+    def step_prefill_budget(self) -> int:
+        """Prompt tokens this step may prefill: ``prefill_budget``, or time-sized while others decode."""
+        decoding = any(r is not None and r.prefilled == len(r.prompt_ids) for r in self._rows)
+        if self.prefill_step_s is None or not decoding or self._prefill_s_per_token is None:
+            return self.prefill_budget
+        timed = int(self.prefill_step_s / self._prefill_s_per_token)
+        return max(min(self.min_prefill_tokens, self.prefill_budget), min(self.prefill_budget, timed))
+
+    def _note_prefill_time(self, tokens: int, seconds: float) -> None:
+        """Fold one chunk's measured seconds per token into the moving average (chunks of >= 16 tokens:
+        tinier ones are dominated by per-call overhead and would shrink the budget for nothing)."""
+        if tokens < 16 or self.device.type != "cpu":  # CUDA kernels run asynchronously: not timed here
+            return
+        rate = seconds / tokens
+        old = self._prefill_s_per_token
+        self._prefill_s_per_token = rate if old is None else 0.7 * old + 0.3 * rate
+
     def _prefill_one(self, req: Request, budget: int) -> int:
         """Prefill ``req`` within ``budget`` tokens (sampling its first token when done); the budget left."""
         cache = self.cache
@@ -337,7 +377,11 @@ class Engine:
             start = req.prefilled
             t = min(self.prefill_chunk, n - start, budget)
             ids = torch.tensor(req.prompt_ids[start:start + t], dtype=torch.long, device=self.device)
+            t0 = time.perf_counter()
+            if req.prefill_start is None:
+                req.prefill_start = t0
             logits = self.model.prefill(cache, req.row, ids, start)
+            self._note_prefill_time(t, time.perf_counter() - t0)
             req.prefilled += t
             budget -= t
             if self.prefix_cache is not None:

@@ -20,6 +20,12 @@ Prefill keeps the model's own weights (large row counts are compute-bound, where
 reordered copies cost one more copy of the projection and head weights; ``fast_weights=False``
 decodes with the model's weights and holds nothing extra. Without oneDNN the fused weights run
 through ``F.linear``.
+
+An int8 export (torchao W8A8, :mod:`serve.quantize`) gets fused copies of its int8 weights instead,
+prepacked for oneDNN's int8 GEMM (``onednn.qlinear_pointwise``); each call quantizes its input per token
+(:func:`quantize_per_token`, torchao's own rule) and scales the int32 result back, which is torchao's
+W8A8 linear computed faster (its CPU path and its weight-only sibling are slower than fp32 here). Prefill
+goes through them too; the head stays fp32. Other torchao layouts run through torchao's linears.
 """
 
 from __future__ import annotations
@@ -79,6 +85,74 @@ def _onednn_linear_available() -> bool:
 _PACK_ROWS = 8  # the row count oneDNN tunes the layout for; measured as good from 1 to 64 rows
 
 
+@functools.cache
+def _onednn_int8_available() -> bool:
+    """Whether this build has oneDNN's int8 linear (``torch.ops.onednn.qlinear_pointwise``)."""
+    try:
+        w = torch.ops.onednn.qlinear_prepack(torch.ones(2, 2, dtype=torch.int8), None)
+        out = _qlinear(torch.ones(1, 2, dtype=torch.int8), w, torch.ones(2), torch.zeros(2, dtype=torch.long))
+        return bool(torch.equal(out, torch.full((1, 2), 2.0)))
+    except (AttributeError, RuntimeError):
+        return False
+
+
+_ONE, _ZERO, _U8_ZERO = torch.ones(()), torch.zeros((), dtype=torch.long), torch.full((), 128, dtype=torch.long)
+
+
+def _qlinear(xq: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, w_zp: torch.Tensor) -> torch.Tensor:
+    """oneDNN int8 GEMM -> fp32: ``(xq @ wq.T) * w_scale`` (exact int32 accumulation, then one scale).
+
+    ``xq`` ``[rows, in]``: int8, or uint8 holding int8 + 128 (zero point 128; the same result, and
+    oneDNN's fast u8 x s8 kernels: with s8 activations it falls back to a reference kernel ~100x slower,
+    measured); ``w`` from ``qlinear_prepack``; ``w_scale`` ``[out]`` fp32.
+    """
+    zp = _U8_ZERO if xq.dtype == torch.uint8 else _ZERO
+    return torch.ops.onednn.qlinear_pointwise.tensor(xq, _ONE, zp, w, w_scale, w_zp, None, 1.0, 0,
+                                                     torch.float32, "none", [None], "")
+
+
+def int8_w8a8_parts(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(qdata [out, in] int8, scale [out] fp32)`` of a torchao W8A8 linear, else None.
+
+    W8A8 = torchao's ``Int8DynamicActivationInt8WeightConfig`` as :mod:`serve.quantize` exports it:
+    symmetric int8 weights with one scale per output row, activations quantized per token (symmetric
+    int8, dynamic). Anything else (weight-only int8, static or asymmetric activations, groups) is None
+    and keeps running through torchao's own linear.
+    """
+    w = getattr(linear, "weight", None)
+    kw = getattr(w, "act_quant_kwargs", None)
+    qdata, scale = getattr(w, "qdata", None), getattr(w, "scale", None)
+    if kw is None or qdata is None or scale is None or qdata.dtype != torch.int8 or qdata.dim() != 2:
+        return None
+    static = getattr(w, "act_quant_scale", None) is not None or getattr(w, "act_pre_scale", None) is not None
+    zp = getattr(w, "zero_point", None)
+    symmetric = str(getattr(kw, "mapping_type", "")).endswith("SYMMETRIC") and not str(kw.mapping_type).endswith(
+        "ASYMMETRIC")
+    per_token = type(getattr(kw, "granularity", None)).__name__ == "PerRow" and not getattr(kw, "reduce_range", False)
+    per_row_w = list(getattr(w, "block_size", [])) == [1, qdata.shape[1]] and scale.numel() == qdata.shape[0]
+    if static or not symmetric or not per_token or not per_row_w or (zp is not None and bool(zp.any())):
+        return None
+    return qdata.detach(), scale.detach().reshape(-1).float()
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per row of ``x`` ``[rows, in]`` -> (int8 ``[rows, in]``, fp32 scale ``[rows, 1]``).
+
+    The same rule as torchao's dynamic int8 activations (``choose_qparams_affine`` symmetric: scale =
+    max |x| / 127.5, at least fp32 eps; values rounded and clamped to [-128, 127]), so the engine's
+    int8 path computes what the exported model computes when transformers loads it.
+    """
+    q, scale = _quantize_per_token_u8(x)
+    return (q.to(torch.int16) - 128).to(torch.int8), scale
+
+
+def _quantize_per_token_u8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_per_token` shifted by 128 into uint8 (what :func:`_qlinear` runs fast)."""
+    scale = (x.abs().amax(-1, keepdim=True) / 127.5).clamp_min(torch.finfo(torch.float32).eps)
+    q = torch.round(x * (1.0 / scale)).clamp_(-128, 127).add_(128)  # torchao multiplies by 1 / scale too
+    return q.to(torch.uint8), scale
+
+
 class _Fused:
     """Linears that share their input, fused into one matrix in the decode layout (module docstring).
 
@@ -88,25 +162,53 @@ class _Fused:
     """
 
     def __init__(self, linears: list[nn.Linear]) -> None:
-        w = torch.cat([m.weight.detach() for m in linears], dim=0)  # [out, in]
+        parts = [int8_w8a8_parts(m) for m in linears]
+        self.int8 = all(p is not None for p in parts) and _onednn_int8_available()
+        if self.int8:  # int8 weights stay int8: oneDNN's int8 GEMM (VNNI where the CPU has it)
+            q = torch.cat([p[0] for p in parts], dim=0)
+            self.scale = torch.cat([p[1] for p in parts])
+            self._zp = torch.zeros(q.shape[0], dtype=torch.long, device=q.device)
+            self._out, self._in = q.shape
+            self.weight = torch.ops.onednn.qlinear_prepack(q, None)
+        else:
+            w = torch.cat([m.weight.detach() for m in linears], dim=0)  # [out, in]
+            self._out, self._in = w.shape
         self.bias: torch.Tensor | None = None
         if any(m.bias is not None for m in linears):
-            self.bias = torch.cat([m.bias.detach() if m.bias is not None else w.new_zeros(m.out_features)
+            ref = next(m.bias for m in linears if m.bias is not None).detach()
+            self.bias = torch.cat([m.bias.detach() if m.bias is not None else ref.new_zeros(m.out_features)
                                    for m in linears])
-        self.packed = w.device.type == "cpu" and w.dtype == torch.float32 and _onednn_linear_available()
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS) if self.packed else w
+            if self.int8:  # the int8 GEMM returns fp32
+                self.bias = self.bias.float()
+        self.packed = False
+        if not self.int8:
+            self.packed = w.device.type == "cpu" and w.dtype == torch.float32 and _onednn_linear_available()
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS) if self.packed else w
+
+    @staticmethod
+    def fusable(linears: list[nn.Module]) -> bool:
+        """Whether ``linears`` can be fused: all plain weights, or all torchao W8A8 (:func:`int8_w8a8_parts`)."""
+        plain = [type(m.weight) in (torch.Tensor, nn.Parameter) for m in linears]
+        return all(plain) or (all(int8_w8a8_parts(m) is not None for m in linears) and _onednn_int8_available())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[rows, 1, in]`` -> ``[rows, 1, sum(out)]``."""
+        """``x`` ``[rows, t, in]`` -> ``[rows, t, sum(out)]``."""
+        if self.int8:
+            xq, xs = _quantize_per_token_u8(x.reshape(-1, self._in))
+            y = _qlinear(xq, self.weight, self.scale, self._zp) * xs
+            y = y if self.bias is None else y + self.bias
+            return y.view(*x.shape[:-1], self._out)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
     @property
     def out_features(self) -> int:
-        return self.weight.shape[0]
+        return self._out
 
     def nbytes(self) -> int:
+        if self.int8:  # the prepacked int8 weight (an opaque layout of out x in bytes) and its scales
+            return self._out * self._in + self.scale.numel() * 4
         return self.weight.numel() * self.weight.element_size()
 
 
@@ -119,6 +221,12 @@ class _LayerWeights:
         self.o = _Fused([attn.o_proj])
         self.gate_up = _Fused([mlp.gate_proj, mlp.up_proj])
         self.down = _Fused([mlp.down_proj])
+
+    @staticmethod
+    def fusable(layer: nn.Module) -> bool:
+        attn, mlp = layer.self_attn, layer.mlp
+        return all(_Fused.fusable(g) for g in ([attn.q_proj, attn.k_proj, attn.v_proj], [attn.o_proj],
+                                               [mlp.gate_proj, mlp.up_proj], [mlp.down_proj]))
 
 
 class _LayerRoles:
@@ -188,10 +296,14 @@ class DecoderModel(nn.Module):
                                        self.embed.weight.device) for li in range(len(self.layers))]
         self._fast: list[_LayerWeights] = []
         self._fast_head: _Fused | None = None
-        if fast_weights:
+        if fast_weights and all(_LayerWeights.fusable(layer) for layer in self.layers):
             with torch.no_grad():
                 self._fast = [_LayerWeights(layer) for layer in self.layers]
-                self._fast_head = _Fused([self.lm_head])
+                if _Fused.fusable([self.lm_head]):
+                    self._fast_head = _Fused([self.lm_head])
+        # int8 (torchao W8A8) layers: prefill through the fused int8 copies as well (the same math as
+        # torchao's linear, in oneDNN's int8 GEMM instead of its slower CPU fallback).
+        self._prefill_fast = bool(self._fast) and self._fast[0].qkv.int8
 
     def refresh_fast_weights(self) -> None:
         """Rebuild the decode copies from the model's current weights (no-op without ``fast_weights``).
@@ -209,9 +321,8 @@ class DecoderModel(nn.Module):
 
     def fast_weight_bytes(self) -> int:
         """Memory held by the decode weight copies (0 with ``fast_weights=False``)."""
-        if self._fast_head is None:
-            return 0
-        parts = [self._fast_head] + [f for w in self._fast for f in (w.qkv, w.o, w.gate_up, w.down)]
+        parts = ([self._fast_head] if self._fast_head is not None else []) + [
+            f for w in self._fast for f in (w.qkv, w.o, w.gate_up, w.down)]
         return sum(f.nbytes() for f in parts)
 
     @property
@@ -247,19 +358,30 @@ class DecoderModel(nn.Module):
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
     def _qkv_fast(self, w: _LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """:meth:`_qkv` for decode (``x`` ``[b, 1, hidden]``) through the fused q|k|v copy."""
-        b = x.shape[0]
+        """:meth:`_qkv` (``x`` ``[b, t, hidden]``) through the fused q|k|v copy."""
+        b, t, _ = x.shape
         q_width, kv_width = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         q, k, v = w.qkv(x).split([q_width, kv_width, kv_width], dim=-1)
-        q = q.view(b, 1, self.n_heads, self.head_dim).transpose(1, 2)
-        k = k.view(b, 1, self.n_kv, self.head_dim).transpose(1, 2)
-        return _rope(q, cos, sin), _rope(k, cos, sin), v.view(b, 1, self.n_kv, self.head_dim).transpose(1, 2)
+        q = q.reshape(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.reshape(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        return _rope(q, cos, sin), _rope(k, cos, sin), v.reshape(b, t, self.n_kv, self.head_dim).transpose(1, 2)
 
     def _finish_layer_fast(self, w: _LayerWeights, layer: nn.Module, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        """:meth:`_finish_layer` for decode through the fused o, gate|up and down copies."""
-        h = h + w.o(o.transpose(1, 2).reshape(h.shape[0], 1, -1))
+        """:meth:`_finish_layer` through the fused o, gate|up and down copies."""
+        h = h + w.o(o.transpose(1, 2).reshape(h.shape[0], h.shape[1], -1))
         gate, up = w.gate_up(layer.post_attention_layernorm(h)).chunk(2, dim=-1)
         return h + w.down(layer.mlp.act_fn(gate) * up)
+
+    def _qkv_prefill(self, li: int, layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Prefill projections: the model's own weights, or the fused int8 copies for a W8A8 model."""
+        if self._prefill_fast:
+            return self._qkv_fast(self._fast[li], x, cos, sin)
+        return self._qkv(layer.self_attn, x, cos, sin)
+
+    def _finish_prefill(self, li: int, layer: nn.Module, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        if self._prefill_fast:
+            return self._finish_layer_fast(self._fast[li], layer, h, o)
+        return self._finish_layer(layer, h, o)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(h)).float()
@@ -314,7 +436,7 @@ class DecoderModel(nn.Module):
         idx, slot = cache.prefill_slots(row, pos)
         for li, layer in enumerate(self.layers):
             x = layer.input_layernorm(h)
-            q, k, v = self._qkv(layer.self_attn, x, cos, sin)
+            q, k, v = self._qkv_prefill(li, layer, x, cos, sin)
             scale = layer.self_attn.scaling
             old_k, old_v = cache.k[li, row, :, :n_old][None], cache.v[li, row, :, :n_old][None]
             if flash is not None:
@@ -324,7 +446,7 @@ class DecoderModel(nn.Module):
                 o = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, scale=scale,
                                                    enable_gqa=self.n_kv != self.n_heads)
             cache.write_prefill(li, row, idx, slot, k[0], v[0])
-            h = self._finish_layer(layer, h, o)
+            h = self._finish_prefill(li, layer, h, o)
         cache.commit_prefill(row, pos, idx, slot)
         return self._logits(h[:, -1])[0]
 
@@ -389,7 +511,7 @@ class DecoderModel(nn.Module):
         for li, layer in enumerate(self.layers):
             roles = self._roles[li]
             x = layer.input_layernorm(h)
-            q, k, v = self._qkv(layer.self_attn, x, cos, sin)
+            q, k, v = self._qkv_prefill(li, layer, x, cos, sin)
             scale = layer.self_attn.scaling
             (qf, qs), (kf, ks), (vf, vs) = roles.split(q, True), roles.split(k, False), roles.split(v, False)
             of = os = None
@@ -409,7 +531,7 @@ class DecoderModel(nn.Module):
                                                     attn_mask=smask, scale=scale,
                                                     enable_gqa=roles.n_stream != qs.shape[1])
                 sc.write_prefill(0, row, idx_s, slot_s, ks[0], vs[0], heads=slice(c, d))
-            h = self._finish_layer(layer, h, roles.join(of, os))
+            h = self._finish_prefill(li, layer, h, roles.join(of, os))
         fc.commit_prefill(row, pos, idx_f, slot_f)
         sc.commit_prefill(row, pos, idx_s, slot_s)
         return self._logits(h[:, -1])[0]

@@ -1,17 +1,27 @@
-"""Quantized exports: int8 weight-only decoder linears through torchao, embeddings and head in full precision.
+"""Quantized exports: int8 decoder linears through torchao, embeddings and head in full precision.
 
 Why torchao: it is PyTorch's own quantization library, installs from PyPI against the torch we use,
-runs its int8 weight-only layout on CPU and CUDA, and transformers loads and saves it natively
-(``TorchAoConfig``; the tensors are flattened into ordinary safetensors with torchao metadata). So a
-quantized export loads with the usual one line (torchao installed: ``pip install 'hybrid-distill[quant]'``)::
+runs its int8 layouts on CPU and CUDA, and transformers loads and saves it natively (``TorchAoConfig``;
+the tensors are flattened into ordinary safetensors with torchao metadata). So a quantized export loads
+with the usual one line (torchao installed: ``pip install 'hybrid-distill[quant]'``)::
 
     model = AutoModelForCausalLM.from_pretrained("exports/student-int8")
 
 and the serving engine and server take the directory as they take any other (``Engine(dir)``).
 
-What is quantized: every ``nn.Linear`` of the decoder layers (attention and MLP projections), per
-output row (one fp32 scale per row). The input embeddings and the LM head stay in the export's dtype:
+What is quantized: every ``nn.Linear`` of the decoder layers (attention and MLP projections), as
+torchao's ``Int8DynamicActivationInt8WeightConfig`` ("W8A8 dynamic"): int8 weights with one fp32 scale
+per output row, and at run time each token's activations quantized to int8 (symmetric, one scale per
+token) so the matmul is int8 x int8. The input embeddings and the LM head stay in the export's dtype:
 quantizing them garbles output, and with tied embeddings the head *is* the embedding matrix.
+
+Why W8A8 rather than weight-only int8: on CPU, int8 weights only pay off when the matmul itself is
+int8. torchao's weight-only linear converts the int8 weights to fp32 at every call, and its W8A8 linear
+falls back to a slow integer matmul, both slower than fp32. The engine runs the same W8A8 math through
+oneDNN's int8 GEMM on fused copies of the same int8 weights (:mod:`serve.model`): 2-2.5x fp32 for
+prefill, about even with fp32 at decode on the small demo student (the per-token activation
+quantization is a handful of small ops per linear; ``bench/serve_quant.py``). Per-token scales keep every
+request's numbers independent of what it is batched with.
 
 int4: torchao's int4 weight-only layout needs its ``mslk`` kernels, which exist for CUDA only (checked
 with torchao 0.18 on CPU: ``ImportError: Requires mslk``), so it is refused with a one-line error rather
@@ -74,7 +84,7 @@ def torchao_config(scheme: str) -> Any:
     from transformers import TorchAoConfig
 
     tq = _torchao()
-    quant = {"int8": tq.Int8WeightOnlyConfig}[scheme]()
+    quant = {"int8": tq.Int8DynamicActivationInt8WeightConfig}[scheme]()
     return TorchAoConfig(quant_type=quant, modules_to_not_convert=list(KEEP_FULL_PRECISION))
 
 
@@ -131,8 +141,9 @@ def card_section(scheme: str, sizes: dict[str, int], base_sizes: dict[str, int],
     """The model card's ``## Quantization`` section: scheme, sizes against the unquantized weights, gate."""
     ratio = sizes["other"] / max(1, base_sizes["other"])
     lines = ["", "## Quantization", "",
-             f"{scheme} weight-only (torchao `{scheme.capitalize()}WeightOnlyConfig`, one scale per output row) "
-             "on every linear of the decoder layers; embeddings and LM head kept in full precision. "
+             f"{scheme} weights and dynamic {scheme} activations (torchao `Int8DynamicActivationInt8WeightConfig`: "
+             "one scale per weight row, one per token) on every linear of the decoder layers; embeddings and "
+             "LM head kept in full precision. "
              "Load it with `AutoModelForCausalLM.from_pretrained(dir)` (needs `pip install torchao`).", "",
              "| weights | unquantized | quantized | ratio |", "|---|---|---|---|"]
     for k in ("other", "embeddings", "total"):

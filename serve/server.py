@@ -703,6 +703,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-cache-mb", type=float, default=256, help="prompt-prefix KV cache budget (0: off)")
     p.add_argument("--prefill-budget", type=int, default=None,
                    help="prompt tokens prefilled per engine step, between decode steps (default: 512)")
+    p.add_argument("--prefill-step-ms", type=float, default=0,
+                   help="while requests decode, size each step's prefill to about this many ms by the measured "
+                        "prefill speed (CPU; default 0: always --prefill-budget tokens)")
     return p
 
 
@@ -730,6 +733,8 @@ def check_flags(args: argparse.Namespace) -> str | None:
         return f"--prefix-cache-mb must be >= 0 (0 turns the prefix cache off), got {args.prefix_cache_mb}"
     if args.prefill_budget is not None and args.prefill_budget < 1:
         return f"--prefill-budget must be >= 1 prompt tokens per step, got {args.prefill_budget}"
+    if not (math.isfinite(args.prefill_step_ms) and args.prefill_step_ms >= 0):
+        return f"--prefill-step-ms must be >= 0 (0: a fixed --prefill-budget), got {args.prefill_step_ms}"
     return None
 
 
@@ -751,7 +756,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         path = resolve_model_path(args.model)
         engine = Engine(path, device=args.device, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
-                        prefix_cache_bytes=int(args.prefix_cache_mb * 2**20), prefill_budget=args.prefill_budget)
+                        prefix_cache_bytes=int(args.prefix_cache_mb * 2**20), prefill_budget=args.prefill_budget,
+                        prefill_step_s=args.prefill_step_ms / 1000 or None)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -9,6 +9,7 @@ import torch
 
 from core.tiny import save_tiny, tiny_model, tiny_tokenizer
 from recipes.export import ExportConfig, export
+from serve.model import _Fused, _onednn_int8_available, int8_w8a8_parts, quantize_per_token
 from serve.quantize import QuantizeError, weight_bytes
 
 pytest.importorskip("torchao", reason="the quant extra is not installed (pip install 'hybrid-distill[quant]')")
@@ -39,8 +40,10 @@ def test_int8_export_loads_in_one_line_and_serves(tmp_path: Path) -> None:
     assert sizes["embeddings"] == base["embeddings"] and sizes["other"] <= 0.4 * base["other"]
     card = (out / "README.md").read_text()
     assert "## Quantization" in card and "not run (quant_gate=false)" in card
-    # The engine serves the directory; greedy tokens match the quantized model's own HF generate.
+    # The engine serves the directory (through its fused int8 copies where oneDNN has an int8 GEMM);
+    # greedy tokens match the quantized model's own HF generate.
     engine = Engine(out, max_batch=2)
+    assert engine.model._fast[0].qkv.int8 == _onednn_int8_available()
     got = engine.generate([[1, 5, 9, 33]], SamplingParams(max_new_tokens=8, ignore_eos=True))[0].token_ids
     ref = model.generate(torch.tensor([[1, 5, 9, 33]]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
     assert got == ref[0, 4:].tolist()
@@ -82,3 +85,52 @@ def test_quant_gate_passes_the_quantized_model_against_itself_unquantized(tmp_pa
     card = (out / "README.md").read_text()
     assert "Release gate against the unquantized model:" in card
     assert (out / "quantization_gate.json").is_file()
+
+
+def _w8a8_linears(n_in: int, outs: list[int], bias: bool = False) -> list[torch.nn.Linear]:
+    import torchao.quantization as tq
+
+    torch.manual_seed(0)
+    mods = [torch.nn.Linear(n_in, n, bias=bias) for n in outs]
+    for m in mods:
+        tq.quantize_(m, tq.Int8DynamicActivationInt8WeightConfig())
+    return mods
+
+
+def test_fused_int8_linear_equals_torchao_w8a8_and_is_batch_invariant() -> None:
+    """The engine's oneDNN int8 path computes torchao's W8A8 linear (the reference), fused and per token."""
+    if not _onednn_int8_available():
+        pytest.skip("this torch build has no oneDNN int8 linear")
+    from torchao.quantization.quantize_.common import _choose_quant_func_and_quantize_tensor
+
+    mods = _w8a8_linears(96, [40, 24, 24], bias=True)
+    x = torch.randn(5, 1, 96) * torch.tensor([0.1, 1.0, 30.0, 3.0, 0.01])[:, None, None]  # rows of unlike scale
+    act = _choose_quant_func_and_quantize_tensor(x.reshape(5, 96), mods[0].weight.act_quant_kwargs)
+    q, s = quantize_per_token(x.reshape(5, 96))
+    assert torch.equal(q, act.qdata) and torch.allclose(s.reshape(-1), act.scale.reshape(-1))
+    fused = _Fused(mods)
+    assert fused.int8 and fused.out_features == 88 and fused.nbytes() == 88 * 96 + 88 * 4
+    with torch.no_grad():
+        ref = torch.cat([m(x) for m in mods], dim=-1)
+        got = fused(x)
+    assert got.shape == (5, 1, 88)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    # Per-token scales: a row's result does not depend on the rows batched with it.
+    for r in range(5):
+        assert torch.equal(fused(x[r:r + 1]), got[r:r + 1])
+    # Prefill shapes ([1, t, in]) go through the same path.
+    torch.testing.assert_close(fused(x.reshape(1, 5, 96)), got.reshape(1, 5, 88))
+
+
+def test_only_w8a8_weights_take_the_int8_path() -> None:
+    import torchao.quantization as tq
+
+    wo = torch.nn.Linear(32, 16, bias=False)
+    tq.quantize_(wo, tq.Int8WeightOnlyConfig())
+    plain = torch.nn.Linear(32, 16, bias=False)
+    (w8a8,) = _w8a8_linears(32, [16])
+    assert int8_w8a8_parts(wo) is None and int8_w8a8_parts(plain) is None
+    qdata, scale = int8_w8a8_parts(w8a8)
+    assert qdata.dtype == torch.int8 and qdata.shape == (16, 32) and scale.shape == (16,)
+    assert not _Fused.fusable([wo]) and not _Fused.fusable([plain, w8a8]) and _Fused.fusable([plain])
+    assert _Fused.fusable([w8a8]) == _onednn_int8_available()

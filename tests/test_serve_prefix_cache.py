@@ -119,6 +119,45 @@ def test_short_request_gets_its_first_token_before_a_long_prefill_finishes():
     assert long.out_ids == ref
 
 
+def test_prefill_budget_is_sized_by_measured_time_while_others_decode(monkeypatch):
+    """While a request decodes, a long prompt's prefill per step follows prefill_step_s / measured speed."""
+    import serve.engine as eng
+
+    model = no_eos(tiny_model("llama", seed=16))
+    engine = Engine(model=model, tokenizer=tiny_tokenizer(), max_batch=4, prefill_chunk=64, prefill_budget=64,
+                    prefill_step_s=0.0105, min_prefill_tokens=4, prefix_cache_bytes=0)
+    # A fake clock: every prefill chunk "takes" 1 ms per token, nothing else takes time.
+    fake = [0.0]
+    chunks: list[int] = []
+    real_prefill = engine.model.prefill
+
+    def timed_prefill(cache, row, ids, start):
+        chunks.append(ids.shape[0])
+        fake[0] += ids.shape[0] * 1e-3
+        return real_prefill(cache, row, ids, start)
+
+    monkeypatch.setattr(engine.model, "prefill", timed_prefill)
+    monkeypatch.setattr(eng.time, "perf_counter", lambda: fake[0])
+    first = engine.submit([1, 2, 3, 4] * 5, SamplingParams(max_new_tokens=30))
+    engine.step()  # nobody decodes yet: the whole 20-token prompt at the full budget (and 1 ms/token measured)
+    assert chunks == [20] and engine.step_prefill_budget() == 10  # 0.0105 s / 1 ms per token
+    long = engine.submit(list(range(3, 60)), SamplingParams(max_new_tokens=2))
+    engine.step()
+    assert chunks[1] == 10 and long.prefilled == 10  # timed while the first request decodes
+    while not first.done:
+        engine.step()
+    while not long.done:  # alone: the rest at the full budget
+        engine.step()
+    assert long.out_ids == model.generate(torch.tensor([long.prompt_ids]), max_new_tokens=2,
+                                          do_sample=False)[0, 57:].tolist()
+    fixed = Engine(model=model, tokenizer=tiny_tokenizer(), prefill_budget=64, prefill_step_s=None,
+                   prefix_cache_bytes=0)
+    fixed._prefill_s_per_token = 1.0
+    assert fixed.step_prefill_budget() == 64
+    with pytest.raises(ValueError, match="prefill_step_s must be > 0"):
+        Engine(model=model, tokenizer=tiny_tokenizer(), prefill_step_s=0)
+
+
 def test_server_reports_prefix_cache_in_metrics(tmp_path):
     import httpx
 

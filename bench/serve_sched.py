@@ -1,0 +1,145 @@
+"""Where a short request's time to first token goes, and what the engine's prefill scheduling does to it.
+
+    python bench/serve_sched.py [--model smollm2-135m-instruct] [--users 4] [--seconds 60] [--rounds 2]
+
+In one process, without HTTP: the engine's background loop (as the server runs it) serves ``--users``
+closed-loop users with the issue's mix (30 % short prompts of 10-130 tokens with 64 new tokens, 50 %
+medium of 130-650 with 256, 20 % long of 650-2000 with ``--long-new`` new tokens; a 0.5-3 s pause
+between requests; the same seeded schedule for every arm). The arms alternate in blocks of
+``--seconds`` for ``--rounds`` rounds, so machine noise hits them alike:
+
+* ``fixed 512``: ``prefill_step_s=None``, 512 prompt tokens per step (the old default);
+* ``timed <ms>``: the step's prefill sized by measured time (``Engine(prefill_step_s=...)``, the default).
+
+Per arm: short-prompt TTFT P50/P95 split into the wait (arrival to its first prefill forward: the step
+in flight, earlier prompts) and its own prefill (first forward to first token), plus the medium and
+long TTFT P50 and the decode inter-token P95 (what the long prompts' prefill costs everyone else). HTTP,
+tokenization and the client are not in these numbers: ``bench/serve_mix.py`` has the end-to-end ones.
+A table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+CLASSES = {"short": ((10, 130), 64, 3), "medium": ((130, 650), 256, 5), "long": ((650, 2000), None, 2)}
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def run_arm(engine, seconds: float, users: int, seed: int, long_new: int, vocab: int) -> list[dict]:
+    """Closed-loop users against ``engine`` (its loop running) for ``seconds``; one record per request."""
+    from serve.sampling import SamplingParams
+
+    records: list[dict] = []
+    lock = threading.Lock()
+    stop_at = time.perf_counter() + seconds
+
+    def user(u: int) -> None:
+        rng = random.Random(seed * 1000 + u)
+        names = [c for c, (_, _, w) in CLASSES.items() for _ in range(w)]
+        while time.perf_counter() < stop_at:
+            time.sleep(rng.uniform(0.5, 3.0))
+            cls = rng.choice(names)
+            (lo, hi), new, _ = CLASSES[cls]
+            prompt = [rng.randrange(100, vocab) for _ in range(rng.randint(lo, hi))]
+            done = threading.Event()
+            gaps: list[float] = []
+            last = [None]
+
+            def on_event(_d, token, finish, gaps=gaps, last=last, done=done):
+                now = time.perf_counter()
+                if token is not None:
+                    if last[0] is not None:
+                        gaps.append(now - last[0])
+                    last[0] = now
+                if finish is not None:
+                    done.set()
+
+            req = engine.submit(prompt, SamplingParams(max_new_tokens=new or long_new, ignore_eos=True,
+                                                       temperature=0.7, seed=rng.randrange(2**31)), on_event)
+            done.wait()
+            with lock:
+                records.append({"class": cls, "tokens": len(prompt), "gaps": gaps,
+                                "ttft": req.first_token_at - req.arrival,
+                                "wait": req.prefill_start - req.arrival,
+                                "own": req.first_token_at - req.prefill_start})
+
+    threads = [threading.Thread(target=user, args=(u,)) for u in range(users)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return records
+
+
+def summarize(recs: list[dict]) -> dict:
+    out = {}
+    short = [r for r in recs if r["class"] == "short"]
+    ms = lambda v: None if v is None else round(v * 1000, 1)  # noqa: E731
+    for key in ("ttft", "wait", "own"):
+        xs = [r[key] for r in short]
+        out[f"short_{key}_p50_ms"], out[f"short_{key}_p95_ms"] = ms(pct(xs, 0.5)), ms(pct(xs, 0.95))
+    for c in ("medium", "long"):
+        out[f"{c}_ttft_p50_ms"] = ms(pct([r["ttft"] for r in recs if r["class"] == c], 0.5))
+    out["itl_p95_ms"] = ms(pct([g for r in recs for g in r["gaps"]], 0.95))
+    out["requests"] = {c: sum(r["class"] == c for r in recs) for c in CLASSES}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--users", type=int, default=4)
+    ap.add_argument("--seconds", type=float, default=60.0, help="seconds per arm per round")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--step-ms", type=float, default=80.0, help="the timed arm's prefill_step_s, in ms")
+    ap.add_argument("--long-new", type=int, default=256, help="new tokens of a long request (the mix says 2048)")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+
+    import torch
+
+    from core.models import load_causal_lm, load_tokenizer, resolve_model_path
+    from serve.engine import Engine
+
+    torch.set_num_threads(args.threads)
+    path = resolve_model_path(args.model)
+    model, tok = load_causal_lm(str(path), dtype=torch.float32, dense=True, attn_implementation="sdpa"), \
+        load_tokenizer(str(path))
+    arms = {"fixed 512": None, f"timed {args.step_ms:g} ms": args.step_ms / 1000}
+    engines = {name: Engine(model=model, tokenizer=tok, max_batch=args.users, max_seq_len=4096,
+                            prefix_cache_bytes=0, prefill_budget=512, prefill_step_s=s) for name, s in arms.items()}
+    vocab = min(tok.vocab_size, model.config.vocab_size)
+    recs: dict[str, list[dict]] = {name: [] for name in arms}
+    for rnd in range(args.rounds):
+        for name, engine in engines.items():
+            engine.start()
+            recs[name] += run_arm(engine, args.seconds, args.users, seed=rnd, long_new=args.long_new, vocab=vocab)
+            engine.stop()
+            print(f"round {rnd + 1}/{args.rounds} {name}: {len(recs[name])} requests so far", flush=True)
+    res = {name: summarize(r) for name, r in recs.items()}
+    cols = ("short_ttft_p50_ms", "short_ttft_p95_ms", "short_wait_p95_ms", "short_own_p95_ms", "medium_ttft_p50_ms",
+            "long_ttft_p50_ms", "itl_p95_ms")
+    print(f"{'arm':<16}" + "".join(f"{c.removesuffix('_ms'):>19}" for c in cols) + "  (ms)")
+    for name, r in res.items():
+        print(f"{name:<16}" + "".join(f"{'-' if r[c] is None else r[c]:>19}" for c in cols))
+    print(json.dumps({"model": str(args.model), "users": args.users, "seconds_per_arm": args.seconds * args.rounds,
+                      "threads": args.threads, "long_new_tokens": args.long_new, "arms": res}))
+
+
+if __name__ == "__main__":
+    main()
