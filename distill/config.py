@@ -45,6 +45,8 @@ class DistillConfig:
     prune_eval_blocks: int = field(4, ge=1, help="student_init=prune: held-out blocks that rank candidates")
     prune_max_candidates: int = field(16, ge=2, help="student_init=prune: architectures ranked at init (evenly "
                                       "spaced)")
+    prune_block_score: str = field("bi", choices=("bi", "loss"), help="student_init=prune: score blocks by block "
+                                   "influence (one pass) or by the loss increase when each is skipped (one per layer)")
     tokenizer: str | None = field(None, help="tokenizer source; default: the teacher's")
     # data
     dataset: str = field(BUILTIN, help="training text: 'builtin:stdlib-docs' (offline default), a local "
