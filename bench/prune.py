@@ -45,12 +45,16 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=256, help="tokens per block")
     p.add_argument("--batch", type=int, default=4, help="blocks per step")
     p.add_argument("--eval-blocks", type=int, default=16, help="held-out blocks scored (the recipe's eval_blocks)")
-    p.add_argument("--calib-blocks", type=int, default=32, help="calibration blocks")
-    p.add_argument("--rank-blocks", type=int, default=8, help="held-out blocks that rank search candidates")
-    p.add_argument("--search-steps", type=int, default=20, help="short-distill steps per search finalist")
-    p.add_argument("--top-k", type=int, default=3, help="search finalists short-distilled")
-    p.add_argument("--finalists", type=int, default=8, help="candidates scored on all rank blocks")
-    p.add_argument("--max-candidates", type=int, default=32, help="candidates ranked at init")
+    # The search as the demo recipe runs it (prune_* defaults of DistillConfig), so the bench prices what the demo does.
+    p.add_argument("--calib-blocks", type=int, default=8, help="calibration blocks (recipe: prune_calib_blocks)")
+    p.add_argument("--rank-blocks", type=int, default=4, help="held-out blocks that rank search candidates "
+                   "(recipe: prune_eval_blocks)")
+    p.add_argument("--search-steps", type=int, default=4, help="short-distill steps per search finalist "
+                   "(recipe: prune_search_steps)")
+    p.add_argument("--top-k", type=int, default=2, help="search finalists short-distilled (recipe: prune_top_k)")
+    p.add_argument("--finalists", type=int, default=12, help="candidates scored on all rank blocks")
+    p.add_argument("--max-candidates", type=int, default=16, help="candidates ranked at init "
+                   "(recipe: prune_max_candidates)")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--arch", help="skip the search and use this winner, e.g. L30,h448,kv3,g3,mlp512 (short runs)")
     p.add_argument("--skip-probes", action="store_true", help="skip the init-only probes of the issue")
