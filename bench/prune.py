@@ -6,8 +6,8 @@
 Teacher: the built-in demo (SmolLM2-135M-Instruct), data: the built-in stdlib docstrings, the
 held-out split the recipe uses. Budget: the non-embedding parameter count of today's demo student
 (teacher layers ``0-3,24-29``). Every student is trained for ``--steps`` steps with the demo recipe's
-terms and schedule (``recipes/distill.py`` defaults: logits-only KD, forward KL at T=1, AdamW 1e-3,
-warmup 4, cosine to 0.1×, seed 0, same data order) through ``distill.prune.short_distill``, then scored
+terms and schedule (``recipes/distill.py`` defaults: KD T=1 + CE + 0.2 · nmse on derived spans, AdamW
+1e-3, warmup 4, cosine to 0.1×, seed 0, same data order) through ``distill.prune.short_distill``, then scored
 on the same held-out blocks. The search runs with the recipe's ``prune_*`` defaults, as the demo does:
 
 * **manual** — the hand-picked layers;
@@ -26,7 +26,7 @@ Also printed, init only: the issue's probes (20 BI layers + MLP 600; 30 layers +
 ``prune_search_s`` is the wall time of calibration + the full search. The machine this runs on may
 be shared: times are upper bounds, ratios are measured side by side in one process.
 Last line: JSON with ``params_student``, ``ppl_manual``, ``ppl_pruned``, ``ratio`` (pruned / manual
-after the steps), ``kd_vs_ce`` (pruned KD ppl / CE-only ppl; ≤ 0.9 meets the ≥10 % target).
+after the steps), ``kd_vs_ce`` (pruned KD+terms ppl / CE-only ppl; ≤ 0.9 meets the ≥10 % target).
 """
 
 from __future__ import annotations

@@ -87,11 +87,11 @@ class DistillConfig:
                         "teacher's share alpha of the mixture (DistiLLM: 0.1)")
     kd_chunk_size: int | None = field(1024, ge=1,
                                       help="tokens per chunk of the fused KD loss; empty = full logits")
-    ce_weight: float = field(0.0, ge=0, help="cross-entropy on the data term weight")
+    ce_weight: float = field(1.0, ge=0, help="cross-entropy on the data term weight")
     focal_weight: float = field(0.0, ge=0, help="focal CE term weight (long-tail tokens)")
     focal_alpha: float = field(0.25, ge=0, le=1, help="focal alpha")
     focal_gamma: float = field(2.0, ge=0, help="focal gamma")
-    hidden_weight: float = field(0.0, ge=0, help="hidden-state term weight")
+    hidden_weight: float = field(0.2, ge=0, help="hidden-state term weight")
     hidden_layers: list[str] = field(default_factory=lambda: ["derived"], help="layer pairs 's:t', "
                                      "'relative' or 'derived' (a derived student's replaced spans)")
     hidden_kind: str = field("nmse", help="hidden-state distance: nmse (per-token MSE / teacher mean square, scale-free) "

@@ -604,7 +604,7 @@ class HeldOut:
 
 
 def default_loss_config() -> LossConfig:
-    """The built-in demo's terms (the distill recipe's defaults: logits-only KD, forward KL at T=1)."""
+    """The built-in demo's terms (the distill recipe's defaults): logits KD + CE + the hidden term."""
     return DistillConfig().losses()
 
 
