@@ -1,14 +1,14 @@
 """How the student is cut: hand-picked layers vs importance pruning (depth, width, searched), same budget and steps.
 
-    python bench/prune.py                                  # the issue's setting (demo recipe, 24 steps)
-    python bench/prune.py --steps 8 --seq-len 128 --eval-blocks 8 --calib-blocks 8 --search-steps 4 --top-k 2
+    python bench/prune.py                      # the demo's setting: its search, 24 steps, 4 × 256 tokens per step
+    python bench/prune.py --variants searched,ce_only,manual     # the issue's JSON numbers only (no depth/width)
 
 Teacher: the built-in demo (SmolLM2-135M-Instruct), data: the built-in stdlib docstrings, the
 held-out split the recipe uses. Budget: the non-embedding parameter count of today's demo student
 (teacher layers ``0-3,24-29``). Every student is trained for ``--steps`` steps with the demo recipe's
 terms and schedule (``recipes/distill.py`` defaults: KD T=1 + CE + 0.2 · nmse on derived spans, AdamW
-3e-4, warmup 4, cosine, seed 0, same data order) through ``distill.prune.short_distill``, then scored
-on the same held-out blocks:
+1e-3, warmup 4, cosine to 0.1×, seed 0, same data order) through ``distill.prune.short_distill``, then scored
+on the same held-out blocks. The search runs with the recipe's ``prune_*`` defaults, as the demo does:
 
 * **manual** — the hand-picked layers;
 * **depth (BI)** — the best depth-only cut by block influence;
@@ -16,13 +16,17 @@ on the same held-out blocks:
 * **searched** — the search's winner (all axes; ``--search-steps`` of short distillation for its
   ``--top-k`` finalists decide it). For equal steps its row re-prunes the winning architecture fresh
   from the scores, so it has seen exactly ``--steps`` steps like the others;
-* **searched, CE-only** — the same init trained on CE alone for the same steps (``kd_vs_ce``).
+* **searched, CE-only** — the same init trained on CE alone for the same steps, lr and schedule
+  (``kd_vs_ce``).
+
+Students train in the order searched, CE-only, manual, depth, width; the table and the JSON line are
+printed after each (``"complete": false`` until the last), so a run cut short still reports.
 
 Also printed, init only: the issue's probes (20 BI layers + MLP 600; 30 layers + MLP 768).
 ``prune_search_s`` is the wall time of calibration + the full search. The machine this runs on may
 be shared: times are upper bounds, ratios are measured side by side in one process.
 Last line: JSON with ``params_student``, ``ppl_manual``, ``ppl_pruned``, ``ratio`` (pruned / manual
-after the steps), ``kd_vs_ce`` (pruned KD+terms ppl / CE-only ppl; < 0.9 meets the ≥10 % target).
+after the steps), ``kd_vs_ce`` (pruned KD+terms ppl / CE-only ppl; ≤ 0.9 meets the ≥10 % target).
 """
 
 from __future__ import annotations
@@ -45,12 +49,16 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=256, help="tokens per block")
     p.add_argument("--batch", type=int, default=4, help="blocks per step")
     p.add_argument("--eval-blocks", type=int, default=16, help="held-out blocks scored (the recipe's eval_blocks)")
-    p.add_argument("--calib-blocks", type=int, default=32, help="calibration blocks")
-    p.add_argument("--rank-blocks", type=int, default=8, help="held-out blocks that rank search candidates")
-    p.add_argument("--search-steps", type=int, default=20, help="short-distill steps per search finalist")
-    p.add_argument("--top-k", type=int, default=3, help="search finalists short-distilled")
-    p.add_argument("--finalists", type=int, default=8, help="candidates scored on all rank blocks")
-    p.add_argument("--max-candidates", type=int, default=32, help="candidates ranked at init")
+    # The search as the demo recipe runs it (prune_* defaults of DistillConfig), so the bench prices what the demo does.
+    p.add_argument("--calib-blocks", type=int, default=8, help="calibration blocks (recipe: prune_calib_blocks)")
+    p.add_argument("--rank-blocks", type=int, default=4, help="held-out blocks that rank search candidates "
+                   "(recipe: prune_eval_blocks)")
+    p.add_argument("--search-steps", type=int, default=4, help="short-distill steps per search finalist "
+                   "(recipe: prune_search_steps)")
+    p.add_argument("--top-k", type=int, default=2, help="search finalists short-distilled (recipe: prune_top_k)")
+    p.add_argument("--finalists", type=int, default=12, help="candidates scored on all rank blocks")
+    p.add_argument("--max-candidates", type=int, default=16, help="candidates ranked at init "
+                   "(recipe: prune_max_candidates)")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--arch", help="skip the search and use this winner, e.g. L30,h448,kv3,g3,mlp512 (short runs)")
     p.add_argument("--skip-probes", action="store_true", help="skip the init-only probes of the issue")
@@ -110,12 +118,12 @@ def main() -> None:
 
     quiet = lambda _msg: None  # noqa: E731
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    depth = width = None
-    if "depth" in variants:
-        depth = search(teacher, calib, None, train, settings(("depth",), 0, 1), quiet, scores, rank).winner.arch
-    if "width" in variants:
-        width = search(teacher, calib, None, train, settings(("mlp", "heads", "hidden"), 0, 1), quiet, scores,
-                       rank).winner.arch
+    found_arch: dict[str, Arch] = {}
+
+    def best_on(axes: tuple[str, ...]) -> Arch:  # ranked at init only; searched when its student is reached
+        if axes not in found_arch:
+            found_arch[axes] = search(teacher, calib, None, train, settings(axes, 0, 1), quiet, scores, rank).winner.arch
+        return found_arch[axes]
     prune_search_s, n_candidates = None, None
     if args.arch:
         f = dict(part.split("=") for part in args.arch.replace("L", "layers=", 1).replace("h", "hidden=", 1)
@@ -145,21 +153,33 @@ def main() -> None:
         return row
 
     pruned_best = prune_to(teacher, scores, best)
-    plan = [("manual", "manual", lambda: manual, kd_terms),
-            ("depth", "depth (BI)", lambda: prune_to(teacher, scores, depth), kd_terms),
-            ("width", "width", lambda: prune_to(teacher, scores, width), kd_terms),
-            ("searched", "searched", lambda: copy.deepcopy(pruned_best), kd_terms),
-            ("ce_only", "searched, CE-only", lambda: copy.deepcopy(pruned_best), ce_only)]
-    rows = [train_eval(name, make(), terms) for key, name, make, terms in plan if key in variants]
-    probes = []
-    probe_archs = [] if args.skip_probes else [Arch(20, base.hidden, base.kv_heads, base.group, 600),
-                                                Arch(30, base.hidden, base.kv_heads, base.group, 768)]
-    for a in probe_archs:
-        st = held.stats(prune_to(teacher, scores, a))
-        probes.append({"arch": a.label(), "params": fam.counts(a)[0], "ppl_init": st.perplexity})
+    # The issue's numbers first (searched KD vs CE-only, then the hand-picked baseline), depth/width last:
+    # the table and the JSON line are printed after every student, so a run cut short still reports.
+    plan = [("searched", "searched", lambda: copy.deepcopy(pruned_best), kd_terms),
+            ("ce_only", "searched, CE-only", lambda: copy.deepcopy(pruned_best), ce_only),
+            ("manual", "manual", lambda: manual, kd_terms),
+            ("depth", "depth (BI)", lambda: prune_to(teacher, scores, best_on(("depth",))), kd_terms),
+            ("width", "width", lambda: prune_to(teacher, scores, best_on(("mlp", "heads", "hidden"))), kd_terms)]
+    plan = [item for item in plan if item[0] in variants]
+    rows: list[dict] = []
+    for _key, name, make, terms in plan:
+        rows.append(train_eval(name, make(), terms))
+        probes = []
+        if len(rows) == len(plan) and not args.skip_probes:
+            for a in (Arch(20, base.hidden, base.kv_heads, base.group, 600),
+                      Arch(30, base.hidden, base.kv_heads, base.group, 768)):
+                st = held.stats(prune_to(teacher, scores, a))
+                probes.append({"arch": a.label(), "params": fam.counts(a)[0], "ppl_init": st.perplexity})
+        report(args, rows, probes, teacher_ppl, int(data.eval.shape[0]), budget, emb, best, found_arch,
+               prune_search_s, n_candidates, complete=len(rows) == len(plan), terms=recipe)
 
-    print(f"\nheld-out perplexity on {data.eval.shape[0]} blocks of {args.seq_len} tokens; teacher {teacher_ppl:.2f}; "
-          f"{args.steps} steps of batch {args.batch}")
+
+def report(args, rows, probes, teacher_ppl, eval_blocks, budget, emb, best, found_arch, prune_search_s,
+           n_candidates, complete, terms) -> None:
+    """The table so far, then one JSON line (``complete`` false until every student has trained)."""
+    print(f"\nheld-out perplexity on {eval_blocks} blocks of {args.seq_len} tokens; teacher {teacher_ppl:.2f}; "
+          f"{args.steps} steps of batch {args.batch}; terms kd {terms.kd_weight} ce {terms.ce_weight} "
+          f"hidden {terms.hidden_weight}, lr {terms.lr:g} (CE-only: ce 1, same lr and schedule)")
     print(f"{'student':20} {'architecture':34} {'non-emb':>12} {'ppl init':>10} {'ppl final':>10} {'KL':>7} "
           f"{'top-1':>6} {'train s':>8}")
     for r in rows:
@@ -174,9 +194,13 @@ def main() -> None:
 
     def ratio(a, b):
         return a / b if a is not None and b is not None else None
+    depth, width = found_arch.get(("depth",)), found_arch.get(("mlp", "heads", "hidden"))
     out = {
+        "complete": complete, "students_done": [r["student"] for r in rows],
         "params_student": budget, "params_embedding": emb, "teacher_ppl": teacher_ppl, "steps": args.steps,
-        "seq_len": args.seq_len, "batch": args.batch, "eval_blocks": int(data.eval.shape[0]),
+        "seq_len": args.seq_len, "batch": args.batch, "eval_blocks": eval_blocks,
+        "kd_weight": terms.kd_weight, "ce_weight": terms.ce_weight, "hidden_weight": terms.hidden_weight,
+        "lr": terms.lr,
         "ppl_manual": get("manual", "ppl_final"), "ppl_pruned": get("searched", "ppl_final"),
         "ppl_depth": get("depth (BI)", "ppl_final"), "ppl_width": get("width", "ppl_final"),
         "ppl_manual_init": get("manual", "ppl_init"), "ppl_pruned_init": get("searched", "ppl_init"),
@@ -188,7 +212,7 @@ def main() -> None:
         "prune_search_s": prune_search_s, "search_steps": args.search_steps, "top_k": args.top_k,
         "candidates": n_candidates, "threads": args.threads, "probes": probes,
     }
-    print(json.dumps(out))
+    print(json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,8 @@ class DistillConfig:
     prune_eval_blocks: int = field(4, ge=1, help="student_init=prune: held-out blocks that rank candidates")
     prune_max_candidates: int = field(16, ge=2, help="student_init=prune: architectures ranked at init (evenly "
                                       "spaced)")
+    prune_block_score: str = field("bi", choices=("bi", "loss"), help="student_init=prune: score blocks by block "
+                                   "influence (one pass) or by the loss increase when each is skipped (one per layer)")
     tokenizer: str | None = field(None, help="tokenizer source; default: the teacher's")
     # data
     dataset: str = field(BUILTIN, help="training text: 'builtin:stdlib-docs' (offline default), a local "
@@ -67,7 +69,7 @@ class DistillConfig:
     max_steps: int = field(24, ge=1, help="optimizer steps")
     micro_batch_size: int = field(4, ge=1, help="blocks per forward on each process")
     grad_accum: int = field(1, ge=1, help="micro-batches per optimizer step")
-    lr: float = field(3e-4, gt=0, help="peak learning rate (AdamW)")
+    lr: float = field(1e-3, gt=0, help="peak learning rate (AdamW)")
     min_lr_ratio: float = field(0.1, ge=0, le=1, help="cosine schedule ends at lr * min_lr_ratio")
     warmup_steps: int = field(4, ge=0, help="linear warmup steps")
     weight_decay: float = field(0.0, ge=0, help="AdamW weight decay")

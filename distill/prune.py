@@ -177,7 +177,7 @@ def count_params(model: PreTrainedModel) -> tuple[int, int]:
 @dataclass
 class Scores:
     """Importance of every prunable unit (higher = keep). Tensors are fp32 on CPU."""
-    blocks: torch.Tensor  # [layers] block influence
+    blocks: torch.Tensor  # [layers] block influence, or loss increase when skipped (block_score="loss")
     heads: torch.Tensor  # [layers, kv_heads, group] query-head contribution norm
     neurons: torch.Tensor  # [layers, intermediate]
     channels: torch.Tensor  # [hidden]
@@ -188,14 +188,74 @@ def _first(x):
     return x[0] if isinstance(x, tuple) else x
 
 
+BLOCK_SCORES = ("bi", "loss")
+
+
+@torch.no_grad()
+def block_loss_increase(model: PreTrainedModel, blocks: torch.Tensor, batch_size: int = 4,
+                        progress: bool = True) -> torch.Tensor:
+    """``[layers]``: mean next-token CE on ``blocks`` ``[n, seq]`` with each decoder layer skipped, minus the
+    full model's.
+
+    A skipped layer passes its input through unchanged (a forward hook replaces its output), which is
+    exactly the model with that layer deleted. One forward per layer per micro-batch: ``layers + 1``
+    times the cost of block influence, and it measures what pruning the block does to the loss rather
+    than how much the block turns the residual stream (a block can turn it a lot and matter little).
+    """
+    check_supported(model)
+    layers = model.model.layers
+    device = next(model.parameters()).device
+    skip: list[int | None] = [None]
+    seen: dict[int, torch.Tensor] = {}
+
+    def pre(i):
+        def hook(_m, args, kwargs):
+            if skip[0] == i:
+                seen[i] = args[0] if args else kwargs["hidden_states"]
+        return hook
+
+    def post(i):
+        def hook(_m, _args, _kwargs, out):
+            if skip[0] != i:
+                return None
+            x = seen.pop(i)
+            return (x, *out[1:]) if isinstance(out, tuple) else x
+        return hook
+
+    handles = [h for i, layer in enumerate(layers)
+               for h in (layer.register_forward_pre_hook(pre(i), with_kwargs=True),
+                         layer.register_forward_hook(post(i), with_kwargs=True))]
+    was = model.training
+    model.eval()
+    losses = torch.zeros(len(layers) + 1, dtype=torch.float64)  # [layers + 1]; the last: nothing skipped
+    try:
+        for j in tqdm(range(len(layers) + 1), desc="skip blocks", disable=not progress, leave=False):
+            skip[0] = j if j < len(layers) else None
+            for s in range(0, blocks.shape[0], batch_size):
+                ids = blocks[s:s + batch_size].to(device)
+                logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()
+                losses[j] += nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                         ids[:, 1:].reshape(-1), reduction="sum").double().cpu()
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was)
+    n = max(blocks.shape[0] * (blocks.shape[1] - 1), 1)
+    return ((losses[:-1] - losses[-1]) / n).float()
+
+
 @torch.no_grad()
 def importance(model: PreTrainedModel, blocks: torch.Tensor, batch_size: int = 4,
-               progress: bool = True) -> Scores:
+               progress: bool = True, block_score: str = "bi") -> Scores:
     """Score heads, neurons, channels and blocks of ``model`` over calibration ``blocks`` ``[n, seq]``.
 
     One forward per micro-batch; hooks fold every layer's statistics into running sums while the
-    layer runs, so nothing bigger than one layer's activations is ever held.
+    layer runs, so nothing bigger than one layer's activations is ever held. ``block_score="loss"``
+    scores blocks by the loss increase when each is skipped (``block_loss_increase``) instead of
+    block influence.
     """
+    if block_score not in BLOCK_SCORES:
+        raise PruneError(f"block_score must be one of {', '.join(BLOCK_SCORES)}, got {block_score!r}")
     check_supported(model)
     c = model.config
     L, H, KV, hd, inter = (c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, head_dim_of(c),
@@ -264,7 +324,9 @@ def importance(model: PreTrainedModel, blocks: torch.Tensor, batch_size: int = 4
             h.remove()
         model.train(was)
     n = max(tokens[0], 1)
-    return Scores(blocks=(bi / n).float(), heads=(heads / n).float().view(L, KV, H // KV),
+    block_scores = (bi / n).float() if block_score == "bi" else block_loss_increase(model, blocks, batch_size,
+                                                                                    progress)
+    return Scores(blocks=block_scores, heads=(heads / n).float().view(L, KV, H // KV),
                   neurons=(neurons / n).float(), channels=(channels / n).float(), tokens=tokens[0])
 
 
@@ -614,6 +676,7 @@ class SearchSettings:
     batch_size: int = 4
     seed: int = 0
     iterative: bool = False
+    block_score: str = "bi"  # how blocks are scored: "bi" (block influence) | "loss" (loss increase when skipped)
     max_round_cut: float = 0.3
     calibration: dict[str, Any] = field(default_factory=dict)
 
@@ -664,10 +727,11 @@ def search_round(model: PreTrainedModel, teacher: PreTrainedModel, calib: torch.
         archs = [archs[round(i * step)] for i in range(s.max_candidates)]
     t0 = time.time()
     if scores is None:
-        scores = importance(model, calib, s.batch_size)
+        scores = importance(model, calib, s.batch_size, block_score=s.block_score)
         log(f"calibrated on {scores.tokens:,} tokens in {time.time() - t0:.0f}s")
     log(f"{len(archs)} candidate architectures")
-    info = {"method": "importance: BI blocks, head/neuron contribution norms, norm-output channels",
+    blocks_by = "BI blocks" if s.block_score == "bi" else "blocks by loss increase when skipped"
+    info = {"method": f"importance: {blocks_by}, head/neuron contribution norms, norm-output channels",
             "calibration": s.calibration}
     table = []
     for a in archs:
@@ -793,6 +857,7 @@ def prune_for_recipe(teacher: PreTrainedModel, tokenizer, cfg: Any, log: Callabl
     s = SearchSettings(target_params=cfg.target_params, target_ratio=ratio, axes=axes,
                        search_steps=cfg.prune_search_steps, top_k=cfg.prune_top_k, lr=cfg.lr,
                        max_candidates=getattr(cfg, "prune_max_candidates", 64),
+                       block_score=getattr(cfg, "prune_block_score", "bi"),
                        batch_size=cfg.micro_batch_size, seed=cfg.seed,
                        calibration={"dataset": cfg.dataset, "blocks": int(calib.shape[0]), "seq_len": cfg.seq_len})
     result = search(teacher, calib, held, train, s, log)
@@ -806,7 +871,7 @@ def prune_for_recipe(teacher: PreTrainedModel, tokenizer, cfg: Any, log: Callabl
 
 _RECIPE_KEYS = ("teacher", "dataset", "text_field", "seq_len", "target_params", "target_ratio", "prune_axes",
                 "prune_search_steps", "prune_top_k", "prune_calib_blocks", "prune_eval_blocks",
-                "prune_max_candidates", "lr",
+                "prune_max_candidates", "prune_block_score", "lr",
                 "micro_batch_size", "seed")
 _recipe_memo: dict[tuple[str, ...], PreTrainedModel] = {}
 
@@ -830,6 +895,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--search-steps", type=int, default=20, help="short-distill steps per top-k candidate (0: rank at init)")
     p.add_argument("--lr", type=float, default=3e-4, help="short-distill peak learning rate")
     p.add_argument("--batch-size", type=int, default=4, help="blocks per forward")
+    p.add_argument("--block-score", choices=BLOCK_SCORES, default="bi",
+                   help="score blocks by block influence (one pass) or by the loss increase when each is skipped "
+                        "(one pass per layer)")
     p.add_argument("--iterative", action="store_true", help="prune at most --max-round-cut per round, distill, repeat")
     p.add_argument("--max-round-cut", type=float, default=0.3, help="largest fraction cut per iterative round")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="model dtype (bf16 on GPUs)")
@@ -869,6 +937,7 @@ def main(argv: list[str] | None = None) -> int:
                            count_embeddings=args.count_embeddings, axes=axes, top_k=args.top_k,
                            finalists=args.finalists, max_candidates=args.max_candidates, search_steps=args.search_steps, lr=args.lr,
                            batch_size=args.batch_size, seed=args.seed, iterative=args.iterative,
+                           block_score=args.block_score,
                            max_round_cut=args.max_round_cut,
                            calibration={"dataset": args.dataset, "blocks": int(calib.shape[0]),
                                         "seq_len": args.seq_len})

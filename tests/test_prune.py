@@ -15,6 +15,7 @@ from distill.prune import (
     PruneError,
     SearchSettings,
     arch_of,
+    block_loss_increase,
     candidates,
     count_params,
     family_of,
@@ -119,6 +120,64 @@ def test_block_influence_matches_naive_reference():
     act = mlp.act_fn(x @ mlp.gate_proj.weight.t()) * (x @ mlp.up_proj.weight.t())
     ref = act.abs().mean(dim=(0, 1)) * mlp.down_proj.weight.norm(dim=0)
     torch.testing.assert_close(scores.neurons[0], ref, rtol=1e-4, atol=1e-6)
+
+
+def _trained_with_dead_block():
+    """4 layers trained briefly on periodic text (so skipping a live block costs loss), then block 2 killed."""
+    model = tiny_model("llama", layers=4)
+    ids = torch.randint(3, VOCAB, (8, 6), generator=torch.Generator().manual_seed(0)).repeat(1, 4)  # [8, 24]
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(40):
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+    with torch.no_grad():
+        model.model.layers[2].self_attn.o_proj.weight.zero_()
+        model.model.layers[2].mlp.down_proj.weight.zero_()  # x_out == x_in: skipping it changes nothing
+    return model, ids
+
+
+def test_loss_increase_ranks_a_dead_block_last():
+    model, ids = _trained_with_dead_block()
+    scores = importance(model, ids, batch_size=3, progress=False, block_score="loss")
+    assert abs(float(scores.blocks[2])) < 1e-6
+    assert all(float(scores.blocks[i]) > 1e-2 for i in (0, 1, 3)), scores.blocks  # live blocks cost loss
+    assert select(scores, Arch(layers=3, hidden=64, kv_heads=2, group=2, intermediate=128)).layers == [0, 1, 3]
+    # The other scores do not depend on how blocks are scored.
+    bi = importance(model, ids, batch_size=3, progress=False)
+    torch.testing.assert_close(scores.neurons, bi.neurons)
+    with pytest.raises(PruneError, match="block_score must be one of bi, loss"):
+        importance(model, ids, progress=False, block_score="cos")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_loss_increase_matches_deleting_the_layer(arch):
+    import copy
+
+    model = tiny_model(arch, layers=3)
+    ids = _blocks(5)
+    got = block_loss_increase(model, ids, batch_size=2, progress=False)  # uneven micro-batches on purpose
+    with torch.no_grad():
+        full = model(input_ids=ids, labels=ids, use_cache=False).loss.double()
+        for i in range(3):  # naive reference: a copy with layer i removed from the module list
+            cut = copy.deepcopy(model)
+            del cut.model.layers[i]
+            cut.config.num_hidden_layers = 2
+            if getattr(cut.config, "layer_types", None):
+                cut.config.layer_types = [t for j, t in enumerate(cut.config.layer_types) if j != i]
+            want = cut(input_ids=ids, labels=ids, use_cache=False).loss.double() - full
+            torch.testing.assert_close(got[i].double(), want, rtol=1e-4, atol=1e-5)
+            assert abs(float(want)) > 1e-4  # the reference sees a real change, so the comparison can fail
+
+
+def test_search_records_the_block_score():
+    teacher = tiny_model("llama", layers=3)
+    s = SearchSettings(target_ratio=0.5, axes=("depth", "mlp"), search_steps=0, top_k=1, finalists=2,
+                       batch_size=2, block_score="loss")
+    result = search(teacher, _blocks(), _blocks(2, seed=1), _blocks(), s, log=lambda _m: None)
+    assert "loss increase" in result.model.config.distill_pruning["rounds"][0]["method"]
 
 
 @pytest.mark.parametrize("kv,group", [(1, 2), (2, 1), (1, 1)])
