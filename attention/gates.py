@@ -44,7 +44,7 @@ GATE_IMPLEMENTATION = "hybrid_gates"
 @dataclasses.dataclass
 class GateResult:
     gates: torch.Tensor  # [layers, kv_heads] in [0, 1], after the last step
-    mean_gates: torch.Tensor  # [layers, kv_heads], averaged over the second half of training (breaks ties at 0)
+    pressure: torch.Tensor  # [layers, kv_heads]: −∂MSE/∂α averaged over the second half (ranks the gates at 0)
     history: list[dict]  # per step: relative MSE and the mean gate
 
 
@@ -149,7 +149,7 @@ def train_gates(model, samples: list, spec: HybridAttentionConfig, *, steps: int
     for p in frozen:
         p.requires_grad_(False)
     history: list[dict] = []
-    running = torch.zeros(layers, kv_heads)
+    pressure = torch.zeros(layers, kv_heads)
     try:
         with _gated(model, interface):
             prepared = _prepare(model, interface, samples, spec, device, progress)
@@ -161,20 +161,21 @@ def train_gates(model, samples: list, spec: HybridAttentionConfig, *, steps: int
                 if step % len(order) == 0:
                     rng.shuffle(order)
                 mse = _gate_loss(model, interface, prepared[order[step % len(order)]])
-                loss = mse + l1 * gates.mean()
                 opt.zero_grad(set_to_none=True)
-                loss.backward()
+                mse.backward()
+                with torch.no_grad():
+                    if step >= steps // 2:  # how much reopening each head would lower the error, here
+                        pressure -= gates.grad.cpu()
+                    gates.grad += l1 / gates.numel()  # d(l1 · mean gate) / dα
                 opt.step()
                 with torch.no_grad():
                     gates.clamp_(0.0, 1.0)
-                    if step >= steps // 2:
-                        running += gates.cpu()
                 history.append({"mse": mse.item(), "mean_gate": gates.mean().item()})
                 bar.set_postfix(mse=f"{history[-1]['mse']:.4f}", gate=f"{history[-1]['mean_gate']:.3f}")
     finally:
         for p in frozen:
             p.requires_grad_(True)
-    return GateResult(gates.detach().cpu(), running / (steps - steps // 2), history)
+    return GateResult(gates.detach().cpu(), pressure / (steps - steps // 2), history)
 
 
 def _prepare(model, interface: _GatedInterface, samples: list, spec: HybridAttentionConfig, device,

@@ -284,7 +284,7 @@ def find_head_roles(model, tokenizer, spec: HybridAttentionConfig, haystack: tor
         result = learn_gates(model, tokenizer, spec, haystack, samples=samples, length=length, seed=seed,
                              steps=gate_steps, lr=gate_lr, l1=gate_l1, progress=progress)
         extra.update(steps=gate_steps, lr=gate_lr, l1=gate_l1, final_mse=round(result.history[-1]["mse"], 6))
-        return choose_roles(spec, result.gates, share, method=method, tiebreak=result.mean_gates, extra=extra)
+        return choose_roles(spec, result.gates, share, method=method, tiebreak=result.pressure, extra=extra)
     min_start, min_distance = _needle_bounds(spec, length)
     data = needle_samples(tokenizer, haystack, count=samples, length=length, min_distance=min_distance,
                           min_start=min_start, seed=seed)

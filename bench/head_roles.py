@@ -62,7 +62,7 @@ def arm_spec(arm: str, spec: HybridAttentionConfig, scores: dict[str, torch.Tens
     if kind == "layers":
         return layer_roles(spec, scores, float(share))
     if kind == "gates":
-        return choose_roles(spec, scores["gates"], float(share), method=kind, tiebreak=scores["gates_mean"])
+        return choose_roles(spec, scores["gates"], float(share), method=kind, tiebreak=scores["gate_pressure"])
     if kind not in scores:
         raise SystemExit(f"error: unknown arm {arm!r}; use dense, stream, retrieval:S, mass:S, gates:S or layers:S")
     other = scores["mass" if kind == "retrieval" else "retrieval"]
@@ -124,7 +124,7 @@ def main() -> None:
         t0 = time.perf_counter()
         result = learn_gates(model, tok, spec, data.train, samples=args.gate_samples, length=args.gate_len,
                              seed=args.seed, steps=args.gate_steps, lr=args.gate_lr, l1=args.gate_l1)
-        gate_info = {"gates": result.gates.tolist(), "gates_mean": result.mean_gates.tolist(),
+        gate_info = {"gates": result.gates.tolist(), "pressure": result.pressure.tolist(),
                      "seconds": time.perf_counter() - t0, "final_mse": result.history[-1]["mse"],
                      "settings": {k: getattr(args, k) for k in ("gate_samples", "gate_len", "gate_steps",
                                                                 "gate_lr", "gate_l1")}}
@@ -133,7 +133,7 @@ def main() -> None:
             with open(args.gates, "w") as fh:
                 json.dump(gate_info, fh)
     if gate_info:
-        scores.update(gates=torch.tensor(gate_info["gates"]), gates_mean=torch.tensor(gate_info["gates_mean"]))
+        scores.update(gates=torch.tensor(gate_info["gates"]), gate_pressure=torch.tensor(gate_info["pressure"]))
     specs = {a: arm_spec(a, spec, scores) for a in arms}
     lengths = [int(x) for x in args.lengths.split(",")]
     grid = depths_for(args.depths)

@@ -131,6 +131,7 @@ def test_gate_training_moves_gates_with_finite_grads_and_leaves_the_model_alone(
     result = train_gates(model, data, TINY_SPEC, steps=6, lr=0.1, l1=0.05, progress=False)
     assert result.gates.shape == (2, 2) and ((result.gates >= 0) & (result.gates <= 1)).all()
     assert (result.gates != 1).any()  # gates start at 1; the L1 term and the MSE moved them
+    assert result.pressure.shape == (2, 2) and torch.isfinite(result.pressure).all()
     assert all(math.isfinite(h["mse"]) for h in result.history) and len(result.history) == 6
     assert result.history[0]["mse"] < 1e-10  # the first step runs at α = 1: full attention, no error
     for n, p in model.named_parameters():
