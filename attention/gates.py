@@ -46,6 +46,7 @@ class GateResult:
     gates: torch.Tensor  # [layers, kv_heads] in [0, 1], after the last step
     pressure: torch.Tensor  # [layers, kv_heads]: −∂MSE/∂α averaged over the second half (ranks the gates at 0)
     history: list[dict]  # per step: relative MSE and the mean gate
+    multikey: int = 0  # named keys per multi-key sample (0: none), set by attention.heads.learn_gates
 
 
 def gated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: HybridAttentionConfig,

@@ -283,7 +283,8 @@ def find_head_roles(model, tokenizer, spec: HybridAttentionConfig, haystack: tor
     if method == "gates":
         result = learn_gates(model, tokenizer, spec, haystack, samples=samples, length=length, seed=seed,
                              steps=gate_steps, lr=gate_lr, l1=gate_l1, progress=progress)
-        extra.update(steps=gate_steps, lr=gate_lr, l1=gate_l1, final_mse=round(result.history[-1]["mse"], 6))
+        extra.update(steps=gate_steps, lr=gate_lr, l1=gate_l1, multikey=result.multikey,
+                     final_mse=round(result.history[-1]["mse"], 6))
         return choose_roles(spec, result.gates, share, method=method, tiebreak=result.pressure, extra=extra)
     min_start, min_distance = _needle_bounds(spec, length)
     data = needle_samples(tokenizer, haystack, count=samples, length=length, min_distance=min_distance,
@@ -304,18 +305,29 @@ def learn_gates(model, tokenizer, spec: HybridAttentionConfig, haystack: torch.T
                 length: int = 1024, seed: int = 0, steps: int = 120, lr: float = 0.05, l1: float = 0.05,
                 progress: bool = True):
     """``attention.gates.train_gates`` on needle samples from ``haystack``: half single-key, half with 3
-    named keys (the question asks for one), all beyond the streaming horizon. Returns its ``GateResult``."""
+    named keys (the question asks for one; 2, or none, when ``length`` cannot hold 3), all beyond the
+    streaming horizon. Returns its ``GateResult`` (``multikey``: the named keys used)."""
     from attention.gates import train_gates
 
     min_start, min_distance = _needle_bounds(spec, length)
     single = samples - samples // 2
     data = needle_samples(tokenizer, haystack, count=single, length=length, min_distance=min_distance,
                           min_start=min_start, seed=seed)
-    if samples // 2:  # other blocks of text where there are enough
-        rest = haystack[single:] if haystack.shape[0] > single else haystack
+    multikey = 0
+    rest = haystack[single:] if haystack.shape[0] > single else haystack  # other blocks where there are enough
+    for keys in (3, 2) if samples // 2 else ():  # as many named keys as the length holds (short test models)
+        try:
+            data += needle_samples(tokenizer, rest, count=samples // 2, length=length, min_distance=min_distance,
+                                   min_start=min_start, seed=seed + 1, keys=keys)
+        except HybridAttentionError:
+            continue
+        multikey = keys
+        break
+    if samples // 2 and not multikey:  # too short for several needles: single-key samples only
         data += needle_samples(tokenizer, rest, count=samples // 2, length=length, min_distance=min_distance,
-                               min_start=min_start, seed=seed + 1, keys=3)
-    return train_gates(model, data, spec, steps=steps, lr=lr, l1=l1, seed=seed, progress=progress)
+                               min_start=min_start, seed=seed + 1)
+    result = train_gates(model, data, spec, steps=steps, lr=lr, l1=l1, seed=seed, progress=progress)
+    return dataclasses.replace(result, multikey=multikey)
 
 
 def plot_head_scores(spec: HybridAttentionConfig, path: str | Path, title: str = "") -> None:

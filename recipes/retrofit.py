@@ -420,9 +420,13 @@ def choose_head_roles(cfg: RetrofitConfig, model, teacher, tokenizer, spec: Hybr
     from attention.heads import find_head_roles, plot_head_scores
 
     length = cfg.gate_sample_len if cfg.head_score == "gates" else cfg.head_sample_len
-    spec = find_head_roles(teacher, tokenizer, spec, train_blocks, share=cfg.full_head_share, method=cfg.head_score,
-                           samples=cfg.head_samples, length=min(length, cfg.seq_len), seed=cfg.seed,
-                           progress=main, gate_steps=cfg.gate_steps, gate_lr=cfg.gate_lr, gate_l1=cfg.gate_l1)
+    try:
+        spec = find_head_roles(teacher, tokenizer, spec, train_blocks, share=cfg.full_head_share,
+                               method=cfg.head_score, samples=cfg.head_samples, length=min(length, cfg.seq_len),
+                               seed=cfg.seed, progress=main, gate_steps=cfg.gate_steps, gate_lr=cfg.gate_lr,
+                               gate_l1=cfg.gate_l1)
+    except HybridAttentionError as err:  # e.g. samples too short for the window: name the key to change
+        raise ConfigError(f"head roles: {str(err).splitlines()[0]}") from None
     attention.retrofit(model, spec)  # the same model object under the LoRA wrapper: the new spec applies
     if main:
         plot_head_scores(spec, Path(cfg.output_dir) / "heads.png", title=f"{cfg.teacher}: full heads ({cfg.head_score})")

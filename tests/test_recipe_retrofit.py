@@ -159,6 +159,9 @@ def test_bad_input_exits_2_with_one_line(tmp_path, args, needle):
     (["lora_r=0"], "lora_r must be >= 1"),
     (["eval_seq_lens=[1]"], "eval_seq_lens"),
     (["resume=latest", "overwrite=true"], "contradict"),
+    (["head_score=duo"], "head_score must be one of retrieval, mass, gates"),
+    (["full_head_share=1.5"], r"full_head_share must be in \[0, 1\]"),
+    (["gate_steps=0"], "gate_steps must be >= 1"),
 ])
 def test_config_errors_name_the_fix(argv, match):
     with pytest.raises(ConfigError, match=match) as err:
