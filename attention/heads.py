@@ -1,4 +1,4 @@
-"""Which KV heads keep full attention: training-free retrieval scores on synthetic needle data.
+"""Which KV heads keep full attention: scores on synthetic needle data (training-free, or learned gates).
 
 Wu et al. 2024 ("Retrieval Head Mechanistically Explains Long-Context Factuality"): while a model
 copies a needle from far back in its context, a few heads put their strongest attention on exactly
@@ -24,8 +24,12 @@ a recent window (DuoAttention's split). Here, on the frozen dense model:
    spec stores them (``full_heads``) with the scores (``head_scores``). ``plot_head_scores`` draws
    the layer × head map.
 
-DuoAttention's learned gates (an optimisation over the frozen model, ``attention.gates``) are the
-third method; ``find_head_roles`` runs either. Measured on the demo model in the README.
+The third method, ``gates``, learns DuoAttention's gates on the frozen model (``attention.gates``;
+``learn_gates`` builds its single- and multi-key samples here): it measures each head's effect on the
+model's output rather than where its attention lands. ``find_head_roles`` runs any of the three.
+On the demo model the top-1 score misses heads in layers 5–9 that the pass key needs (a needle at
+depth 0.1 of 2K tokens is found only when those layers' streaming heads are made full); the gates
+keep them. Measured in the README (``bench/head_roles.py``).
 """
 
 from __future__ import annotations
