@@ -72,7 +72,7 @@ def arm_spec(arm: str, spec: HybridAttentionConfig, scores: dict[str, torch.Tens
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--arms", default="dense,stream,retrieval:0.25,retrieval:0.5,mass:0.5")
+    p.add_argument("--arms", default="dense,stream,retrieval:0.25,retrieval:0.5,gates:0.25,gates:0.5")
     p.add_argument("--lengths", default="2048,4096,8192")
     p.add_argument("--depths", default="0.1,0.26,0.42,0.58,0.74,0.9", help="needle depths (fractions) or a count")
     p.add_argument("--trials", type=int, default=1, help="samples per length x depth (different keys)")

@@ -89,13 +89,15 @@ class RetrofitConfig:
     global_rows: bool = field(False, help="global tokens also attend to every earlier key (unbounded cache)")
     window_policy: list[Any] | None = field(None, help="[[max_len, window], ..., [null, window]]: the window per "
                                             "input length; training samples one entry per step")
-    # per-KV-head roles (attention.heads): the top share of heads by needle-retrieval score keep full
-    # attention, the rest stream; chosen on the dense model before LoRA, saved in the spec, plotted to heads.png
+    # per-KV-head roles (attention.heads, attention.gates): the top share of heads by learned gate (or
+    # needle-retrieval score) keep full attention, the rest stream; chosen on the dense model before LoRA,
+    # saved in the spec, plotted to heads.png
     full_head_share: float = field(0.25, ge=0, le=1, help="fraction of (layer, KV head) pairs that keep full "
                                    "attention (retrieval heads); 0 = every head streams")
-    head_score: str = field("retrieval", choices=("retrieval", "mass", "gates"), help="how heads are ranked: "
-                            "retrieval (top-1 copy hits, Wu et al. 2024), mass (attention mass on the needle) or "
-                            "gates (DuoAttention: one gate per KV head learned on the frozen model)")
+    head_score: str = field("gates", choices=("retrieval", "mass", "gates"), help="how heads are ranked: gates "
+                            "(DuoAttention: one gate per KV head learned on the frozen model; keeps pass-key "
+                            "retrieval best at equal share), retrieval (top-1 copy hits, Wu et al. 2024, no "
+                            "training) or mass (attention mass on the needle)")
     head_samples: int = field(12, ge=1, help="synthetic needle samples (from the training text) for head scoring")
     head_sample_len: int = field(1536, ge=16, help="tokens per head-scoring sample (capped at seq_len)")
     gate_sample_len: int = field(1024, ge=16, help="head_score=gates: tokens per sample (capped at seq_len); a "

@@ -45,7 +45,7 @@ def test_final_loads_dense_and_hybrid_without_adapter_keys(tiny_run):
     saved = HybridAttentionConfig.from_dict(config[CONFIG_KEY])
     assert saved.streaming() == spec
     # Head roles (full_head_share 0.25 of 4 layers x 2 KV heads), chosen on the dense teacher and plotted.
-    assert saved.full_head_count(4, 2) == 2 and saved.head_scores["method"] == "retrieval"
+    assert saved.full_head_count(4, 2) == 2 and saved.head_scores["method"] == "gates"
     assert (out / "heads.png").stat().st_size > 1000
     dense = AutoModelForCausalLM.from_pretrained(final)
     assert not attention.is_hybrid(dense)
