@@ -81,6 +81,8 @@ def gated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Hyb
 class _GatedInterface:
     """``AttentionInterface`` entry running :func:`gated_attention` with stored prefix keys/values.
 
+    For the trainer's unpadded single samples only: ``attention_mask`` is not read.
+
     ``prefix`` (per layer, ``[1, kv_heads, P, d]`` each) is prepended to the layer's keys/values:
     the model then runs only the tokens after the prefix (``position_ids`` start at ``P``).
     ``record`` collects each layer's keys/values of the whole input instead.
