@@ -1,4 +1,4 @@
-"""Which KV heads keep full attention: training-free retrieval scores on synthetic needle data.
+"""Which KV heads keep full attention: scores on synthetic needle data (training-free, or learned gates).
 
 Wu et al. 2024 ("Retrieval Head Mechanistically Explains Long-Context Factuality"): while a model
 copies a needle from far back in its context, a few heads put their strongest attention on exactly
@@ -24,8 +24,12 @@ a recent window (DuoAttention's split). Here, on the frozen dense model:
    spec stores them (``full_heads``) with the scores (``head_scores``). ``plot_head_scores`` draws
    the layer × head map.
 
-Measured on the demo model in the README; DuoAttention's learned gates (an optimisation over the
-frozen model) are not implemented.
+The third method, ``gates``, learns DuoAttention's gates on the frozen model (``attention.gates``;
+``learn_gates`` builds its single- and multi-key samples here): it measures each head's effect on the
+model's output rather than where its attention lands. ``find_head_roles`` runs any of the three.
+On the demo model the top-1 score misses heads in layers 5–9 that the pass key needs (a needle at
+depth 0.1 of 2K tokens is found only when those layers' streaming heads are made full); the gates
+keep them. Measured in the README (``bench/head_roles.py``).
 """
 
 from __future__ import annotations
@@ -43,10 +47,14 @@ import torch.nn.functional as F
 from attention.errors import HybridAttentionError
 from attention.spec import HybridAttentionConfig
 
-METHODS = ("retrieval", "mass")
+METHODS = ("retrieval", "mass", "gates")
 PROBE_IMPLEMENTATION = "hybrid_heads_probe"
 NEEDLE = " Note: the secret number is {key}. Keep it in mind."
 QUESTION = " Question: what is the secret number? Answer: the secret number is"
+# Multi-key samples: several named needles, the question asks for one of them.
+NAMED_NEEDLE = " Note: the secret number of {name} is {key}. Keep it in mind."
+NAMED_QUESTION = " Question: what is the secret number of {name}? Answer: the secret number of {name} is"
+NAMES = ("Anna", "Boris", "Chen", "Dara", "Emil", "Farah", "Gus", "Hana")
 
 
 @dataclasses.dataclass
@@ -54,16 +62,21 @@ class NeedleSample:
     ids: list[int]  # haystack with the needle, question, answer
     answer_start: int  # index of the first answer token in ids
     key_positions: list[int]  # where the key's tokens sit inside the needle (same order as the answer)
+    question_start: int = -1  # index of the question's first token (-1: not recorded)
 
 
 def needle_samples(tokenizer, haystack: torch.Tensor, *, count: int, length: int, min_distance: int,
-                   min_start: int = 0, seed: int = 0) -> list[NeedleSample]:
+                   min_start: int = 0, seed: int = 0, keys: int = 1) -> list[NeedleSample]:
     """``count`` samples of ``length`` tokens from ``haystack`` ``[blocks, block_len]`` token ids.
 
     The key (5 random digits) sits at least ``min_distance`` tokens before the answer and at least
     ``min_start`` tokens into the text, so a head that only sees the sinks and a recent window
-    cannot reach it.
+    cannot reach it. ``keys > 1``: that many named needles (different keys, all that far back), the
+    question asks for one of them (multi-key retrieval: the head must find the right one).
     """
+    if keys > 1:
+        return _multikey_samples(tokenizer, haystack, count=count, length=length, min_distance=min_distance,
+                                 min_start=min_start, seed=seed, keys=keys)
     rng = random.Random(seed)
     enc = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     q_ids = enc(QUESTION)
@@ -90,7 +103,54 @@ def needle_samples(tokenizer, haystack: torch.Tensor, *, count: int, length: int
         text = haystack[i % blocks, :fill].tolist()
         at = rng.randint(min_start, fill - min_distance)
         ids = text[:at] + needle + text[at:] + q_ids + a_ids
-        samples.append(NeedleSample(ids, len(ids) - len(a_ids), [at + start + j for j in range(len(a_ids))]))
+        samples.append(NeedleSample(ids, len(ids) - len(a_ids), [at + start + j for j in range(len(a_ids))],
+                                    len(ids) - len(a_ids) - len(q_ids)))
+    return samples
+
+
+def _answer_in(enc, needle: list[int], key: str) -> tuple[list[int], int]:
+    """``(answer ids, where they start in the needle)``: " key" if it tokenizes the same in context, else "key"."""
+    for a_ids in (enc(" " + key), enc(key)):
+        start = _find(needle, a_ids)
+        if start >= 0:
+            return a_ids, start
+    raise HybridAttentionError("the tokenizer splits the needle's key differently in context; "
+                               "head scoring needs a tokenizer that keeps digits stable")
+
+
+def _multikey_samples(tokenizer, haystack: torch.Tensor, *, count: int, length: int, min_distance: int,
+                      min_start: int, seed: int, keys: int) -> list[NeedleSample]:
+    """``needle_samples`` with ``keys`` named needles per sample, one of them asked for."""
+    if keys > len(NAMES):
+        raise HybridAttentionError(f"at most {len(NAMES)} keys per sample, got {keys}")
+    rng = random.Random(seed)
+    enc = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    blocks, block_len = haystack.shape
+    samples = []
+    for i in range(count):
+        names = rng.sample(NAMES, keys)
+        values = ["".join(rng.choice("0123456789") for _ in range(5)) for _ in names]
+        asked = rng.randrange(keys)
+        needles = [enc(NAMED_NEEDLE.format(name=n, key=k)) for n, k in zip(names, values)]
+        q_ids = enc(NAMED_QUESTION.format(name=names[asked]))
+        a_ids, start = _answer_in(enc, needles[asked], values[asked])
+        fill = length - sum(map(len, needles)) - len(q_ids) - len(a_ids)
+        if fill < min_distance + min_start or fill > block_len:
+            raise HybridAttentionError(f"head scoring samples of {length} tokens with {keys} keys need "
+                                       f"{min_distance + min_start} to {block_len} filler tokens; pick a longer "
+                                       "length or fewer keys")
+        text = haystack[i % blocks, :fill].tolist()
+        # Every needle ends at least min_distance before the question: cut points in the filler, sorted.
+        cuts = sorted(rng.randint(min_start, fill - min_distance) for _ in names)
+        ids, key_positions, prev = [], [], 0
+        for j, cut in enumerate(cuts):
+            ids += text[prev:cut]
+            if j == asked:
+                key_positions = [len(ids) + start + t for t in range(len(a_ids))]
+            ids += needles[j]
+            prev = cut
+        ids += text[prev:] + q_ids + a_ids
+        samples.append(NeedleSample(ids, len(ids) - len(a_ids), key_positions, len(ids) - len(a_ids) - len(q_ids)))
     return samples
 
 
@@ -203,30 +263,75 @@ def spread_roles(spec: HybridAttentionConfig, layers: int, kv_heads: int, share:
 
 def find_head_roles(model, tokenizer, spec: HybridAttentionConfig, haystack: torch.Tensor, *, share: float,
                     method: str = "retrieval", samples: int = 12, length: int = 1536, seed: int = 0,
-                    progress: bool = True) -> HybridAttentionConfig:
+                    progress: bool = True, gate_steps: int = 120, gate_lr: float = 0.05, gate_l1: float = 0.05
+                    ) -> HybridAttentionConfig:
     """Score the heads of the dense ``model`` on needle samples and return ``spec`` with roles.
 
     Args:
         model: the dense (frozen) causal LM; its attention implementation is restored afterwards.
         haystack: ``[blocks, block_len]`` token ids of training text.
         share: fraction of (layer, KV head) pairs that keep full attention.
-        method: ``"retrieval"`` (top-1 copy hits) or ``"mass"`` (attention mass on the needle).
+        method: ``"retrieval"`` (top-1 copy hits), ``"mass"`` (attention mass on the needle) or
+            ``"gates"`` (DuoAttention-style gates learned on the frozen model, ``attention.gates``;
+            half the samples single-key, half with 3 named keys).
         samples, length: how many samples of how many tokens.
+        gate_steps, gate_lr, gate_l1: the gate training (``method="gates"`` only).
     """
     if method not in METHODS:
         raise HybridAttentionError(f"unknown head score {method!r}; use one of {', '.join(METHODS)}")
+    if not 0.0 <= share <= 1.0:
+        raise HybridAttentionError(f"full_head_share must be in [0, 1] (0: every head streams), got {share}")
     if share == 0.0:
         return spec.streaming()
-    # Outside the sinks and the largest window the spec can use, when the sample is long enough.
-    window = max([spec.window] + [w for _, w in spec.window_policy or []])
-    min_start = min(spec.sink_tokens, length // 4)
-    min_distance = min(window + 16, length // 2)
+    extra: dict[str, Any] = {"samples": samples, "sample_len": length}
+    if method == "gates":
+        result = learn_gates(model, tokenizer, spec, haystack, samples=samples, length=length, seed=seed,
+                             steps=gate_steps, lr=gate_lr, l1=gate_l1, progress=progress)
+        extra.update(steps=gate_steps, lr=gate_lr, l1=gate_l1, multikey=result.multikey,
+                     final_mse=round(result.history[-1]["mse"], 6))
+        return choose_roles(spec, result.gates, share, method=method, tiebreak=result.pressure, extra=extra)
+    min_start, min_distance = _needle_bounds(spec, length)
     data = needle_samples(tokenizer, haystack, count=samples, length=length, min_distance=min_distance,
                           min_start=min_start, seed=seed)
     scores = head_scores(model, data, progress=progress)
     other = scores["mass" if method == "retrieval" else "retrieval"]
-    return choose_roles(spec, scores[method], share, method=method, tiebreak=other,
-                        extra={"samples": samples, "sample_len": length})
+    return choose_roles(spec, scores[method], share, method=method, tiebreak=other, extra=extra)
+
+
+def _needle_bounds(spec: HybridAttentionConfig, length: int) -> tuple[int, int]:
+    """``(min_start, min_distance)``: outside the sinks and the largest window the spec can use, when the
+    sample is long enough."""
+    window = max([spec.window] + [w for _, w in spec.window_policy or []])
+    return min(spec.sink_tokens, length // 4), min(window + 16, length // 2)
+
+
+def learn_gates(model, tokenizer, spec: HybridAttentionConfig, haystack: torch.Tensor, *, samples: int = 12,
+                length: int = 1024, seed: int = 0, steps: int = 120, lr: float = 0.05, l1: float = 0.05,
+                progress: bool = True):
+    """``attention.gates.train_gates`` on needle samples from ``haystack``: half single-key, half with 3
+    named keys (the question asks for one; 2, or none, when ``length`` cannot hold 3), all beyond the
+    streaming horizon. Returns its ``GateResult`` (``multikey``: the named keys used)."""
+    from attention.gates import train_gates
+
+    min_start, min_distance = _needle_bounds(spec, length)
+    single = samples - samples // 2
+    data = needle_samples(tokenizer, haystack, count=single, length=length, min_distance=min_distance,
+                          min_start=min_start, seed=seed)
+    multikey = 0
+    rest = haystack[single:] if haystack.shape[0] > single else haystack  # other blocks where there are enough
+    for keys in (3, 2) if samples // 2 else ():  # as many named keys as the length holds (short test models)
+        try:
+            data += needle_samples(tokenizer, rest, count=samples // 2, length=length, min_distance=min_distance,
+                                   min_start=min_start, seed=seed + 1, keys=keys)
+        except HybridAttentionError:
+            continue
+        multikey = keys
+        break
+    if samples // 2 and not multikey:  # too short for several needles: single-key samples only
+        data += needle_samples(tokenizer, rest, count=samples // 2, length=length, min_distance=min_distance,
+                               min_start=min_start, seed=seed + 1)
+    result = train_gates(model, data, spec, steps=steps, lr=lr, l1=l1, seed=seed, progress=progress)
+    return dataclasses.replace(result, multikey=multikey)
 
 
 def plot_head_scores(spec: HybridAttentionConfig, path: str | Path, title: str = "") -> None:

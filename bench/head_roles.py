@@ -13,6 +13,8 @@ Arms:
 * ``dense``: the untouched model (the reference);
 * ``stream``: the hybrid pattern on every head (no roles);
 * ``retrieval:S`` / ``mass:S``: the top share ``S`` of (layer, KV head) pairs by that score full;
+* ``gates:S``: the top share by DuoAttention-style gates learned on the frozen model
+  (``attention.heads.learn_gates``, the retrofit's defaults unless ``--gate-*`` say otherwise);
 * ``layers:S``: whole layers full (Gemma-style), the ``round(S * layers)`` layers whose KV heads
   score highest on average by retrieval hits (ties: attention mass).
 
@@ -37,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import attention  # noqa: E402
-from attention.heads import choose_roles, head_scores, needle_samples  # noqa: E402
+from attention.heads import choose_roles, head_scores, learn_gates, needle_samples  # noqa: E402
 from attention.spec import HybridAttentionConfig  # noqa: E402
 from eval.longctx import build_sample, depths_for, score_sample  # noqa: E402
 
@@ -59,8 +61,10 @@ def arm_spec(arm: str, spec: HybridAttentionConfig, scores: dict[str, torch.Tens
     kind, _, share = arm.partition(":")
     if kind == "layers":
         return layer_roles(spec, scores, float(share))
+    if kind == "gates":
+        return choose_roles(spec, scores["gates"], float(share), method=kind, tiebreak=scores["gate_pressure"])
     if kind not in scores:
-        raise SystemExit(f"error: unknown arm {arm!r}; use dense, stream, retrieval:S, mass:S or layers:S")
+        raise SystemExit(f"error: unknown arm {arm!r}; use dense, stream, retrieval:S, mass:S, gates:S or layers:S")
     other = scores["mass" if kind == "retrieval" else "retrieval"]
     return choose_roles(spec, scores[kind], float(share), method=kind, tiebreak=other)
 
@@ -68,7 +72,7 @@ def arm_spec(arm: str, spec: HybridAttentionConfig, scores: dict[str, torch.Tens
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--arms", default="dense,stream,retrieval:0.25,retrieval:0.5,mass:0.5")
+    p.add_argument("--arms", default="dense,stream,retrieval:0.25,retrieval:0.5,gates:0.25,gates:0.5")
     p.add_argument("--lengths", default="2048,4096,8192")
     p.add_argument("--depths", default="0.1,0.26,0.42,0.58,0.74,0.9", help="needle depths (fractions) or a count")
     p.add_argument("--trials", type=int, default=1, help="samples per length x depth (different keys)")
@@ -81,6 +85,12 @@ def main() -> None:
                    help="eval.longctx scoring: the greedy answer starts with the key, or its first number is the key")
     p.add_argument("--out", default=None, help="write every sample's result to this JSON file")
     p.add_argument("--scores", default=None, help="head scores file: read if it exists, else computed and written")
+    p.add_argument("--gates", default=None, help="learned gates file: read if it exists, else trained and written")
+    p.add_argument("--gate-samples", type=int, default=12)
+    p.add_argument("--gate-len", type=int, default=1024)
+    p.add_argument("--gate-steps", type=int, default=120)
+    p.add_argument("--gate-lr", type=float, default=0.05)
+    p.add_argument("--gate-l1", type=float, default=0.05)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     from core.models import load_causal_lm, load_tokenizer, resolve_model_path
@@ -92,9 +102,10 @@ def main() -> None:
     spec = HybridAttentionConfig.from_dict(json.loads(args.spec))
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     scores: dict[str, torch.Tensor] = {}
+    data = None
     if args.scores and os.path.exists(args.scores):
         scores = {k: torch.tensor(v) for k, v in json.load(open(args.scores)).items()}
-    elif any(a not in ("dense", "stream") for a in arms):
+    elif any(a.split(":")[0] in ("retrieval", "mass", "layers") for a in arms):
         # Head scores as the retrofit computes them (recipes/retrofit.py choose_head_roles, its defaults).
         data = build_data(tok, dataset="builtin:stdlib-docs", seq_len=2048, eval_blocks=3, min_train_blocks=1)
         window = max([spec.window] + [w for _, w in spec.window_policy or []])
@@ -105,6 +116,24 @@ def main() -> None:
         if args.scores:
             with open(args.scores, "w") as fh:
                 json.dump({k: v.tolist() for k, v in scores.items()}, fh)
+    gate_info = {}
+    if args.gates and os.path.exists(args.gates):
+        gate_info = json.load(open(args.gates))
+    elif any(a.startswith("gates:") for a in arms):
+        data = data or build_data(tok, dataset="builtin:stdlib-docs", seq_len=2048, eval_blocks=3, min_train_blocks=1)
+        t0 = time.perf_counter()
+        result = learn_gates(model, tok, spec, data.train, samples=args.gate_samples, length=args.gate_len,
+                             seed=args.seed, steps=args.gate_steps, lr=args.gate_lr, l1=args.gate_l1)
+        gate_info = {"gates": result.gates.tolist(), "pressure": result.pressure.tolist(),
+                     "seconds": time.perf_counter() - t0, "final_mse": result.history[-1]["mse"],
+                     "settings": {k: getattr(args, k) for k in ("gate_samples", "gate_len", "gate_steps",
+                                                                "gate_lr", "gate_l1")}}
+        print(f"gates learned in {gate_info['seconds']:.0f}s (final relative MSE {gate_info['final_mse']:.5f})")
+        if args.gates:
+            with open(args.gates, "w") as fh:
+                json.dump(gate_info, fh)
+    if gate_info:
+        scores.update(gates=torch.tensor(gate_info["gates"]), gate_pressure=torch.tensor(gate_info["pressure"]))
     specs = {a: arm_spec(a, spec, scores) for a in arms}
     lengths = [int(x) for x in args.lengths.split(",")]
     grid = depths_for(args.depths)
@@ -139,6 +168,7 @@ def main() -> None:
     print(json.dumps({"bench": "head_roles", "model": args.model, "scoring": args.scoring, "spec": spec.to_dict(),
                       "depths": grid,
                       "trials": args.trials, "accuracy": acc,
+                      "gate_seconds": gate_info.get("seconds"), "gate_settings": gate_info.get("settings"),
                       "full_heads": {a: s and s.full_head_count(model.config.num_hidden_layers,
                                                                  model.config.num_key_value_heads)
                                      for a, s in specs.items()}}))

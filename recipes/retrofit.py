@@ -89,14 +89,23 @@ class RetrofitConfig:
     global_rows: bool = field(False, help="global tokens also attend to every earlier key (unbounded cache)")
     window_policy: list[Any] | None = field(None, help="[[max_len, window], ..., [null, window]]: the window per "
                                             "input length; training samples one entry per step")
-    # per-KV-head roles (attention.heads): the top share of heads by needle-retrieval score keep full
-    # attention, the rest stream; chosen on the dense model before LoRA, saved in the spec, plotted to heads.png
+    # per-KV-head roles (attention.heads, attention.gates): the top share of heads by learned gate (or
+    # needle-retrieval score) keep full attention, the rest stream; chosen on the dense model before LoRA,
+    # saved in the spec, plotted to heads.png
     full_head_share: float = field(0.25, ge=0, le=1, help="fraction of (layer, KV head) pairs that keep full "
                                    "attention (retrieval heads); 0 = every head streams")
-    head_score: str = field("retrieval", choices=("retrieval", "mass"), help="how heads are ranked: retrieval "
-                            "(top-1 copy hits, Wu et al. 2024) or mass (attention mass on the needle)")
+    head_score: str = field("gates", choices=("retrieval", "mass", "gates"), help="how heads are ranked: gates "
+                            "(DuoAttention: one gate per KV head learned on the frozen model; keeps pass-key "
+                            "retrieval best at equal share), retrieval (top-1 copy hits, Wu et al. 2024, no "
+                            "training) or mass (attention mass on the needle)")
     head_samples: int = field(12, ge=1, help="synthetic needle samples (from the training text) for head scoring")
     head_sample_len: int = field(1536, ge=16, help="tokens per head-scoring sample (capped at seq_len)")
+    gate_sample_len: int = field(1024, ge=16, help="head_score=gates: tokens per sample (capped at seq_len); a "
+                                 "step costs the tokens after sink_tokens + window")
+    gate_steps: int = field(120, ge=1, help="head_score=gates: optimizer steps (one sample each)")
+    gate_lr: float = field(0.05, gt=0, help="head_score=gates: Adam learning rate on the gates")
+    gate_l1: float = field(0.05, ge=0, help="head_score=gates: weight of the mean gate (L1) next to the relative "
+                           "hidden-state MSE")
     # LoRA + extra trainable pieces
     lora_r: int = field(16, ge=1, help="LoRA rank")
     lora_alpha: float = field(32.0, gt=0, help="LoRA scaling numerator (the update is scaled by alpha / r)")
@@ -412,9 +421,14 @@ def choose_head_roles(cfg: RetrofitConfig, model, teacher, tokenizer, spec: Hybr
     """The spec with retrieval heads kept full (attention.heads), applied to ``model``; plotted to heads.png."""
     from attention.heads import find_head_roles, plot_head_scores
 
-    spec = find_head_roles(teacher, tokenizer, spec, train_blocks, share=cfg.full_head_share, method=cfg.head_score,
-                           samples=cfg.head_samples, length=min(cfg.head_sample_len, cfg.seq_len), seed=cfg.seed,
-                           progress=main)
+    length = cfg.gate_sample_len if cfg.head_score == "gates" else cfg.head_sample_len
+    try:
+        spec = find_head_roles(teacher, tokenizer, spec, train_blocks, share=cfg.full_head_share,
+                               method=cfg.head_score, samples=cfg.head_samples, length=min(length, cfg.seq_len),
+                               seed=cfg.seed, progress=main, gate_steps=cfg.gate_steps, gate_lr=cfg.gate_lr,
+                               gate_l1=cfg.gate_l1)
+    except HybridAttentionError as err:  # e.g. samples too short for the window: name the key to change
+        raise ConfigError(f"head roles: {str(err).splitlines()[0]}") from None
     attention.retrofit(model, spec)  # the same model object under the LoRA wrapper: the new spec applies
     if main:
         plot_head_scores(spec, Path(cfg.output_dir) / "heads.png", title=f"{cfg.teacher}: full heads ({cfg.head_score})")

@@ -45,7 +45,7 @@ def test_final_loads_dense_and_hybrid_without_adapter_keys(tiny_run):
     saved = HybridAttentionConfig.from_dict(config[CONFIG_KEY])
     assert saved.streaming() == spec
     # Head roles (full_head_share 0.25 of 4 layers x 2 KV heads), chosen on the dense teacher and plotted.
-    assert saved.full_head_count(4, 2) == 2 and saved.head_scores["method"] == "retrieval"
+    assert saved.full_head_count(4, 2) == 2 and saved.head_scores["method"] == "gates"
     assert (out / "heads.png").stat().st_size > 1000
     dense = AutoModelForCausalLM.from_pretrained(final)
     assert not attention.is_hybrid(dense)
@@ -159,6 +159,9 @@ def test_bad_input_exits_2_with_one_line(tmp_path, args, needle):
     (["lora_r=0"], "lora_r must be >= 1"),
     (["eval_seq_lens=[1]"], "eval_seq_lens"),
     (["resume=latest", "overwrite=true"], "contradict"),
+    (["head_score=duo"], "head_score must be one of retrieval, mass, gates"),
+    (["full_head_share=1.5"], r"full_head_share must be in \[0, 1\]"),
+    (["gate_steps=0"], "gate_steps must be >= 1"),
 ])
 def test_config_errors_name_the_fix(argv, match):
     with pytest.raises(ConfigError, match=match) as err:
