@@ -13,7 +13,9 @@ It loads with plain ``AutoModelForCausalLM.from_pretrained``. The directory appe
 
 ``quantize=int8`` stores the decoder's linears as torchao int8 W8A8 (int8 weights, dynamic int8 activations
 per token; embeddings and head in full precision; :mod:`serve.quantize`), runs the release gate of the quantized model against the unquantized
-one and writes the verdict and the sizes into the model card (``quantization_gate.json`` beside it).
+one and writes the verdict and the sizes into the model card (``quantization_gate.json`` beside it). The
+gate generates both models' outputs through the serving engine (``quant_gate_backend=engine``, as the export
+is served; transformers runs torchao's int8 linears about ten times slower on CPU).
 """
 
 from __future__ import annotations
@@ -31,8 +33,10 @@ import torch
 
 from core.config import ConfigError, check_fields, field, parse_config, run_cli
 from core.rundir import check_replaceable
+from eval.generation import Generator, TransformersGenerator
 from serve import export as ex
 from serve import quantize as qz
+from serve.offline import EngineGenerator
 
 
 @dataclass
@@ -57,6 +61,10 @@ class ExportConfig:
                                   "(drift of the quantized outputs from the unquantized ones, 1 - F1)")
     quant_gate_prompts: str | None = field(None, help="with quant_gate: prompt JSONL (default: the bundled 100)")
     quant_gate_max_new_tokens: int = field(64, ge=1, help="with quant_gate: tokens generated per prompt")
+    quant_gate_backend: str = field("engine", choices=("engine", "transformers"),
+                                    help="with quant_gate: who generates both models' outputs: engine (the serving "
+                                         "engine, as the export is served; fast int8 on CPU) or transformers "
+                                         "(model.generate; torchao's int8 CPU path is ~10x slower)")
 
     def __post_init__(self) -> None:
         check_fields(self)  # every field's range/choices, declared above (core.config.field)
@@ -100,6 +108,11 @@ class ExportResult:
         ])
 
 
+def _gate_generator(cfg: ExportConfig) -> Generator:
+    """Who generates for the quantized export's gate: the serving engine unless asked otherwise."""
+    return EngineGenerator() if cfg.quant_gate_backend == "engine" else TransformersGenerator()
+
+
 def export(cfg: ExportConfig) -> ExportResult:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -128,7 +141,7 @@ def export(cfg: ExportConfig) -> ExportResult:
             ex.save_export(student, tmp, max_shard_size=cfg.max_shard_size)
             card = ex.model_card(out.name, student, records, dtype, size_bytes=ex.dir_size(tmp))
         else:  # serve.quantize: the unquantized export goes to a scratch dir, the quantized one to tmp
-            card = qz.export_quantized(student, tmp, cfg, records, out.name)
+            card = qz.export_quantized(student, tmp, cfg, records, out.name, _gate_generator(cfg))
         ex.write_card(tmp, card, records)
 
     result = ExportResult(out, ex.dir_size(out), dtype, student.params, student.hybrid,

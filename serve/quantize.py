@@ -136,6 +136,29 @@ _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "
            "I16": torch.int16}
 
 
+def _gate_lines(gate: dict, gate_note: str) -> list[str]:
+    """The card's gate paragraph: verdict, BERTScore of each side, the drop with its interval, who generated."""
+    bs = gate.get("bertscore", {})
+    cand, base, diff = bs.get("candidate", {}), bs.get("baseline", {}), bs.get("difference", {})
+    conf = f"{100 * float(diff.get('confidence', 0.95)):g} %"
+    threshold = gate.get("threshold", {}).get("value")
+    backend = gate.get("generation", {}).get("backend", {}).get("backend", "transformers")
+    lines = [f"**Release gate against the unquantized model: {str(gate.get('verdict', '?')).upper()}** "
+             f"({gate_note}).", ""]
+    if diff:
+        lines += ["| BERTScore F1 | mean | " + conf + " interval |", "|---|---|---|",
+                  f"| quantized | {cand['mean']:.4f} | [{cand['low']:.4f}, {cand['high']:.4f}] |",
+                  f"| unquantized | {base['mean']:.4f} | [{base['low']:.4f}, {base['high']:.4f}] |",
+                  f"| drop (unquantized − quantized) | {-diff['mean']:.4f} | [{-diff['high']:.4f}, "
+                  f"{-diff['low']:.4f}] |", "",
+                  f"Threshold: drop < {threshold}. Outputs generated greedily by `{backend}` "
+                  f"({gate.get('generation', {}).get('settings', {}).get('max_new_tokens', '?')} new tokens per "
+                  f"prompt); gate wall time {gate.get('timings', {}).get('total', float('nan')):.0f} s.", ""]
+    lines += ["```json", json.dumps({k: gate.get(k) for k in ("verdict", "mode", "threshold", "reasons")}, indent=2),
+              "```"]
+    return lines
+
+
 def card_section(scheme: str, sizes: dict[str, int], base_sizes: dict[str, int], gate: dict | None,
                  gate_note: str) -> str:
     """The model card's ``## Quantization`` section: scheme, sizes against the unquantized weights, gate."""
@@ -153,38 +176,39 @@ def card_section(scheme: str, sizes: dict[str, int], base_sizes: dict[str, int],
     if gate is None:
         lines.append(f"Release gate against the unquantized model: not run ({gate_note}).")
     else:
-        lines += [f"**Release gate against the unquantized model: {str(gate.get('verdict', '?')).upper()}** "
-                  f"({gate_note}).", "", "```json", json.dumps({k: gate.get(k) for k in
-                                                                ("verdict", "mode", "threshold", "reasons")},
-                                                               indent=2), "```"]
+        lines += _gate_lines(gate, gate_note)
     return "\n".join(lines) + "\n"
 
 
-def run_quant_gate(candidate: Path, baseline: Path, out: Path, cfg: Any) -> dict:
+def run_quant_gate(candidate: Path, baseline: Path, out: Path, cfg: Any, generator: Any = None) -> dict:
     """The release gate (:mod:`eval.gate`) of the quantized export against the unquantized one.
 
     No references exist for "the same model, quantized", so the gate runs in drift mode: the
     quantized model's outputs are scored (BERTScore F1) against the unquantized model's outputs on the
     same prompts, and it passes when the mean drop ``1 - F1`` is below ``cfg.quant_max_drop`` with 95 %
-    confidence. Returns the gate report (``report.json``).
+    confidence. ``generator`` generates both (an :class:`eval.generation.Generator`; default: the
+    serving engine, :class:`serve.offline.EngineGenerator`, which runs the int8 linears as served and
+    far faster than transformers does on CPU). Returns the gate report (``report.json``).
     """
     from eval.bertscore import ScorerMissingError
     from eval.gate import GateConfig, run_gate
+    from serve.offline import EngineGenerator
 
     gcfg = GateConfig(candidate=str(candidate), baseline=str(baseline), out=str(out), prompts=cfg.quant_gate_prompts,
                       max_drift=cfg.quant_max_drop, max_new_tokens=cfg.quant_gate_max_new_tokens,
                       skip_lm_metrics=True, chat=True, device="cpu")
     try:
-        return run_gate(gcfg).report
+        return run_gate(gcfg, generator=generator or EngineGenerator()).report
     except ScorerMissingError as e:
         raise QuantizeError(f"{e} (or export with quant_gate=false)") from None
 
 
-def export_quantized(student: Any, out_dir: Path, cfg: Any, records: Any, name: str) -> str:
+def export_quantized(student: Any, out_dir: Path, cfg: Any, records: Any, name: str, generator: Any = None) -> str:
     """Write the quantized export of ``student`` into ``out_dir``; return its model card.
 
     The unquantized export is written to a scratch dir beside ``out_dir`` (the gate's baseline and the
-    size reference) and deleted afterwards.
+    size reference) and deleted afterwards. ``generator``: who generates for the gate (see
+    :func:`run_quant_gate`).
     """
     import tempfile
 
@@ -196,7 +220,7 @@ def export_quantized(student: Any, out_dir: Path, cfg: Any, records: Any, name: 
         sizes, base_sizes = weight_bytes(out_dir), weight_bytes(base)
         gate, note = None, "quant_gate=false"
         if cfg.quant_gate:
-            gate = run_quant_gate(out_dir, base, Path(scratch) / "gate", cfg)
+            gate = run_quant_gate(out_dir, base, Path(scratch) / "gate", cfg, generator)
             note = (f"drift mode: the quantized model's outputs scored by BERTScore F1 against the unquantized "
                     f"model's on {gate.get('prompts', {}).get('n', '?')} prompts; pass = mean drop 1 - F1 "
                     f"< {cfg.quant_max_drop} with 95 % confidence")
