@@ -341,6 +341,12 @@ def _versions() -> dict[str, str]:
     return out
 
 
+def _generation_entry(settings: GenerationSettings, chat: bool, generator: Generator) -> dict:
+    """The report's ``generation`` entry: settings, the generator's identity, and a hash of both."""
+    entry = {"settings": {**settings.resolved().cache_view(), "chat_default": chat}, "backend": generator.identity()}
+    return {**entry, "settings_hash": json_hash({**entry["settings"], "backend": entry["backend"]})[:16]}
+
+
 def _model_entry(run: GenerationRun) -> dict:
     return {"dir": run.model_dir, "fingerprint": run.fingerprint, "backend": run.backend,
             "cache_hits": run.cache_hits, "cache_misses": run.cache_misses,
@@ -428,10 +434,9 @@ def _warnings(se: float, threshold: float, verdict: str, long_texts: list[dict])
 def run_gate(cfg: GateConfig, scorer: BertScore | None = None, generator: Generator | None = None) -> GateResult:
     """Run the whole gate and write the report; raises :class:`GateInputError` on broken input.
 
-    ``scorer`` reuses an already loaded :class:`BertScore` (its layer must match the config; its
-    rescale baseline is reset from ``cfg.rescale``). ``generator`` produces every model's outputs
-    (default :class:`eval.generation.TransformersGenerator`; ``serve.offline.EngineGenerator`` runs
-    them through the serving engine); it is recorded in ``generation.backend`` and in the cache keys.
+    ``scorer`` reuses a loaded :class:`BertScore` (layer must match; its rescale baseline is reset).
+    ``generator`` produces every output (default :class:`eval.generation.TransformersGenerator`;
+    ``serve.offline.EngineGenerator``: the serving engine); recorded in ``generation.backend``.
     """
     generator = generator or TransformersGenerator()
     t_start = time.perf_counter()
@@ -480,7 +485,6 @@ def run_gate(cfg: GateConfig, scorer: BertScore | None = None, generator: Genera
                 "difference": float(cf - bf), "candidate_below_floor": bool(cb), "baseline_below_floor": bool(bb)}
                for p, r, c, b, cf, bf, cb, bb in zip(prompts, refs, runs["candidate"].outputs,
                                                      runs["baseline"].outputs, cand_f, base_f, cand_below, base_below)]
-    gen_settings = settings.resolved().cache_view()
     report = {
         "schema": SCHEMA,
         "verdict": verdict,
@@ -508,9 +512,7 @@ def run_gate(cfg: GateConfig, scorer: BertScore | None = None, generator: Genera
         "lm_metrics": lm,
         "longctx": longctx,
         "worst": [samples[i] for i in order[:WORST_K]],
-        "generation": {"settings": {**gen_settings, "chat_default": cfg.chat}, "backend": generator.identity(),
-                       "settings_hash": json_hash({**gen_settings, "chat_default": cfg.chat,
-                                                   "backend": generator.identity()})[:16]},
+        "generation": _generation_entry(settings, cfg.chat, generator),
         "models": {role: _model_entry(run) for role, run in runs.items()},
         "timings": timings,
         "versions": _versions(),

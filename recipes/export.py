@@ -34,6 +34,7 @@ import torch
 from core.config import ConfigError, check_fields, field, parse_config, run_cli
 from core.rundir import check_replaceable
 from eval.generation import Generator, TransformersGenerator
+from eval.prompt_set import GateInputError, load_prompts
 from serve import export as ex
 from serve import quantize as qz
 from serve.offline import EngineGenerator
@@ -80,8 +81,13 @@ class ExportConfig:
             raise ConfigError(f"checkpoint={self.checkpoint} is not understood; use auto, final, latest or a step")
         ex.parse_size(self.max_shard_size)
         self.quantize = str(self.quantize).lower()
-        if self.quantize not in ("none", "int8", "int4"):
-            raise ConfigError(f"quantize={self.quantize} is not supported; use none or int8")
+        if self.quantize != "none":
+            qz.check_scheme(self.quantize)  # before the (slow) load
+        if self.quantize != "none" and self.quant_gate and self.quant_gate_prompts:
+            try:  # a broken prompt file must fail now, not after the quantization and the baseline's outputs
+                load_prompts(Path(self.quant_gate_prompts))
+            except GateInputError as err:
+                raise ConfigError(f"quant_gate_prompts: {err}") from None
 
 
 @dataclass

@@ -302,8 +302,10 @@ class DecoderModel(nn.Module):
                 if _Fused.fusable([self.lm_head]):
                     self._fast_head = _Fused([self.lm_head])
         # int8 (torchao W8A8) layers: prefill through the fused int8 copies as well (the same math as
-        # torchao's linear, in oneDNN's int8 GEMM instead of its slower CPU fallback).
-        self._prefill_fast = bool(self._fast) and self._fast[0].qkv.int8
+        # torchao's linear, in oneDNN's int8 GEMM instead of its slower CPU fallback). Any int8 group
+        # counts: an export that keeps some layers or projections in full precision must not send its
+        # int8 ones through torchao's fallback (its full-precision groups then prefill from their copies).
+        self._prefill_fast = any(g.int8 for w in self._fast for g in (w.qkv, w.o, w.gate_up, w.down))
 
     def refresh_fast_weights(self) -> None:
         """Rebuild the decode copies from the model's current weights (no-op without ``fast_weights``).

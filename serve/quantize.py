@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from attention.integration import SUPPORTED_MODEL_TYPES as SUPPORTED
+from core.config import ConfigError
 from serve import export as ex
 
 SCHEMES = ("int8",)
@@ -45,8 +46,9 @@ KEEP_FULL_PRECISION = ("lm_head",)  # embeddings are not linears: torchao leaves
 _EMBEDDING_KEYS = ("embed_tokens", "lm_head", "wte", "embed_out")
 
 
-class QuantizeError(ValueError):
-    """A model or scheme that cannot be quantized; the message is one line naming the fix."""
+class QuantizeError(ConfigError):
+    """A model or scheme that cannot be quantized; the message is one line naming the fix (a recipe's
+    command line prints it as one ``error:`` line, like any :class:`core.config.ConfigError`)."""
 
 
 def _torchao():
@@ -58,16 +60,21 @@ def _torchao():
     return tq
 
 
-def check_quantizable(model: nn.Module, scheme: str) -> None:
-    """Raise :class:`QuantizeError` (one line) unless ``model`` can be quantized with ``scheme``.
-
-    Called before anything is written, so a refused export leaves nothing behind.
-    """
+def check_scheme(scheme: str) -> None:
+    """Raise :class:`QuantizeError` (one line) unless ``scheme`` is one we export (no model needed)."""
     if scheme == "int4":
         raise QuantizeError("quantize=int4 is not available: torchao's int4 weight-only kernels run on CUDA "
                             "only (they need mslk), and exports must serve on CPU; use quantize=int8")
     if scheme not in SCHEMES:
         raise QuantizeError(f"quantize={scheme} is not supported; use none or {' or '.join(SCHEMES)}")
+
+
+def check_quantizable(model: nn.Module, scheme: str) -> None:
+    """Raise :class:`QuantizeError` (one line) unless ``model`` can be quantized with ``scheme``.
+
+    Called before anything is written, so a refused export leaves nothing behind.
+    """
+    check_scheme(scheme)
     mt = getattr(model.config, "model_type", None)
     if mt not in SUPPORTED:
         raise QuantizeError(f"quantize={scheme} supports {', '.join(SUPPORTED)} models, not model_type {mt!r}; "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -83,8 +84,16 @@ def test_quant_gate_passes_the_quantized_model_against_itself_unquantized(tmp_pa
     export(ExportConfig(source=str(src), output_dir=str(out), quantize="int8", quant_gate_prompts=str(prompts),
                         quant_gate_max_new_tokens=8, quant_max_drop=0.5))
     card = (out / "README.md").read_text()
-    assert "Release gate against the unquantized model:" in card
-    assert (out / "quantization_gate.json").is_file()
+    gate = json.loads((out / "quantization_gate.json").read_text())
+    # Both models generated through the serving engine (as the export is served), and the card says so.
+    assert gate["generation"]["backend"]["backend"] == "serve.engine"
+    assert {m["backend"]["backend"] for m in gate["models"].values()} == {"serve.engine"}
+    assert f"Release gate against the unquantized model: {gate['verdict'].upper()}" in card
+    drop = gate["bertscore"]["difference"]
+    assert f"| drop (unquantized − quantized) | {-drop['mean']:.4f} | [{-drop['high']:.4f}, {-drop['low']:.4f}] |" in card
+    assert f"| quantized | {gate['bertscore']['candidate']['mean']:.4f} |" in card
+    assert "generated greedily by `serve.engine`" in card and "gate wall time" in card
+    assert "| decoder layers |" in card and "Decoder-layer weight bytes:" in card
 
 
 def _w8a8_linears(n_in: int, outs: list[int], bias: bool = False) -> list[torch.nn.Linear]:
