@@ -12,10 +12,11 @@ model has one, and a ``README.md`` model card built from the run's config, metri
 It loads with plain ``AutoModelForCausalLM.from_pretrained``. The directory appears whole or not at all.
 
 ``quantize=int8`` stores the decoder's linears as torchao int8 W8A8 (int8 weights, dynamic int8 activations
-per token; embeddings and head in full precision; :mod:`serve.quantize`), runs the release gate of the quantized model against the unquantized
+per token; embeddings and head in full precision; :mod:`serve.quantize`); ``quantize=int8wo`` as int8
+weights only (torchao ``Int8WeightOnlyConfig``). Either runs the release gate of the quantized model against the unquantized
 one and writes the verdict and the sizes into the model card (``quantization_gate.json`` beside it). The
 gate generates both models' outputs through the serving engine (``quant_gate_backend=engine``, as the export
-is served; transformers runs torchao's int8 linears about ten times slower on CPU).
+is served; transformers runs torchao's int8 linears far slower on CPU).
 """
 
 from __future__ import annotations
@@ -53,9 +54,10 @@ class ExportConfig:
     overwrite: bool = field(False, help="replace an existing output_dir")
     threads: int = field(0, ge=0, help="torch CPU threads (0: leave torch's default)")
     # -- quantized export (serve.quantize) --
-    quantize: str = field("none", help="none | int8: torchao int8 decoder linears, int8 weights and dynamic int8 "
-                                       "activations (embeddings and head stay full precision; needs pip install "
-                                       "'hybrid-distill[quant]')")
+    quantize: str = field("none", help="none | int8 | int8wo: torchao int8 decoder linears; int8 = int8 weights and "
+                                       "dynamic int8 activations (W8A8), int8wo = int8 weights only (activations "
+                                       "stay floating point: closer to fp32). Embeddings and head stay full "
+                                       "precision; needs pip install 'hybrid-distill[quant]'")
     quant_gate: bool = field(True, help="with quantize: run the release gate of the quantized model against the "
                                         "unquantized one and put the verdict in the model card")
     quant_max_drop: float = field(0.02, gt=0, lt=1, help="with quant_gate: largest acceptable BERTScore drop "
@@ -65,7 +67,7 @@ class ExportConfig:
     quant_gate_backend: str = field("engine", choices=("engine", "transformers"),
                                     help="with quant_gate: who generates both models' outputs: engine (the serving "
                                          "engine, as the export is served; fast int8 on CPU) or transformers "
-                                         "(model.generate; torchao's int8 CPU path is ~10x slower)")
+                                         "(model.generate; torchao's int8 CPU linears are far slower)")
 
     def __post_init__(self) -> None:
         check_fields(self)  # every field's range/choices, declared above (core.config.field)

@@ -41,7 +41,7 @@ from attention.integration import SUPPORTED_MODEL_TYPES as SUPPORTED
 from core.config import ConfigError
 from serve import export as ex
 
-SCHEMES = ("int8",)
+SCHEMES = ("int8", "int8wo")
 KEEP_FULL_PRECISION = ("lm_head",)  # embeddings are not linears: torchao leaves them alone by default
 _EMBEDDING_KEYS = ("embed_tokens", "lm_head", "wte", "embed_out")
 
@@ -91,7 +91,7 @@ def torchao_config(scheme: str) -> Any:
     from transformers import TorchAoConfig
 
     tq = _torchao()
-    quant = {"int8": tq.Int8DynamicActivationInt8WeightConfig}[scheme]()
+    quant = {"int8": tq.Int8DynamicActivationInt8WeightConfig, "int8wo": tq.Int8WeightOnlyConfig}[scheme]()
     return TorchAoConfig(quant_type=quant, modules_to_not_convert=list(KEEP_FULL_PRECISION))
 
 
@@ -170,9 +170,12 @@ def card_section(scheme: str, sizes: dict[str, int], base_sizes: dict[str, int],
                  gate_note: str) -> str:
     """The model card's ``## Quantization`` section: scheme, sizes against the unquantized weights, gate."""
     ratio = sizes["other"] / max(1, base_sizes["other"])
+    what = {"int8": "int8 weights and dynamic int8 activations (torchao `Int8DynamicActivationInt8WeightConfig`: "
+                    "one scale per weight row, one per token)",
+            "int8wo": "int8 weights, activations in floating point (torchao `Int8WeightOnlyConfig`: one scale per "
+                      "weight row; the serving engine rounds activations to bf16 for its int8-weight kernel)"}
     lines = ["", "## Quantization", "",
-             f"{scheme} weights and dynamic {scheme} activations (torchao `Int8DynamicActivationInt8WeightConfig`: "
-             "one scale per weight row, one per token) on every linear of the decoder layers; embeddings and "
+             f"{what.get(scheme, scheme)} on every linear of the decoder layers; embeddings and "
              "LM head kept in full precision. "
              "Load it with `AutoModelForCausalLM.from_pretrained(dir)` (needs `pip install torchao`).", "",
              "| weights | unquantized | quantized | ratio |", "|---|---|---|---|"]
