@@ -34,7 +34,7 @@ import torch
 
 from core.config import ConfigError, check_fields, field, parse_config, run_cli
 from core.rundir import check_replaceable
-from eval.generation import Generator, TransformersGenerator
+from eval.generation import Generator, TransformersGenerator, check_model_dir
 from eval.prompt_set import GateInputError, load_prompts
 from serve import export as ex
 from serve import quantize as qz
@@ -64,6 +64,10 @@ class ExportConfig:
                                   "(drift of the quantized outputs from the unquantized ones, 1 - F1)")
     quant_gate_prompts: str | None = field(None, help="with quant_gate: prompt JSONL (default: the bundled 100)")
     quant_gate_max_new_tokens: int = field(64, ge=1, help="with quant_gate: tokens generated per prompt")
+    quant_gate_teacher: str | None = field(None, help="with quant_gate: a model (dir or name) whose generations are "
+                                           "the references: the gate then bounds the quality drop F1(unquantized) - "
+                                           "F1(quantized) against them (teacher mode) instead of how far the "
+                                           "quantized outputs moved from the unquantized ones (drift mode, default)")
     quant_gate_backend: str = field("engine", choices=("engine", "transformers"),
                                     help="with quant_gate: who generates both models' outputs: engine (the serving "
                                          "engine, as the export is served; fast int8 on CPU) or transformers "
@@ -85,11 +89,14 @@ class ExportConfig:
         self.quantize = str(self.quantize).lower()
         if self.quantize != "none":
             qz.check_scheme(self.quantize)  # before the (slow) load
-        if self.quantize != "none" and self.quant_gate and self.quant_gate_prompts:
-            try:  # a broken prompt file must fail now, not after the quantization and the baseline's outputs
-                load_prompts(Path(self.quant_gate_prompts))
-            except GateInputError as err:
-                raise ConfigError(f"quant_gate_prompts: {err}") from None
+        if self.quantize != "none" and self.quant_gate:
+            # A broken prompt file or teacher must fail now, not after the quantization and the baseline's outputs.
+            for key, check in (("quant_gate_prompts", load_prompts), ("quant_gate_teacher", check_model_dir)):
+                try:
+                    if getattr(self, key):
+                        check(getattr(self, key))
+                except GateInputError as err:
+                    raise ConfigError(f"{key}: {err}") from None
 
 
 @dataclass

@@ -25,7 +25,9 @@ An int8 export (torchao W8A8, :mod:`serve.quantize`) gets fused copies of its in
 prepacked for oneDNN's int8 GEMM (``onednn.qlinear_pointwise``); each call quantizes its input per token
 (:func:`quantize_per_token`, torchao's own rule) and scales the int32 result back, which is torchao's
 W8A8 linear computed faster (its CPU path and its weight-only sibling are slower than fp32 here). Prefill
-goes through them too; the head stays fp32. Other torchao layouts run through torchao's linears.
+goes through them too; the head stays fp32. A weight-only int8 export (``int8wo``) gets fused copies of its
+int8 weights run by ``torch._weight_int8pack_mm`` with activations rounded to bf16 (its fast CPU kernel;
+with fp32 activations it is a slow reference loop). Other torchao layouts run through torchao's linears.
 """
 
 from __future__ import annotations

@@ -176,6 +176,8 @@ CASES = [
                                              "quant_gate_backend=vllm"], 2, "quant_gate_backend"),
     ("export-quant-gate-prompts-missing", "export", ["source={run}", "output_dir={root}/out", "quantize=int8",
                                                      "quant_gate_prompts={missing}"], 2, "quant_gate_prompts:"),
+    ("export-quant-gate-teacher-missing", "export", ["source={run}", "output_dir={root}/out", "quantize=int8",
+                                                     "quant_gate_teacher={model}"], 2, "quant_gate_teacher:"),
     ("export-bad-dtype", "export", ["source={run}", "output_dir={root}/out", "dtype=fp8"], 2,
      "dtype=fp8 is not supported"),
     ("export-no-final", "export", ["source={run}", "output_dir={root}/out", "checkpoint=final"], 2,

@@ -65,8 +65,10 @@ def test_unsupported_model_or_scheme_is_refused_before_writing(tmp_path: Path) -
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["gpt2", "src"]
 
 
-def test_quant_gate_passes_the_quantized_model_against_itself_unquantized(tmp_path: Path) -> None:
-    """The gate runs and its verdict lands in the card (a wide-enough tiny model drifts little)."""
+@pytest.mark.parametrize("teacher", [False, True], ids=["drift", "teacher"])
+def test_quant_gate_passes_the_quantized_model_against_itself_unquantized(tmp_path: Path, teacher: bool) -> None:
+    """The gate runs and its verdict lands in the card (a wide-enough tiny model drifts little); with a
+    teacher it bounds the quality drop against the teacher's outputs instead of the drift."""
     pytest.importorskip("bert_score")
     from eval.bertscore import ScorerMissingError, scorer_model_dir
 
@@ -82,9 +84,13 @@ def test_quant_gate_passes_the_quantized_model_against_itself_unquantized(tmp_pa
     prompts.write_text("".join(f'{{"id": "p{i}", "prompt": "the quick brown fox {i}"}}\n' for i in range(10)))
     out = tmp_path / "int8"
     export(ExportConfig(source=str(src), output_dir=str(out), quantize="int8", quant_gate_prompts=str(prompts),
-                        quant_gate_max_new_tokens=8, quant_max_drop=0.5))
+                        quant_gate_max_new_tokens=8, quant_max_drop=0.5,
+                        quant_gate_teacher=str(src) if teacher else None))
     card = (out / "README.md").read_text()
     gate = json.loads((out / "quantization_gate.json").read_text())
+    assert gate["mode"] == ("teacher" if teacher else "drift")
+    assert ("teacher mode: both models' outputs scored" in card) == teacher
+    assert gate["threshold"]["value"] == 0.5
     # Both models generated through the serving engine (as the export is served), and the card says so.
     assert gate["generation"]["backend"]["backend"] == "serve.engine"
     assert {m["backend"]["backend"] for m in gate["models"].values()} == {"serve.engine"}
