@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -178,8 +179,9 @@ def finish_row(tok, new_ids: list[int], eos: list[int], max_new_tokens: int) -> 
 class Generator:
     """Who turns token ids into outputs for :func:`generate_outputs` (the gate's injection point).
 
-    Subclasses implement :meth:`run`; :meth:`identity` names the backend and whatever else changes its
-    outputs besides the model, prompt and :class:`GenerationSettings` (it goes into the cache key).
+    Subclasses implement :meth:`load` (raising :class:`ModelLoadError` on a model that cannot load) and
+    :meth:`run`; :meth:`identity` names the backend and whatever else changes its outputs besides the
+    model, prompt and :class:`GenerationSettings` (it goes into the cache key).
     """
 
     name = "generator"
@@ -187,10 +189,14 @@ class Generator:
     def identity(self) -> dict[str, str]:
         return {"backend": self.name}
 
-    def run(self, model_dir: Path, ids: list[list[int]], settings: GenerationSettings, on_rows: OnRows
+    def load(self, model_dir: Path, settings: GenerationSettings) -> Any:
+        """Whatever :meth:`run` needs (the model, ready to generate)."""
+        raise NotImplementedError
+
+    def run(self, loaded: Any, ids: list[list[int]], settings: GenerationSettings, on_rows: OnRows
             ) -> dict[str, float]:
         """Generate for every row of ``ids`` (prompt token ids, longest first), reporting finished rows
-        through ``on_rows`` as they come; returns timings (``load_s`` at least)."""
+        through ``on_rows`` as they come; returns extra timings or counters (may be empty)."""
         raise NotImplementedError
 
 
@@ -199,19 +205,16 @@ class TransformersGenerator(Generator):
 
     name = "transformers"
 
-    def run(self, model_dir: Path, ids: list[list[int]], settings: GenerationSettings, on_rows: OnRows
+    def load(self, model_dir: Path, settings: GenerationSettings) -> Any:
+        return load_model(model_dir, settings.device, settings.dtype)
+
+    def run(self, loaded: Any, ids: list[list[int]], settings: GenerationSettings, on_rows: OnRows
             ) -> dict[str, float]:
-        t0 = time.perf_counter()
-        model, tok = load_model(model_dir, settings.device, settings.dtype)
-        timings = {"load_s": time.perf_counter() - t0}
+        model, tok = loaded
         for start in range(0, len(ids), settings.batch_size):
             chunk = list(range(start, min(start + settings.batch_size, len(ids))))
             on_rows(chunk, _generate_batch(model, tok, [ids[i] for i in chunk], settings))
-        del model
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        return timings
+        return {}
 
 
 @torch.inference_mode()
@@ -261,6 +264,9 @@ def generate_outputs(model_dir: str | Path, prompts: list[Prompt], settings: Gen
     todo = [i for i, k in enumerate(keys) if k not in cache.rows]
     timings["render_s"] = time.perf_counter() - t1
     if todo:
+        t2 = time.perf_counter()
+        loaded = generator.load(path, settings)  # before the bar: a load error stays one line
+        timings["load_s"] = time.perf_counter() - t2
         order = sorted(todo, key=lambda i: -len(rendered[i][1]))  # long first: the slowest batch shows early
         bar = tqdm(total=len(order), desc=f"{desc} ({path.name}, {backend['backend']})", unit="prompt")
         produced = 0
@@ -271,15 +277,19 @@ def generate_outputs(model_dir: str | Path, prompts: list[Prompt], settings: Gen
                         "hit_limit": lim} for j, (text, n, lim) in zip(idx, rows)])
             produced += sum(n for _, n, _ in rows)
             bar.update(len(idx))
-            bar.set_postfix(tok_s=f"{produced / max(time.perf_counter() - t2, 1e-9):.0f}")  # load included
+            bar.set_postfix(tok_s=f"{produced / max(time.perf_counter() - t3, 1e-9):.0f}")
 
-        t2 = time.perf_counter()
-        run_timings = generator.run(path, [rendered[i][1] for i in order], settings, on_rows)
-        bar.close()
-        timings["load_s"] = run_timings.pop("load_s", 0.0)
-        timings["generate_s"] = time.perf_counter() - t2 - timings["load_s"]
+        t3 = time.perf_counter()
+        try:
+            timings.update(generator.run(loaded, [rendered[i][1] for i in order], settings, on_rows))
+        finally:
+            bar.close()
+            del loaded
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        timings["generate_s"] = time.perf_counter() - t3
         timings["generated_tokens"] = produced
-        timings.update(run_timings)
         missing = [i for i in todo if keys[i] not in cache.rows]
         if missing:
             raise RuntimeError(f"generator {backend['backend']} returned no output for {len(missing)} prompt(s)")

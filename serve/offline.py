@@ -21,9 +21,8 @@ prefix is computed in other chunk shapes, and an output must not depend on which
 
 from __future__ import annotations
 
-import gc
-import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -56,10 +55,9 @@ class EngineGenerator(Generator):
             pass
         return ident
 
-    def run(self, model_dir: Path, ids: list[list[int]], settings: GenerationSettings, on_rows: OnRows
-            ) -> dict[str, float]:
+    def load(self, model_dir: Path, settings: GenerationSettings) -> tuple[Engine, Any, list[int]]:
+        """``(engine, tokenizer, eos ids)`` for ``model_dir``; the engine's length limit is set by :meth:`run`."""
         settings = settings.resolved()
-        t0 = time.perf_counter()
         tok = load_tokenizer(model_dir)
         try:  # dense=True: the engine runs a saved hybrid spec with its own kernels and bounded caches
             model = load_causal_lm(str(model_dir), dtype=DTYPES[settings.dtype], dense=True,
@@ -68,11 +66,19 @@ class EngineGenerator(Generator):
             raise ModelLoadError(f"cannot load the model in {model_dir} ({type(err).__name__}: "
                                  f"{str(err).splitlines()[0] if str(err) else ''}); check its weights and "
                                  "config") from None
-        eos = eos_ids(model, tok)
         engine = Engine(model=model, tokenizer=tok, device=settings.device, dtype=DTYPES[settings.dtype],
-                        max_batch=settings.batch_size, fast_weights=self.fast_weights, prefix_cache_bytes=0,
-                        max_seq_len=max(map(len, ids)) + settings.max_new_tokens)
-        timings = {"load_s": time.perf_counter() - t0}
+                        max_batch=settings.batch_size, fast_weights=self.fast_weights, prefix_cache_bytes=0)
+        return engine, tok, eos_ids(model, tok)
+
+    def run(self, loaded: tuple[Engine, Any, list[int]], ids: list[list[int]], settings: GenerationSettings,
+            on_rows: OnRows) -> dict[str, float]:
+        engine, tok, eos = loaded
+        # Exactly the room the longest prompt and its answer need: the cache is allocated at this length
+        # for every row (the model's own limit, e.g. 8K, would cost GBs), and no prompt is refused for
+        # the model's limit (transformers' generate refuses none either).
+        if engine.cache is not None:
+            raise RuntimeError("EngineGenerator.run needs a freshly loaded engine")
+        engine.max_seq_len = max(map(len, ids)) + settings.max_new_tokens
         params = SamplingParams(max_new_tokens=settings.max_new_tokens,
                                 temperature=settings.temperature if settings.do_sample else 0.0,
                                 top_p=settings.top_p if settings.do_sample else 1.0, seed=settings.seed,
@@ -91,9 +97,4 @@ class EngineGenerator(Generator):
                 if done:
                     on_rows(done, [finish_row(tok, pending.pop(i).out_ids, eos, settings.max_new_tokens)
                                    for i in done])
-        timings["engine_steps"] = steps
-        del engine, model
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        return timings
+        return {"engine_steps": steps}

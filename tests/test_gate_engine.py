@@ -70,10 +70,13 @@ class _Constant(Generator):
     def __init__(self, name: str, text: str) -> None:
         self.name, self.text, self.calls = name, text, 0
 
-    def run(self, model_dir, ids, settings, on_rows):
+    def load(self, model_dir, settings):
+        return None
+
+    def run(self, loaded, ids, settings, on_rows):
         self.calls += 1
         on_rows(list(range(len(ids))), [(self.text, 3, False)] * len(ids))
-        return {"load_s": 0.0}
+        return {}
 
 
 def test_generation_cache_keys_on_the_generator(tiny, prompts, tmp_path):
