@@ -177,6 +177,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=float, default=None, help="soak warm-up seconds (default: 20%% of the soak)")
     ap.add_argument("--threads", type=int, default=2, help="server torch threads (OMP_NUM_THREADS)")
     ap.add_argument("--max-batch", type=int, default=4)
+    ap.add_argument("--prefill-chunk", type=int, default=None, help="server --prefill-chunk")
     ap.add_argument("--prefill-budget", type=int, default=None, help="server --prefill-budget")
     ap.add_argument("--prefill-step-ms", type=float, default=None, help="server --prefill-step-ms (0: fixed budget)")
     ap.add_argument("--prefix-cache-mb", type=float, default=256)
@@ -201,6 +202,8 @@ def main() -> int:
     server_cmd = [sys.executable, "-m", "serve.server", "--model", args.model, "--port", str(port),
                   "--max-batch", str(args.max_batch), "--max-queue", str(4 * args.users),
                   "--max-seq-len", str(args.max_seq_len), "--prefix-cache-mb", str(args.prefix_cache_mb)]
+    if args.prefill_chunk:
+        server_cmd += ["--prefill-chunk", str(args.prefill_chunk)]
     if args.prefill_budget:
         server_cmd += ["--prefill-budget", str(args.prefill_budget)]
     if args.prefill_step_ms is not None:

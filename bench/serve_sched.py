@@ -1,6 +1,6 @@
 """Where a short request's time to first token goes, and what the engine's prefill scheduling does to it.
 
-    python bench/serve_sched.py [--model smollm2-135m-instruct] [--users 4] [--seconds 60] [--rounds 2]
+    python bench/serve_sched.py [--model smollm2-135m-instruct] [--users 4] [--seconds 60] [--rounds 2] [--step-ms 0]
 
 In one process, without HTTP: the engine's background loop (as the server runs it) serves ``--users``
 closed-loop users with the issue's mix (30 % short prompts of 10-130 tokens with 64 new tokens, 50 %
@@ -8,8 +8,12 @@ medium of 130-650 with 256, 20 % long of 650-2000 with ``--long-new`` new tokens
 between requests; the same seeded schedule for every arm). The arms alternate in blocks of
 ``--seconds`` for ``--rounds`` rounds, so machine noise hits them alike:
 
-* ``fixed 512``: ``prefill_step_s=None``, 512 prompt tokens per step (the old default);
-* ``timed <ms>``: the step's prefill sized by measured time (``Engine(prefill_step_s=...)``, the default).
+* ``chunk 512``: 512 prompt tokens per step in one forward (the engine's default before this bench's
+  second version): a short prompt that arrives mid-step waits for all of it;
+* ``chunk 128``: the same 512-token budget in 128-token forwards, arrivals admitted between them
+  (``Engine(prefill_chunk=128)``, the default): the short prompt goes after the forward in flight;
+* with ``--step-ms MS``, also ``chunk 128 timed MS``: the step's prefill sized by measured time
+  (``Engine(prefill_step_s=...)``, off by default in the engine).
 
 Per arm: short-prompt TTFT P50/P95 split into the wait (arrival to its first prefill forward: the step
 in flight, earlier prompts) and its own prefill (first forward to first token), plus the medium and
@@ -106,7 +110,8 @@ def main() -> None:
     ap.add_argument("--users", type=int, default=4)
     ap.add_argument("--seconds", type=float, default=60.0, help="seconds per arm per round")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--step-ms", type=float, default=80.0, help="the timed arm's prefill_step_s, in ms")
+    ap.add_argument("--step-ms", type=float, default=0.0,
+                    help="also run a timed arm with this prefill_step_s, in ms (0: no timed arm)")
     ap.add_argument("--long-new", type=int, default=256, help="new tokens of a long request (the mix says 2048)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
@@ -120,9 +125,12 @@ def main() -> None:
     path = resolve_model_path(args.model)
     model, tok = load_causal_lm(str(path), dtype=torch.float32, dense=True, attn_implementation="sdpa"), \
         load_tokenizer(str(path))
-    arms = {"fixed 512": None, f"timed {args.step_ms:g} ms": args.step_ms / 1000}
-    engines = {name: Engine(model=model, tokenizer=tok, max_batch=args.users, max_seq_len=4096,
-                            prefix_cache_bytes=0, prefill_budget=512, prefill_step_s=s) for name, s in arms.items()}
+    arms = {"chunk 512": (512, None), "chunk 128": (128, None)}
+    if args.step_ms > 0:
+        arms[f"chunk 128 timed {args.step_ms:g} ms"] = (128, args.step_ms / 1000)
+    engines = {name: Engine(model=model, tokenizer=tok, max_batch=args.users, max_seq_len=4096, prefix_cache_bytes=0,
+                            prefill_chunk=chunk, prefill_budget=512, prefill_step_s=s)
+               for name, (chunk, s) in arms.items()}
     vocab = min(tok.vocab_size, model.config.vocab_size)
     recs: dict[str, list[dict]] = {name: [] for name in arms}
     for rnd in range(args.rounds):
@@ -134,9 +142,9 @@ def main() -> None:
     res = {name: summarize(r) for name, r in recs.items()}
     cols = ("short_ttft_p50_ms", "short_ttft_p95_ms", "short_wait_p95_ms", "short_own_p95_ms", "medium_ttft_p50_ms",
             "long_ttft_p50_ms", "itl_p95_ms")
-    print(f"{'arm':<16}" + "".join(f"{c.removesuffix('_ms'):>19}" for c in cols) + "  (ms)")
+    print(f"{'arm':<26}" + "".join(f"{c.removesuffix('_ms'):>19}" for c in cols) + "  (ms)")
     for name, r in res.items():
-        print(f"{name:<16}" + "".join(f"{'-' if r[c] is None else r[c]:>19}" for c in cols))
+        print(f"{name:<26}" + "".join(f"{'-' if r[c] is None else r[c]:>19}" for c in cols))
     print(json.dumps({"model": str(args.model), "users": args.users, "seconds_per_arm": args.seconds * args.rounds,
                       "threads": args.threads, "long_new_tokens": args.long_new, "arms": res}))
 

@@ -2,10 +2,13 @@
 
 Each request owns one row of the cache. :meth:`Engine.step` admits waiting requests into free rows
 (restoring any cached prompt prefix, :mod:`serve.prefix_cache`), prefills at most ``prefill_budget``
-prompt tokens (in chunks of at most ``prefill_chunk``, shortest remaining prompt first), then runs one
-batched decode step over every row whose prompt is done. A long prompt is thus prefilled across several
-steps, interleaved with decode steps, and never holds back a short request's first token or the
-running requests' next ones for more than one budget's worth of prefill. Finished rows are freed at
+prompt tokens in forwards of at most ``prefill_chunk``, shortest remaining prompt first, then runs one
+batched decode step over every row whose prompt is done. Requests that arrive during a step are
+admitted between its prefill forwards, so a short prompt that arrives while a long one is being
+prefilled goes next: its wait for a first token is bounded by one chunk, not by the step's budget
+(``bench/serve_sched.py``). A long prompt is thus prefilled across several steps, interleaved with
+decode steps, and never holds back the running requests' next tokens for more than one budget's
+worth of prefill. Finished rows are freed at
 once and reused by the next admission. The same loop serves the synchronous API
 (:meth:`Engine.generate`, :meth:`Engine.stream`) and the HTTP server (:meth:`Engine.start` runs it in a
 background thread; requests join between decode steps).
@@ -100,14 +103,15 @@ class Engine:
         max_batch: most requests decoded together (cache rows).
         max_seq_len: longest prompt + generation a request may reach (default: the model's
             ``max_position_embeddings``); requests beyond it are refused, never truncated.
-        prefill_chunk: prompt tokens per prefill forward (bounds activation memory for long prompts).
+        prefill_chunk: prompt tokens per prefill forward (bounds activation memory for long prompts,
+            and how long a newly arrived prompt waits for the forward in flight).
         compile: CUDA only: ``torch.compile`` the decode step (ignored on CPU).
         dense: force the dense cache even for a hybrid model (the full-attention baseline).
         fast_weights: decode from fused copies of the projections in CPU-friendly layouts (faster
             decode steps; one more copy of those weights in memory). Default: on for CPU, off
             elsewhere. See :mod:`serve.model`.
         prefill_budget: most prompt tokens prefilled per engine step, across requests (default
-            ``prefill_chunk``); decode steps run between budgets, so it bounds how long a long
+            ``max(512, prefill_chunk)``); decode steps run between budgets, so it bounds how long a long
             prompt delays everyone else's next token.
         prefill_step_s: while other requests are decoding, size each step's prefill to take about
             this long (tokens = seconds / the measured seconds per prefill token, at least
@@ -127,7 +131,7 @@ class Engine:
 
     def __init__(self, model_dir: str | Path | None = None, *, model=None, tokenizer=None,
                  device: str | torch.device | None = None, dtype: torch.dtype | None = None,
-                 max_batch: int = 8, max_seq_len: int | None = None, prefill_chunk: int = 512,
+                 max_batch: int = 8, max_seq_len: int | None = None, prefill_chunk: int = 128,
                  compile: bool = False, dense: bool = False, fast_weights: bool | None = None,
                  prefill_budget: int | None = None, prefix_cache_bytes: int = 256 * 2**20,
                  prefix_block: int = 32, prefill_step_s: float | None = None, min_prefill_tokens: int = 128) -> None:
@@ -160,7 +164,7 @@ class Engine:
         if max_batch < 1:  # no cache row: every request would wait forever
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.prefill_chunk = prefill_chunk
-        self.prefill_budget = prefill_budget or prefill_chunk
+        self.prefill_budget = prefill_budget or max(512, prefill_chunk)
         if self.prefill_budget < 1:
             raise ValueError(f"prefill_budget must be >= 1, got {prefill_budget}")
         if prefill_step_s is not None and not prefill_step_s > 0:
@@ -234,7 +238,7 @@ class Engine:
                              f"context of {self.max_seq_len} tokens; shorten the prompt or lower max tokens")
 
     def _ensure_cache(self, rows: int) -> KVCache:
-        """Grow the cache to ``rows`` rows (only between steps, when a request is admitted)."""
+        """Grow the cache to ``rows`` rows (only when a request is admitted: never inside a forward)."""
         old = self.cache
         if old is not None and old.rows >= rows:
             return old
@@ -331,25 +335,38 @@ class Engine:
             req.prefilled = self.prefix_cache.restore(cache, row, req.prompt_ids)
         self._pos[row] = req.prefilled
 
-    def _prefill(self) -> None:
-        """Prefill up to ``prefill_budget`` prompt tokens, shortest remaining prompt first.
-
-        A request whose prompt completes samples its first token here and joins the next decode step.
-        Each request's prefill is its own: one that raises is finished with "error", the others go on.
-        """
-        pending = sorted((r for r in self._rows if r is not None and r.prefilled < len(r.prompt_ids)),
-                         key=lambda r: len(r.prompt_ids) - r.prefilled)
-        budget = self.step_prefill_budget()
-        for req in pending:
-            if budget <= 0:
-                break
+    def _admit_waiting(self) -> None:
+        """Admit waiting requests (oldest first) while cache rows are free."""
+        while self.num_active < self.max_batch:
+            with self._lock:
+                if not self._waiting:
+                    break
+                req = self._waiting.popleft()
             try:
-                budget = self._prefill_one(req, budget)
+                self._admit(req)
+            except Exception as e:  # this request's admission: it alone fails
+                self._fail(req, e)
+
+    def _prefill(self) -> None:
+        """Prefill up to ``prefill_budget`` prompt tokens, one chunk at a time, shortest remaining first.
+
+        Between chunks, requests that arrived meanwhile are admitted and the shortest remaining prompt
+        is picked again, so a short prompt overtakes a long one mid-step (module docstring). A request
+        whose prompt completes samples its first token here and joins this step's decode. Each
+        request's prefill is its own: one that raises is finished with "error", the others go on.
+        """
+        budget = self.step_prefill_budget()
+        while budget > 0:
+            pending = [r for r in self._rows if r is not None and r.prefilled < len(r.prompt_ids)]
+            if not pending:
+                break
+            req = min(pending, key=lambda r: len(r.prompt_ids) - r.prefilled)
+            allowance = min(budget, self.prefill_chunk)
+            try:
+                budget -= allowance - self._prefill_one(req, allowance)
             except Exception as e:  # this request's prefill, first sample or callback: it alone fails
                 self._fail(req, e)
-                continue
-            if req.prefilled < len(req.prompt_ids):
-                break
+            self._admit_waiting()
 
     def step_prefill_budget(self) -> int:
         """Prompt tokens this step may prefill: ``prefill_budget``, or time-sized while others decode."""
@@ -436,15 +453,7 @@ class Engine:
                 self._finish(req, "cancelled")
             except Exception as e:  # its callback: no one else's concern
                 self._fail(req, e)
-        while self.num_active < self.max_batch:
-            with self._lock:
-                if not self._waiting:
-                    break
-                req = self._waiting.popleft()
-            try:
-                self._admit(req)
-            except Exception as e:  # this request's admission: it alone fails
-                self._fail(req, e)
+        self._admit_waiting()
         self._prefill()
         active = [r for r in self._rows if r is not None and r.prefilled == len(r.prompt_ids)]
         if active:

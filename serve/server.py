@@ -701,6 +701,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT,
                    help="seconds to receive a request's head (the connection is closed after) or its body (408)")
     p.add_argument("--prefix-cache-mb", type=float, default=256, help="prompt-prefix KV cache budget (0: off)")
+    p.add_argument("--prefill-chunk", type=int, default=128,
+                   help="prompt tokens per prefill forward; a prompt that arrives mid-step waits for at most one "
+                        "(default: 128)")
     p.add_argument("--prefill-budget", type=int, default=None,
                    help="prompt tokens prefilled per engine step, between decode steps (default: 512)")
     p.add_argument("--prefill-step-ms", type=float, default=0,
@@ -731,6 +734,8 @@ def check_flags(args: argparse.Namespace) -> str | None:
         return "--served-model-name is empty; give a name or leave it unset"
     if not (math.isfinite(args.prefix_cache_mb) and args.prefix_cache_mb >= 0):
         return f"--prefix-cache-mb must be >= 0 (0 turns the prefix cache off), got {args.prefix_cache_mb}"
+    if args.prefill_chunk < 1:
+        return f"--prefill-chunk must be >= 1 prompt tokens per forward, got {args.prefill_chunk}"
     if args.prefill_budget is not None and args.prefill_budget < 1:
         return f"--prefill-budget must be >= 1 prompt tokens per step, got {args.prefill_budget}"
     if not (math.isfinite(args.prefill_step_ms) and args.prefill_step_ms >= 0):
@@ -756,8 +761,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         path = resolve_model_path(args.model)
         engine = Engine(path, device=args.device, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
-                        prefix_cache_bytes=int(args.prefix_cache_mb * 2**20), prefill_budget=args.prefill_budget,
-                        prefill_step_s=args.prefill_step_ms / 1000 or None)
+                        prefix_cache_bytes=int(args.prefix_cache_mb * 2**20), prefill_chunk=args.prefill_chunk,
+                        prefill_budget=args.prefill_budget, prefill_step_s=args.prefill_step_ms / 1000 or None)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

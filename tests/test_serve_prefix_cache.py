@@ -119,6 +119,37 @@ def test_short_request_gets_its_first_token_before_a_long_prefill_finishes():
     assert long.out_ids == ref
 
 
+def test_request_arriving_mid_step_overtakes_a_long_prefill_at_the_next_chunk(monkeypatch):
+    """Arrivals are admitted between a step's prefill chunks; the shortest remaining prompt goes next."""
+    model = no_eos(tiny_model("llama", seed=17))
+    engine = Engine(model=model, tokenizer=tiny_tokenizer(), max_batch=4, prefill_chunk=16, prefill_budget=64,
+                    prefix_cache_bytes=0)
+    order: list[tuple[int, int]] = []  # (row, chunk length) of every prefill forward
+    real_prefill = engine.model.prefill
+    arrivals = []
+
+    def prefill(cache, row, ids, start):
+        order.append((row, ids.shape[0]))
+        if len(order) == 1:  # a short request arrives while the long prompt's first chunk runs
+            arrivals.append(engine.submit([1, 2, 3], SamplingParams(max_new_tokens=3)))
+        return real_prefill(cache, row, ids, start)
+
+    monkeypatch.setattr(engine.model, "prefill", prefill)
+    long = engine.submit(list(range(3, 200)), SamplingParams(max_new_tokens=3))
+    engine.step()
+    short = arrivals[0]
+    # One step: a long chunk, the whole short prompt, then the long prompt again up to the budget.
+    assert order == [(long.row, 16), (short.row, 3), (long.row, 16), (long.row, 16), (long.row, 13)]
+    assert len(short.out_ids) == 2  # its first token from the prefill, the second from this step's decode
+    assert long.prefilled == 16 + 16 + 16 + 13 and not long.out_ids
+    while not (long.done and short.done):
+        engine.step()
+    for req in (long, short):
+        n = len(req.prompt_ids)
+        assert req.out_ids == model.generate(torch.tensor([req.prompt_ids]), max_new_tokens=3,
+                                             do_sample=False)[0, n:].tolist()
+
+
 def test_prefill_budget_is_sized_by_measured_time_while_others_decode(monkeypatch):
     """While a request decodes, a long prompt's prefill per step follows prefill_step_s / measured speed."""
     import serve.engine as eng
