@@ -21,6 +21,7 @@ prefix is computed in other chunk shapes, and an output must not depend on which
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,8 @@ from eval.generation import GenerationSettings, Generator, OnRows, eos_ids, fini
 from eval.prompt_set import ModelLoadError
 from serve.engine import Engine
 from serve.sampling import SamplingParams
+
+_ENGINE_FILES = ("offline.py", "engine.py", "model.py", "kv_cache.py", "sampling.py")
 
 
 class EngineGenerator(Generator):
@@ -46,7 +49,10 @@ class EngineGenerator(Generator):
         self.fast_weights = fast_weights
 
     def identity(self) -> dict[str, str]:
-        ident = {"backend": self.name, "fast_weights": str(self.fast_weights)}
+        # The engine's own code decides its numerics (fused layouts, kernels), so its source is in the key:
+        # an engine change regenerates rather than serving outputs of the old code.
+        code = hashlib.sha256(b"".join(Path(__file__).with_name(f).read_bytes() for f in _ENGINE_FILES)).hexdigest()
+        ident = {"backend": self.name, "fast_weights": str(self.fast_weights), "engine_code": code[:16]}
         try:
             import torchao
 
