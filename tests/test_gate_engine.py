@@ -98,8 +98,9 @@ def test_generation_cache_keys_on_the_generator(tiny, prompts, tmp_path):
     assert tf.cache_misses == en.cache_misses == len(prompts)
     assert en2.cache_hits == tf2.cache_hits == len(prompts)
     assert en.outputs == tf.outputs  # same texts (fp32 greedy), stored under different keys
-    # The engine's own options are part of its identity.
+    # The engine's own options and code are part of its identity.
     assert EngineGenerator(fast_weights=False).identity() != EngineGenerator().identity()
+    assert len(EngineGenerator().identity()["engine_code"]) == 16
 
 
 def test_gate_records_its_generator(tiny, prompts, tmp_path):
