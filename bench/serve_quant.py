@@ -1,6 +1,7 @@
-"""int8 (torchao W8A8) against fp32: weight bytes and engine decode tokens/s on the demo model.
+"""int8 exports (torchao W8A8 ``int8``, weight-only ``int8wo``) against fp32: weight bytes and engine decode tokens/s.
 
-    python bench/serve_quant.py [--model smollm2-135m-instruct] [--batch 1 4] [--new-tokens 48] [--reps 3]
+    python bench/serve_quant.py [--model smollm2-135m-instruct] [--schemes int8 int8wo] [--batch 1 4] \
+        [--new-tokens 48] [--reps 3] [--threads 2] [--defaults-only]
 
 The fp32 model is quantized through the export path (:func:`serve.quantize.quantize_dir` into a temp
 dir, the same files ``recipes/export.py quantize=int8`` writes) and loaded back as transformers loads
@@ -10,8 +11,10 @@ fused int8 copies in oneDNN's int8 GEMM (the default for an int8 export) and int
 linears (``fast_weights=False``). Decode tokens/s = tokens after the first over the time after the last
 prefill, median over ``--reps``; prefill tokens/s of one ``--prompt``-token prompt likewise. Also:
 decoder-layer weight bytes int8 / fp32 (embeddings excluded) and how many greedy tokens int8 shares
-with fp32 before the first difference. Targets (issue 16): bytes <= 0.4x; int8 decode tokens/s not
-lower than fp32 (the default engines: fused fp32 vs fused int8).
+with fp32 before the first difference. ``int8wo`` (weight-only) adds an engine on its fused int8 weights
+(``torch._weight_int8pack_mm``, activations rounded to bf16) and, without ``--defaults-only``, one on
+torchao's own weight-only linears. Targets (issue 16): bytes <= 0.4x; int8 decode tokens/s not lower
+than fp32 (the default engines: fused fp32 vs fused int8 / int8wo).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--schemes", nargs="+", default=["int8"], choices=["int8", "int8wo"])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens")
     ap.add_argument("--new-tokens", type=int, default=48)
@@ -50,26 +54,32 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     src = resolve_model_path(args.model)
     tmp = Path(tempfile.mkdtemp(prefix="serve-quant-"))
-    quantize_dir(src, tmp / "int8", "int8")
-    sizes, base = weight_bytes(tmp / "int8"), weight_bytes(src)
+    for scheme in args.schemes:
+        quantize_dir(src, tmp / scheme, scheme)
+    sizes = {scheme: weight_bytes(tmp / scheme) for scheme in args.schemes}
+    base = weight_bytes(src)
     tok = AutoTokenizer.from_pretrained(src)
     seq = args.prompt + args.new_tokens + 8
     fp32 = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, attn_implementation="sdpa")
-    int8 = AutoModelForCausalLM.from_pretrained(tmp / "int8", attn_implementation="sdpa")
+    quant = {scheme: AutoModelForCausalLM.from_pretrained(tmp / scheme, attn_implementation="sdpa")
+             for scheme in args.schemes}
     mb = max(args.batch)
     engines = {
         "fp32 (fused packed copies)": Engine(model=fp32, tokenizer=tok, max_batch=mb, max_seq_len=seq,
                                               prefix_cache_bytes=0),
         "fp32 (model weights)": Engine(model=fp32, tokenizer=tok, max_batch=mb, max_seq_len=seq, fast_weights=False,
                                        prefix_cache_bytes=0),
-        "int8 (fused, oneDNN int8)": Engine(model=int8, tokenizer=tok, max_batch=mb, max_seq_len=seq,
-                                            prefix_cache_bytes=0),
-        "int8 (torchao linears)": Engine(model=int8, tokenizer=tok, max_batch=mb, max_seq_len=seq, fast_weights=False,
-                                         prefix_cache_bytes=0),
     }
-    int8_name, fp32_name = "int8 (fused, oneDNN int8)", "fp32 (fused packed copies)"
+    fused_names = {"int8": "int8 (fused, oneDNN int8)", "int8wo": "int8wo (fused, int8pack bf16)"}
+    for scheme, model in quant.items():
+        engines[fused_names[scheme]] = Engine(model=model, tokenizer=tok, max_batch=mb, max_seq_len=seq,
+                                              prefix_cache_bytes=0)
+        engines[f"{scheme} (torchao linears)"] = Engine(model=model, tokenizer=tok, max_batch=mb, max_seq_len=seq,
+                                                        fast_weights=False, prefix_cache_bytes=0)
+    fp32_name = "fp32 (fused packed copies)"
+    defaults = [fp32_name] + [fused_names[s] for s in args.schemes]
     if args.defaults_only:
-        engines = {k: v for k, v in engines.items() if k in (int8_name, fp32_name)}
+        engines = {k: v for k, v in engines.items() if k in defaults}
     g = torch.Generator().manual_seed(0)
     vocab = min(tok.vocab_size, fp32.config.vocab_size)
     sp = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
@@ -109,27 +119,34 @@ def main() -> None:
         chat = list(chat["input_ids"]) if hasattr(chat, "keys") else list(chat)  # a BatchEncoding in transformers 5
         greedy = SamplingParams(max_new_tokens=args.new_tokens)
         a = engines[fp32_name].generate([chat], greedy)[0].token_ids
-        b = engines[int8_name].generate([chat], greedy)[0].token_ids
-    same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        same = {}
+        for scheme in args.schemes:
+            b = engines[fused_names[scheme]].generate([chat], greedy)[0].token_ids
+            same[scheme] = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
     med = {k: statistics.median(v) for k, v in rates.items()}
-    ratio = sizes["other"] / base["other"]
-    print(f"decoder-layer weight bytes: fp32 {base['other']:,}, int8 {sizes['other']:,} ({ratio:.3f}x, target <= 0.4); "
-          f"embeddings {base['embeddings']:,} -> {sizes['embeddings']:,}")
+    ratio = {scheme: sizes[scheme]["other"] / base["other"] for scheme in args.schemes}
+    for scheme in args.schemes:
+        print(f"decoder-layer weight bytes: fp32 {base['other']:,}, {scheme} {sizes[scheme]['other']:,} "
+              f"({ratio[scheme]:.3f}x, target <= 0.4); embeddings {base['embeddings']:,} -> "
+              f"{sizes[scheme]['embeddings']:,}")
     pre = {name: statistics.median(prefill[e]) for name, e in engines.items() if prefill.get(e)}
-    print(f"{'engine':<30}" + "".join(f"{f'b{b} tok/s':>12}" for b in args.batch) + f"{'prefill tok/s':>15}")
+    print(f"{'engine':<32}" + "".join(f"{f'b{b} tok/s':>12}" for b in args.batch) + f"{'prefill tok/s':>15}")
     for name in engines:
-        print(f"{name:<30}" + "".join(f"{med[(name, b)]:>12.1f}" for b in args.batch) + f"{pre.get(name, 0):>15.1f}")
-    print(f"greedy chat answer: int8 equals fp32 for the first {same} of {len(a)} tokens")
+        print(f"{name:<32}" + "".join(f"{med[(name, b)]:>12.1f}" for b in args.batch) + f"{pre.get(name, 0):>15.1f}")
+    for scheme in args.schemes:
+        print(f"greedy chat answer: {scheme} equals fp32 for the first {same[scheme]} of {len(a)} tokens")
+    vs = {scheme: {f"b{b}": round(med[(fused_names[scheme], b)] / med[(fp32_name, b)], 3) for b in args.batch}
+          for scheme in args.schemes}
     out = {"model": str(args.model), "threads": args.threads, "prompt_tokens": args.prompt,
            "new_tokens": args.new_tokens, "reps": args.reps, "layer_bytes_fp32": base["other"],
-           "layer_bytes_int8": sizes["other"], "layer_bytes_ratio": round(ratio, 4),
-           "embedding_bytes_equal": sizes["embeddings"] == base["embeddings"],
+           "layer_bytes": {s: sizes[s]["other"] for s in args.schemes},
+           "layer_bytes_ratio": {s: round(r, 4) for s, r in ratio.items()},
+           "embedding_bytes_equal": all(sizes[s]["embeddings"] == base["embeddings"] for s in args.schemes),
            "decode_tokens_per_s": {f"{n} b{b}": round(v, 1) for (n, b), v in med.items()},
            "prefill_tokens_per_s": {n: round(v, 1) for n, v in pre.items()},
-           "greedy_prefix_equal_tokens": same,
-           "int8_vs_fp32_fast": {f"b{b}": round(med[(int8_name, b)] / med[(fp32_name, b)], 3) for b in args.batch}}
-    out["targets"] = {"bytes_le_0.4x": ratio <= 0.4,
-                      "int8_decode_not_slower": all(v >= 1.0 for v in out["int8_vs_fp32_fast"].values())}
+           "greedy_prefix_equal_tokens": same, "vs_fp32_fast": vs}
+    out["targets"] = {s: {"bytes_le_0.4x": ratio[s] <= 0.4, "decode_not_slower": all(v >= 1.0 for v in vs[s].values())}
+                      for s in args.schemes}
     print(json.dumps(out))
 
 

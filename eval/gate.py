@@ -89,6 +89,8 @@ from eval.fingerprint import DigestMemo, json_hash
 from eval.generation import (
     GenerationRun,
     GenerationSettings,
+    Generator,
+    TransformersGenerator,
     check_model_dir,
     generate_outputs,
     load_model,
@@ -339,28 +341,36 @@ def _versions() -> dict[str, str]:
     return out
 
 
+def _generation_entry(settings: GenerationSettings, chat: bool, generator: Generator) -> dict:
+    """The report's ``generation`` entry: settings, the generator's identity, and a hash of both."""
+    entry = {"settings": {**settings.resolved().cache_view(), "chat_default": chat}, "backend": generator.identity()}
+    return {**entry, "settings_hash": json_hash({**entry["settings"], "backend": entry["backend"]})[:16]}
+
+
 def _model_entry(run: GenerationRun) -> dict:
-    return {"dir": run.model_dir, "fingerprint": run.fingerprint, "cache_hits": run.cache_hits,
-            "cache_misses": run.cache_misses, "hit_max_new_tokens": int(sum(run.hit_limit)), "timings": run.timings}
+    return {"dir": run.model_dir, "fingerprint": run.fingerprint, "backend": run.backend,
+            "cache_hits": run.cache_hits, "cache_misses": run.cache_misses,
+            "hit_max_new_tokens": int(sum(run.hit_limit)), "timings": run.timings}
 
 
 # -- entry points --------------------------------------------------------------------------------
 
 
 def _generate_all(cfg: GateConfig, models: dict[str, Path], prompts: list[Prompt], refs: list[str] | None,
-                  settings: GenerationSettings, cache_dir: Path, memo: DigestMemo, timings: dict[str, float]
-                  ) -> tuple[dict[str, GenerationRun], list[str], str, str]:
+                  settings: GenerationSettings, cache_dir: Path, memo: DigestMemo, timings: dict[str, float],
+                  generator: Generator) -> tuple[dict[str, GenerationRun], list[str], str, str]:
     """Generations of every model, and what they are scored against: ``(runs, refs, mode, note)``."""
     runs: dict[str, GenerationRun] = {}
     for role in ("candidate", "baseline"):
-        runs[role] = generate_outputs(models[role], prompts, settings, cache_dir, cfg.chat, memo, desc=role)
+        runs[role] = generate_outputs(models[role], prompts, settings, cache_dir, cfg.chat, memo, desc=role,
+                                      generator=generator)
         timings[f"generate_{role}"] = runs[role].timings["total_s"]
     if refs is not None:
         mode = "references"
         note = "outputs scored against the given references"
     elif "teacher" in models:
         runs["teacher"] = generate_outputs(models["teacher"], prompts, settings, cache_dir, cfg.chat, memo,
-                                           desc="teacher")
+                                           desc="teacher", generator=generator)
         timings["generate_teacher"] = runs["teacher"].timings["total_s"]
         refs = runs["teacher"].outputs
         mode = "teacher"
@@ -421,12 +431,14 @@ def _warnings(se: float, threshold: float, verdict: str, long_texts: list[dict])
     return notes
 
 
-def run_gate(cfg: GateConfig, scorer: BertScore | None = None) -> GateResult:
+def run_gate(cfg: GateConfig, scorer: BertScore | None = None, generator: Generator | None = None) -> GateResult:
     """Run the whole gate and write the report; raises :class:`GateInputError` on broken input.
 
-    ``scorer`` reuses an already loaded :class:`BertScore` (its layer must match the config; its
-    rescale baseline is reset from ``cfg.rescale``).
+    ``scorer`` reuses a loaded :class:`BertScore` (layer must match; its rescale baseline is reset).
+    ``generator`` produces every output (default :class:`eval.generation.TransformersGenerator`;
+    ``serve.offline.EngineGenerator``: the serving engine); recorded in ``generation.backend``.
     """
+    generator = generator or TransformersGenerator()
     t_start = time.perf_counter()
     timings: dict[str, float] = {}
     prompts_path, prompts, refs, models = _load_inputs(cfg)
@@ -436,7 +448,7 @@ def run_gate(cfg: GateConfig, scorer: BertScore | None = None) -> GateResult:
     memo = DigestMemo(cache_dir / "file-digests.json")
     settings = cfg.generation_settings()
 
-    runs, refs, mode, note = _generate_all(cfg, models, prompts, refs, settings, cache_dir, memo, timings)
+    runs, refs, mode, note = _generate_all(cfg, models, prompts, refs, settings, cache_dir, memo, timings, generator)
     memo.save()
 
     t = time.perf_counter()
@@ -473,7 +485,6 @@ def run_gate(cfg: GateConfig, scorer: BertScore | None = None) -> GateResult:
                 "difference": float(cf - bf), "candidate_below_floor": bool(cb), "baseline_below_floor": bool(bb)}
                for p, r, c, b, cf, bf, cb, bb in zip(prompts, refs, runs["candidate"].outputs,
                                                      runs["baseline"].outputs, cand_f, base_f, cand_below, base_below)]
-    gen_settings = settings.resolved().cache_view()
     report = {
         "schema": SCHEMA,
         "verdict": verdict,
@@ -501,8 +512,7 @@ def run_gate(cfg: GateConfig, scorer: BertScore | None = None) -> GateResult:
         "lm_metrics": lm,
         "longctx": longctx,
         "worst": [samples[i] for i in order[:WORST_K]],
-        "generation": {"settings": {**gen_settings, "chat_default": cfg.chat},
-                       "settings_hash": json_hash({**gen_settings, "chat_default": cfg.chat})[:16]},
+        "generation": _generation_entry(settings, cfg.chat, generator),
         "models": {role: _model_entry(run) for role, run in runs.items()},
         "timings": timings,
         "versions": _versions(),

@@ -10,6 +10,12 @@ Every output is cached under a key that hashes the model's fingerprint (content 
 see :mod:`eval.fingerprint`), the rendered prompt, the settings and the library versions. A rerun
 reads the cache; a changed checkpoint, prompt or setting misses it. The cache is one JSONL file
 per model fingerprint in ``<cache_dir>/generations/``.
+
+Who generates is a :class:`Generator`: :class:`TransformersGenerator` (``model.generate``, the default)
+or any other backend with the same contract, e.g. the serving engine (``serve.offline.EngineGenerator``,
+which the quantized export's gate uses: transformers runs torchao's int8 linears slowly on CPU). The
+generator's :meth:`Generator.identity` is part of every cache key, so outputs of different backends
+(which may differ in the last bits of the logits, and so in a greedy token) never mix.
 """
 
 from __future__ import annotations
@@ -17,8 +23,10 @@ from __future__ import annotations
 import gc
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -70,6 +78,7 @@ class GenerationRun:
     cache_hits: int = 0
     cache_misses: int = 0
     timings: dict[str, float] = field(default_factory=dict)
+    backend: dict[str, str] = field(default_factory=dict)  # the generator's identity (part of the cache key)
 
 
 def check_model_dir(model: str | Path) -> Path:
@@ -146,16 +155,75 @@ class GenerationCache:
                 f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
 
 
+Row = tuple[str, int, bool]  # (text, new tokens, hit max_new_tokens) of one prompt
+OnRows = Callable[[list[int], list[Row]], None]  # (indices into the ids given, their rows) as they finish
+
+
+def eos_ids(model, tok) -> list[int]:
+    """The token ids that end a generation: the model's generation config, else the tokenizer's EOS."""
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        eos = tok.eos_token_id
+    return list(eos) if isinstance(eos, (list, tuple)) else ([] if eos is None else [int(eos)])
+
+
+def finish_row(tok, new_ids: list[int], eos: list[int], max_new_tokens: int) -> Row:
+    """``(text, new_tokens, hit_limit)`` of one generation, cut at its first EOS.
+
+    Every backend ends its rows here, so equal token ids give equal texts whoever generated them.
+    """
+    n = next((i for i, t in enumerate(new_ids) if t in eos), len(new_ids))
+    return tok.decode(new_ids[:n], skip_special_tokens=True).strip(), n, n >= max_new_tokens
+
+
+class Generator:
+    """Who turns token ids into outputs for :func:`generate_outputs` (the gate's injection point).
+
+    Subclasses implement :meth:`load` (raising :class:`ModelLoadError` on a model that cannot load) and
+    :meth:`run`; :meth:`identity` names the backend and whatever else changes its outputs besides the
+    model, prompt and :class:`GenerationSettings` (it goes into the cache key).
+    """
+
+    name = "generator"
+
+    def identity(self) -> dict[str, str]:
+        return {"backend": self.name}
+
+    def load(self, model_dir: Path, settings: GenerationSettings) -> Any:
+        """Whatever :meth:`run` needs (the model, ready to generate)."""
+        raise NotImplementedError
+
+    def run(self, loaded: Any, ids: list[list[int]], settings: GenerationSettings, on_rows: OnRows
+            ) -> dict[str, float]:
+        """Generate for every row of ``ids`` (prompt token ids, longest first), reporting finished rows
+        through ``on_rows`` as they come; returns extra timings or counters (may be empty)."""
+        raise NotImplementedError
+
+
+class TransformersGenerator(Generator):
+    """``model.generate`` in left-padded batches of ``settings.batch_size`` (the default backend)."""
+
+    name = "transformers"
+
+    def load(self, model_dir: Path, settings: GenerationSettings) -> Any:
+        return load_model(model_dir, settings.device, settings.dtype)
+
+    def run(self, loaded: Any, ids: list[list[int]], settings: GenerationSettings, on_rows: OnRows
+            ) -> dict[str, float]:
+        model, tok = loaded
+        for start in range(0, len(ids), settings.batch_size):
+            chunk = list(range(start, min(start + settings.batch_size, len(ids))))
+            on_rows(chunk, _generate_batch(model, tok, [ids[i] for i in chunk], settings))
+        return {}
+
+
 @torch.inference_mode()
-def _generate_batch(model, tok, ids: list[list[int]], settings: GenerationSettings) -> list[tuple[str, int, bool]]:
+def _generate_batch(model, tok, ids: list[list[int]], settings: GenerationSettings) -> list[Row]:
     """Left-pad ``ids`` and decode; returns ``(text, new_tokens, hit_limit)`` per row."""
     from transformers import GenerationConfig
 
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-    eos = model.generation_config.eos_token_id
-    if eos is None:
-        eos = tok.eos_token_id
-    eos_set = set(eos if isinstance(eos, list) else ([] if eos is None else [eos]))
+    eos = eos_ids(model, tok)
     width = max(len(x) for x in ids)
     input_ids = torch.full((len(ids), width), pad, dtype=torch.long)
     mask = torch.zeros((len(ids), width), dtype=torch.long)
@@ -163,25 +231,24 @@ def _generate_batch(model, tok, ids: list[list[int]], settings: GenerationSettin
         input_ids[i, width - len(row):] = torch.tensor(row)
         mask[i, width - len(row):] = 1
     kw = dict(max_new_tokens=settings.max_new_tokens, do_sample=settings.do_sample, pad_token_id=pad,
-              eos_token_id=eos, bos_token_id=model.generation_config.bos_token_id)
+              eos_token_id=eos or None, bos_token_id=model.generation_config.bos_token_id)
     if settings.do_sample:
         kw.update(temperature=settings.temperature, top_p=settings.top_p, top_k=0)
     config = GenerationConfig(**kw)
     torch.manual_seed(settings.seed)
     out = model.generate(input_ids=input_ids.to(model.device), attention_mask=mask.to(model.device),
                          generation_config=config)
-    results = []
-    for row in out[:, width:].tolist():
-        n = next((i for i, t in enumerate(row) if t in eos_set), len(row))
-        text = tok.decode(row[:n], skip_special_tokens=True).strip()
-        results.append((text, n, n >= settings.max_new_tokens))
-    return results
+    return [finish_row(tok, row, eos, settings.max_new_tokens) for row in out[:, width:].tolist()]
 
 
 def generate_outputs(model_dir: str | Path, prompts: list[Prompt], settings: GenerationSettings,
                      cache_dir: Path | None, default_chat: bool = False, memo: DigestMemo | None = None,
-                     desc: str = "generate") -> GenerationRun:
-    """Outputs of the model in ``model_dir`` for ``prompts``, generating only what the cache lacks."""
+                     desc: str = "generate", generator: Generator | None = None) -> GenerationRun:
+    """Outputs of the model in ``model_dir`` for ``prompts``, generating only what the cache lacks.
+
+    ``generator``: who generates (default :class:`TransformersGenerator`); its identity is in the keys.
+    """
+    generator = generator or TransformersGenerator()
     settings = settings.resolved()
     t0 = time.perf_counter()
     path = check_model_dir(model_dir)
@@ -190,36 +257,44 @@ def generate_outputs(model_dir: str | Path, prompts: list[Prompt], settings: Gen
     cache = GenerationCache(cache_dir, fp)
     t1 = time.perf_counter()
     tok = load_tokenizer(path)
-    base = {"model": fp, "settings": settings.cache_view(), "versions": _versions()}
+    backend = generator.identity()
+    base = {"model": fp, "settings": settings.cache_view(), "versions": _versions(), "backend": backend}
     rendered = [render(tok, p, default_chat) for p in prompts]
     keys = [json_hash({**base, "input": text}) for text, _ in rendered]
     todo = [i for i, k in enumerate(keys) if k not in cache.rows]
     timings["render_s"] = time.perf_counter() - t1
     if todo:
         t2 = time.perf_counter()
-        model, tok = load_model(path, settings.device, settings.dtype)
+        loaded = generator.load(path, settings)  # before the bar: a load error stays one line
         timings["load_s"] = time.perf_counter() - t2
-        t3 = time.perf_counter()
         order = sorted(todo, key=lambda i: -len(rendered[i][1]))  # long first: the slowest batch shows early
-        bar = tqdm(total=len(order), desc=f"{desc} ({path.name})", unit="prompt")
+        bar = tqdm(total=len(order), desc=f"{desc} ({path.name}, {backend['backend']})", unit="prompt")
         produced = 0
-        for start in range(0, len(order), settings.batch_size):
-            chunk = order[start:start + settings.batch_size]
-            res = _generate_batch(model, tok, [rendered[i][1] for i in chunk], settings)
-            cache.add([{"key": keys[i], "id": prompts[i].id, "output": text, "new_tokens": n, "hit_limit": lim}
-                       for i, (text, n, lim) in zip(chunk, res)])
-            produced += sum(n for _, n, _ in res)
-            bar.update(len(chunk))
+
+        def on_rows(idx: list[int], rows: list[Row]) -> None:
+            nonlocal produced
+            cache.add([{"key": keys[order[j]], "id": prompts[order[j]].id, "output": text, "new_tokens": n,
+                        "hit_limit": lim} for j, (text, n, lim) in zip(idx, rows)])
+            produced += sum(n for _, n, _ in rows)
+            bar.update(len(idx))
             bar.set_postfix(tok_s=f"{produced / max(time.perf_counter() - t3, 1e-9):.0f}")
-        bar.close()
+
+        t3 = time.perf_counter()
+        try:
+            timings.update(generator.run(loaded, [rendered[i][1] for i in order], settings, on_rows))
+        finally:
+            bar.close()
+            del loaded
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
         timings["generate_s"] = time.perf_counter() - t3
         timings["generated_tokens"] = produced
-        del model
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        missing = [i for i in todo if keys[i] not in cache.rows]
+        if missing:
+            raise RuntimeError(f"generator {backend['backend']} returned no output for {len(missing)} prompt(s)")
     rows = [cache.rows[k] for k in keys]
     timings["total_s"] = time.perf_counter() - t0
     return GenerationRun(str(path), fp, [r["output"] for r in rows], [r["new_tokens"] for r in rows],
                          [r["hit_limit"] for r in rows], cache_hits=len(prompts) - len(todo),
-                         cache_misses=len(todo), timings=timings)
+                         cache_misses=len(todo), timings=timings, backend=backend)

@@ -12,8 +12,11 @@ model has one, and a ``README.md`` model card built from the run's config, metri
 It loads with plain ``AutoModelForCausalLM.from_pretrained``. The directory appears whole or not at all.
 
 ``quantize=int8`` stores the decoder's linears as torchao int8 W8A8 (int8 weights, dynamic int8 activations
-per token; embeddings and head in full precision; :mod:`serve.quantize`), runs the release gate of the quantized model against the unquantized
-one and writes the verdict and the sizes into the model card (``quantization_gate.json`` beside it).
+per token; embeddings and head in full precision; :mod:`serve.quantize`); ``quantize=int8wo`` as int8
+weights only (torchao ``Int8WeightOnlyConfig``). Either runs the release gate of the quantized model against the unquantized
+one and writes the verdict and the sizes into the model card (``quantization_gate.json`` beside it). The
+gate generates both models' outputs through the serving engine (``quant_gate_backend=engine``, as the export
+is served; transformers runs torchao's int8 linears far slower on CPU).
 """
 
 from __future__ import annotations
@@ -31,8 +34,11 @@ import torch
 
 from core.config import ConfigError, check_fields, field, parse_config, run_cli
 from core.rundir import check_replaceable
+from eval.generation import Generator, TransformersGenerator, check_model_dir
+from eval.prompt_set import GateInputError, load_prompts
 from serve import export as ex
 from serve import quantize as qz
+from serve.offline import EngineGenerator
 
 
 @dataclass
@@ -48,15 +54,24 @@ class ExportConfig:
     overwrite: bool = field(False, help="replace an existing output_dir")
     threads: int = field(0, ge=0, help="torch CPU threads (0: leave torch's default)")
     # -- quantized export (serve.quantize) --
-    quantize: str = field("none", help="none | int8: torchao int8 decoder linears, int8 weights and dynamic int8 "
-                                       "activations (embeddings and head stay full precision; needs pip install "
-                                       "'hybrid-distill[quant]')")
+    quantize: str = field("none", help="none | int8 | int8wo: torchao int8 decoder linears; int8 = int8 weights and "
+                                       "dynamic int8 activations (W8A8), int8wo = int8 weights only (activations "
+                                       "stay floating point: closer to fp32). Embeddings and head stay full "
+                                       "precision; needs pip install 'hybrid-distill[quant]'")
     quant_gate: bool = field(True, help="with quantize: run the release gate of the quantized model against the "
                                         "unquantized one and put the verdict in the model card")
     quant_max_drop: float = field(0.02, gt=0, lt=1, help="with quant_gate: largest acceptable BERTScore drop "
                                   "(drift of the quantized outputs from the unquantized ones, 1 - F1)")
     quant_gate_prompts: str | None = field(None, help="with quant_gate: prompt JSONL (default: the bundled 100)")
     quant_gate_max_new_tokens: int = field(64, ge=1, help="with quant_gate: tokens generated per prompt")
+    quant_gate_teacher: str | None = field(None, help="with quant_gate: a model (dir or name) whose generations are "
+                                           "the references: the gate then bounds the quality drop F1(unquantized) - "
+                                           "F1(quantized) against them (teacher mode) instead of how far the "
+                                           "quantized outputs moved from the unquantized ones (drift mode, default)")
+    quant_gate_backend: str = field("engine", choices=("engine", "transformers"),
+                                    help="with quant_gate: who generates both models' outputs: engine (the serving "
+                                         "engine, as the export is served; fast int8 on CPU) or transformers "
+                                         "(model.generate; torchao's int8 CPU linears are far slower)")
 
     def __post_init__(self) -> None:
         check_fields(self)  # every field's range/choices, declared above (core.config.field)
@@ -72,8 +87,16 @@ class ExportConfig:
             raise ConfigError(f"checkpoint={self.checkpoint} is not understood; use auto, final, latest or a step")
         ex.parse_size(self.max_shard_size)
         self.quantize = str(self.quantize).lower()
-        if self.quantize not in ("none", "int8", "int4"):
-            raise ConfigError(f"quantize={self.quantize} is not supported; use none or int8")
+        if self.quantize != "none":
+            qz.check_scheme(self.quantize)  # before the (slow) load
+        if self.quantize != "none" and self.quant_gate:
+            # A broken prompt file or teacher must fail now, not after the quantization and the baseline's outputs.
+            for key, check in (("quant_gate_prompts", load_prompts), ("quant_gate_teacher", check_model_dir)):
+                try:
+                    if getattr(self, key):
+                        check(getattr(self, key))
+                except GateInputError as err:
+                    raise ConfigError(f"{key}: {err}") from None
 
 
 @dataclass
@@ -98,6 +121,11 @@ class ExportResult:
             f"  {ex.human_bytes(self.size_bytes)} in {self.shards} safetensors file(s), "
             f"{ex.DTYPE_NAMES.get(self.dtype, self.dtype)}, {ex.human_count(self.params)} parameters, {attn}",
         ])
+
+
+def _gate_generator(cfg: ExportConfig) -> Generator:
+    """Who generates for the quantized export's gate: the serving engine unless asked otherwise."""
+    return EngineGenerator() if cfg.quant_gate_backend == "engine" else TransformersGenerator()
 
 
 def export(cfg: ExportConfig) -> ExportResult:
@@ -128,7 +156,7 @@ def export(cfg: ExportConfig) -> ExportResult:
             ex.save_export(student, tmp, max_shard_size=cfg.max_shard_size)
             card = ex.model_card(out.name, student, records, dtype, size_bytes=ex.dir_size(tmp))
         else:  # serve.quantize: the unquantized export goes to a scratch dir, the quantized one to tmp
-            card = qz.export_quantized(student, tmp, cfg, records, out.name)
+            card = qz.export_quantized(student, tmp, cfg, records, out.name, _gate_generator(cfg))
         ex.write_card(tmp, card, records)
 
     result = ExportResult(out, ex.dir_size(out), dtype, student.params, student.hybrid,

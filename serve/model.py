@@ -27,7 +27,9 @@ An int8 export (torchao W8A8, :mod:`serve.quantize`) gets fused copies of its in
 prepacked for oneDNN's int8 GEMM (``onednn.qlinear_pointwise``); each call quantizes its input per token
 (:func:`quantize_per_token`, torchao's own rule) and scales the int32 result back, which is torchao's
 W8A8 linear computed faster (its CPU path and its weight-only sibling are slower than fp32 here). Prefill
-goes through them too; the head stays fp32. Other torchao layouts run through torchao's linears.
+goes through them too; the head stays fp32. A weight-only int8 export (``int8wo``) gets fused copies of its
+int8 weights run by ``torch._weight_int8pack_mm`` with activations rounded to bf16 (its fast CPU kernel;
+with fp32 activations it is a slow reference loop). Other torchao layouts run through torchao's linears.
 """
 
 from __future__ import annotations
@@ -137,6 +139,41 @@ def int8_w8a8_parts(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | No
     return qdata.detach(), scale.detach().reshape(-1).float()
 
 
+def int8_weight_only_parts(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(qdata [out, in] int8, scale [out] fp32)`` of a torchao weight-only int8 linear, else None.
+
+    Weight-only = torchao's ``Int8WeightOnlyConfig`` as :mod:`serve.quantize` exports it (``int8wo``):
+    symmetric int8 weights, one scale per output row, activations left in floating point.
+    """
+    w = getattr(linear, "weight", None)
+    qdata, scale = getattr(w, "qdata", None), getattr(w, "scale", None)
+    if qdata is None or scale is None or qdata.dtype != torch.int8 or qdata.dim() != 2:
+        return None
+    if getattr(w, "act_quant_kwargs", None) is not None or getattr(w, "act_pre_scale", None) is not None:
+        return None
+    zp = getattr(w, "zero_point", None)
+    if list(getattr(w, "block_size", [])) != [1, qdata.shape[1]] or scale.numel() != qdata.shape[0] or (
+            zp is not None and bool(zp.any())):
+        return None
+    return qdata.detach(), scale.detach().reshape(-1).float()
+
+
+_INT8PACK_K = 16  # in_features must be a multiple (torch 2.13 CPU kernel, checked: other K segfault)
+
+
+@functools.cache
+def _int8pack_available() -> bool:
+    """Whether this build has a CPU ``torch._weight_int8pack_mm`` for bf16 activations (int8 weights, one
+    scale per row): the kernel that makes weight-only int8 decode fast (with fp32 activations it is a slow
+    reference loop on CPU, measured ~10x slower than the fp32 linear)."""
+    try:  # K = 16: the CPU kernel reads K in blocks of 16 and crashes (segfault) on other K; see _Fused
+        out = torch._weight_int8pack_mm(torch.ones(1, _INT8PACK_K, dtype=torch.bfloat16),
+                                        torch.ones(2, _INT8PACK_K, dtype=torch.int8), torch.ones(2, dtype=torch.bfloat16))
+        return bool(torch.equal(out.float(), torch.full((1, 2), float(_INT8PACK_K))))
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 per row of ``x`` ``[rows, in]`` -> (int8 ``[rows, in]``, fp32 scale ``[rows, 1]``).
 
@@ -166,12 +203,19 @@ class _Fused:
     def __init__(self, linears: list[nn.Linear]) -> None:
         parts = [int8_w8a8_parts(m) for m in linears]
         self.int8 = all(p is not None for p in parts) and _onednn_int8_available()
+        wo = [int8_weight_only_parts(m) for m in linears]
+        # Weight-only int8: int8 weights, activations rounded to bf16 for torch's int8-weight GEMM.
+        self.w8 = not self.int8 and _Fused._w8_fusable(wo)
         if self.int8:  # int8 weights stay int8: oneDNN's int8 GEMM (VNNI where the CPU has it)
             q = torch.cat([p[0] for p in parts], dim=0)
             self.scale = torch.cat([p[1] for p in parts])
             self._zp = torch.zeros(q.shape[0], dtype=torch.long, device=q.device)
             self._out, self._in = q.shape
             self.weight = torch.ops.onednn.qlinear_prepack(q, None)
+        elif self.w8:
+            self.weight = torch.cat([p[0] for p in wo], dim=0).contiguous()
+            self.scale = torch.cat([p[1] for p in wo]).to(torch.bfloat16)
+            self._out, self._in = self.weight.shape
         else:
             w = torch.cat([m.weight.detach() for m in linears], dim=0)  # [out, in]
             self._out, self._in = w.shape
@@ -180,10 +224,10 @@ class _Fused:
             ref = next(m.bias for m in linears if m.bias is not None).detach()
             self.bias = torch.cat([m.bias.detach() if m.bias is not None else ref.new_zeros(m.out_features)
                                    for m in linears])
-            if self.int8:  # the int8 GEMM returns fp32
+            if self.int8 or self.w8:  # added to an fp32 result
                 self.bias = self.bias.float()
         self.packed = False
-        if not self.int8:
+        if not self.int8 and not self.w8:
             self.packed = w.device.type == "cpu" and w.dtype == torch.float32 and _onednn_linear_available()
             self.weight = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS) if self.packed else w
 
@@ -191,13 +235,24 @@ class _Fused:
     def fusable(linears: list[nn.Module]) -> bool:
         """Whether ``linears`` can be fused: all plain weights, or all torchao W8A8 (:func:`int8_w8a8_parts`)."""
         plain = [type(m.weight) in (torch.Tensor, nn.Parameter) for m in linears]
-        return all(plain) or (all(int8_w8a8_parts(m) is not None for m in linears) and _onednn_int8_available())
+        return (all(plain) or (all(int8_w8a8_parts(m) is not None for m in linears) and _onednn_int8_available())
+                or _Fused._w8_fusable([int8_weight_only_parts(m) for m in linears]))
+
+    @staticmethod
+    def _w8_fusable(parts: list[tuple[torch.Tensor, torch.Tensor] | None]) -> bool:
+        """Weight-only int8 parts that torch's int8-weight kernel can run (CPU, in_features % 16 == 0)."""
+        return (all(p is not None and p[0].device.type == "cpu" and p[0].shape[1] % _INT8PACK_K == 0 for p in parts)
+                and _int8pack_available())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[rows, t, in]`` -> ``[rows, t, sum(out)]``."""
         if self.int8:
             xq, xs = _quantize_per_token_u8(x.reshape(-1, self._in))
             y = _qlinear(xq, self.weight, self.scale, self._zp) * xs
+            y = y if self.bias is None else y + self.bias
+            return y.view(*x.shape[:-1], self._out)
+        if self.w8:  # bf16 in, bf16 out (fp32 accumulation inside); the residual stream stays fp32
+            y = torch._weight_int8pack_mm(x.reshape(-1, self._in).to(torch.bfloat16), self.weight, self.scale).float()
             y = y if self.bias is None else y + self.bias
             return y.view(*x.shape[:-1], self._out)
         if self.packed:
@@ -211,6 +266,8 @@ class _Fused:
     def nbytes(self) -> int:
         if self.int8:  # the prepacked int8 weight (an opaque layout of out x in bytes) and its scales
             return self._out * self._in + self.scale.numel() * 4
+        if self.w8:
+            return self._out * self._in + self.scale.numel() * 2
         return self.weight.numel() * self.weight.element_size()
 
 

@@ -15,13 +15,19 @@ per output row, and at run time each token's activations quantized to int8 (symm
 token) so the matmul is int8 x int8. The input embeddings and the LM head stay in the export's dtype:
 quantizing them garbles output, and with tied embeddings the head *is* the embedding matrix.
 
-Why W8A8 rather than weight-only int8: on CPU, int8 weights only pay off when the matmul itself is
-int8. torchao's weight-only linear converts the int8 weights to fp32 at every call, and its W8A8 linear
-falls back to a slow integer matmul, both slower than fp32. The engine runs the same W8A8 math through
-oneDNN's int8 GEMM on fused copies of the same int8 weights (:mod:`serve.model`): 2-2.5x fp32 for
-prefill, about even with fp32 at decode on the small demo student (the per-token activation
-quantization is a handful of small ops per linear; ``bench/serve_quant.py``). Per-token scales keep every
-request's numbers independent of what it is batched with.
+``int8`` (W8A8): torchao's own CPU linear falls back to a slow integer matmul; the engine runs the same
+W8A8 math through oneDNN's int8 GEMM on fused copies of the int8 weights (:mod:`serve.model`): faster
+prefill than fp32, about even at decode on the small demo student (the per-token activation quantization
+is a handful of small ops per linear; ``bench/serve_quant.py``). Per-token scales keep every request's
+numbers independent of what it is batched with.
+
+``int8wo`` (weight-only, torchao ``Int8WeightOnlyConfig``): the same int8 weights with one scale per row,
+activations left in floating point, so closer to fp32 (demo student, teacher-forced on the bundled
+prompts: KL to fp32 0.002 vs 0.026 for W8A8, top-1 agreement 0.95 vs 0.89). transformers runs it
+through torchao's linear, which dequantizes at every call; the engine instead runs fused copies of the
+int8 weights through ``torch._weight_int8pack_mm`` with the activations rounded to bf16 (its fast CPU
+kernel; with fp32 activations it is a slow reference loop), faster than fp32 at decode on the demo
+student (``bench/serve_quant.py --schemes int8 int8wo``).
 
 int4: torchao's int4 weight-only layout needs its ``mslk`` kernels, which exist for CUDA only (checked
 with torchao 0.18 on CPU: ``ImportError: Requires mslk``), so it is refused with a one-line error rather
@@ -38,15 +44,17 @@ import torch
 from torch import nn
 
 from attention.integration import SUPPORTED_MODEL_TYPES as SUPPORTED
+from core.config import ConfigError
 from serve import export as ex
 
-SCHEMES = ("int8",)
+SCHEMES = ("int8", "int8wo")
 KEEP_FULL_PRECISION = ("lm_head",)  # embeddings are not linears: torchao leaves them alone by default
 _EMBEDDING_KEYS = ("embed_tokens", "lm_head", "wte", "embed_out")
 
 
-class QuantizeError(ValueError):
-    """A model or scheme that cannot be quantized; the message is one line naming the fix."""
+class QuantizeError(ConfigError):
+    """A model or scheme that cannot be quantized; the message is one line naming the fix (a recipe's
+    command line prints it as one ``error:`` line, like any :class:`core.config.ConfigError`)."""
 
 
 def _torchao():
@@ -58,16 +66,21 @@ def _torchao():
     return tq
 
 
-def check_quantizable(model: nn.Module, scheme: str) -> None:
-    """Raise :class:`QuantizeError` (one line) unless ``model`` can be quantized with ``scheme``.
-
-    Called before anything is written, so a refused export leaves nothing behind.
-    """
+def check_scheme(scheme: str) -> None:
+    """Raise :class:`QuantizeError` (one line) unless ``scheme`` is one we export (no model needed)."""
     if scheme == "int4":
         raise QuantizeError("quantize=int4 is not available: torchao's int4 weight-only kernels run on CUDA "
                             "only (they need mslk), and exports must serve on CPU; use quantize=int8")
     if scheme not in SCHEMES:
         raise QuantizeError(f"quantize={scheme} is not supported; use none or {' or '.join(SCHEMES)}")
+
+
+def check_quantizable(model: nn.Module, scheme: str) -> None:
+    """Raise :class:`QuantizeError` (one line) unless ``model`` can be quantized with ``scheme``.
+
+    Called before anything is written, so a refused export leaves nothing behind.
+    """
+    check_scheme(scheme)
     mt = getattr(model.config, "model_type", None)
     if mt not in SUPPORTED:
         raise QuantizeError(f"quantize={scheme} supports {', '.join(SUPPORTED)} models, not model_type {mt!r}; "
@@ -84,7 +97,7 @@ def torchao_config(scheme: str) -> Any:
     from transformers import TorchAoConfig
 
     tq = _torchao()
-    quant = {"int8": tq.Int8DynamicActivationInt8WeightConfig}[scheme]()
+    quant = {"int8": tq.Int8DynamicActivationInt8WeightConfig, "int8wo": tq.Int8WeightOnlyConfig}[scheme]()
     return TorchAoConfig(quant_type=quant, modules_to_not_convert=list(KEEP_FULL_PRECISION))
 
 
@@ -136,13 +149,39 @@ _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "
            "I16": torch.int16}
 
 
+def _gate_lines(gate: dict, gate_note: str) -> list[str]:
+    """The card's gate paragraph: verdict, BERTScore of each side, the drop with its interval, who generated."""
+    bs = gate.get("bertscore", {})
+    cand, base, diff = bs.get("candidate", {}), bs.get("baseline", {}), bs.get("difference", {})
+    conf = f"{100 * float(diff.get('confidence', 0.95)):g} %"
+    threshold = gate.get("threshold", {}).get("value")
+    backend = gate.get("generation", {}).get("backend", {}).get("backend", "transformers")
+    lines = [f"**Release gate against the unquantized model: {str(gate.get('verdict', '?')).upper()}** "
+             f"({gate_note}).", ""]
+    if diff:
+        lines += ["| BERTScore F1 | mean | " + conf + " interval |", "|---|---|---|",
+                  f"| quantized | {cand['mean']:.4f} | [{cand['low']:.4f}, {cand['high']:.4f}] |",
+                  f"| unquantized | {base['mean']:.4f} | [{base['low']:.4f}, {base['high']:.4f}] |",
+                  f"| drop (unquantized − quantized) | {-diff['mean']:.4f} | [{-diff['high']:.4f}, "
+                  f"{-diff['low']:.4f}] |", "",
+                  f"Threshold: drop < {threshold}. Outputs generated greedily by `{backend}` "
+                  f"({gate.get('generation', {}).get('settings', {}).get('max_new_tokens', '?')} new tokens per "
+                  f"prompt); gate wall time {gate.get('timings', {}).get('total', float('nan')):.0f} s.", ""]
+    lines += ["```json", json.dumps({k: gate.get(k) for k in ("verdict", "mode", "threshold", "reasons")}, indent=2),
+              "```"]
+    return lines
+
+
 def card_section(scheme: str, sizes: dict[str, int], base_sizes: dict[str, int], gate: dict | None,
                  gate_note: str) -> str:
     """The model card's ``## Quantization`` section: scheme, sizes against the unquantized weights, gate."""
     ratio = sizes["other"] / max(1, base_sizes["other"])
+    what = {"int8": "int8 weights and dynamic int8 activations (torchao `Int8DynamicActivationInt8WeightConfig`: "
+                    "one scale per weight row, one per token)",
+            "int8wo": "int8 weights, activations in floating point (torchao `Int8WeightOnlyConfig`: one scale per "
+                      "weight row; the serving engine rounds activations to bf16 for its int8-weight kernel)"}
     lines = ["", "## Quantization", "",
-             f"{scheme} weights and dynamic {scheme} activations (torchao `Int8DynamicActivationInt8WeightConfig`: "
-             "one scale per weight row, one per token) on every linear of the decoder layers; embeddings and "
+             f"{what.get(scheme, scheme)} on every linear of the decoder layers; embeddings and "
              "LM head kept in full precision. "
              "Load it with `AutoModelForCausalLM.from_pretrained(dir)` (needs `pip install torchao`).", "",
              "| weights | unquantized | quantized | ratio |", "|---|---|---|---|"]
@@ -153,38 +192,41 @@ def card_section(scheme: str, sizes: dict[str, int], base_sizes: dict[str, int],
     if gate is None:
         lines.append(f"Release gate against the unquantized model: not run ({gate_note}).")
     else:
-        lines += [f"**Release gate against the unquantized model: {str(gate.get('verdict', '?')).upper()}** "
-                  f"({gate_note}).", "", "```json", json.dumps({k: gate.get(k) for k in
-                                                                ("verdict", "mode", "threshold", "reasons")},
-                                                               indent=2), "```"]
+        lines += _gate_lines(gate, gate_note)
     return "\n".join(lines) + "\n"
 
 
-def run_quant_gate(candidate: Path, baseline: Path, out: Path, cfg: Any) -> dict:
+def run_quant_gate(candidate: Path, baseline: Path, out: Path, cfg: Any, generator: Any = None) -> dict:
     """The release gate (:mod:`eval.gate`) of the quantized export against the unquantized one.
 
-    No references exist for "the same model, quantized", so the gate runs in drift mode: the
-    quantized model's outputs are scored (BERTScore F1) against the unquantized model's outputs on the
-    same prompts, and it passes when the mean drop ``1 - F1`` is below ``cfg.quant_max_drop`` with 95 %
-    confidence. Returns the gate report (``report.json``).
+    By default (no ``cfg.quant_gate_teacher``) the gate runs in drift mode: the quantized model's
+    outputs are scored (BERTScore F1) against the unquantized model's outputs on the same prompts, and
+    it passes when the mean drop ``1 - F1`` is below ``cfg.quant_max_drop`` with 95 % confidence. With a
+    teacher, both are scored against the teacher's outputs and the bound is on the quality drop
+    ``F1(unquantized) - F1(quantized)`` (teacher mode). ``generator`` generates both (an :class:`eval.generation.Generator`; default: the
+    serving engine, :class:`serve.offline.EngineGenerator`, which runs the int8 linears as served and
+    far faster than transformers does on CPU). Returns the gate report (``report.json``).
     """
     from eval.bertscore import ScorerMissingError
     from eval.gate import GateConfig, run_gate
+    from serve.offline import EngineGenerator
 
     gcfg = GateConfig(candidate=str(candidate), baseline=str(baseline), out=str(out), prompts=cfg.quant_gate_prompts,
+                      teacher=getattr(cfg, "quant_gate_teacher", None), max_drop=cfg.quant_max_drop,
                       max_drift=cfg.quant_max_drop, max_new_tokens=cfg.quant_gate_max_new_tokens,
                       skip_lm_metrics=True, chat=True, device="cpu")
     try:
-        return run_gate(gcfg).report
+        return run_gate(gcfg, generator=generator or EngineGenerator()).report
     except ScorerMissingError as e:
         raise QuantizeError(f"{e} (or export with quant_gate=false)") from None
 
 
-def export_quantized(student: Any, out_dir: Path, cfg: Any, records: Any, name: str) -> str:
+def export_quantized(student: Any, out_dir: Path, cfg: Any, records: Any, name: str, generator: Any = None) -> str:
     """Write the quantized export of ``student`` into ``out_dir``; return its model card.
 
     The unquantized export is written to a scratch dir beside ``out_dir`` (the gate's baseline and the
-    size reference) and deleted afterwards.
+    size reference) and deleted afterwards. ``generator``: who generates for the gate (see
+    :func:`run_quant_gate`).
     """
     import tempfile
 
@@ -196,10 +238,14 @@ def export_quantized(student: Any, out_dir: Path, cfg: Any, records: Any, name: 
         sizes, base_sizes = weight_bytes(out_dir), weight_bytes(base)
         gate, note = None, "quant_gate=false"
         if cfg.quant_gate:
-            gate = run_quant_gate(out_dir, base, Path(scratch) / "gate", cfg)
+            gate = run_quant_gate(out_dir, base, Path(scratch) / "gate", cfg, generator)
+            n = gate.get("prompts", {}).get("n", "?")
             note = (f"drift mode: the quantized model's outputs scored by BERTScore F1 against the unquantized "
-                    f"model's on {gate.get('prompts', {}).get('n', '?')} prompts; pass = mean drop 1 - F1 "
-                    f"< {cfg.quant_max_drop} with 95 % confidence")
+                    f"model's on {n} prompts; pass = mean drop 1 - F1 < {cfg.quant_max_drop} with 95 % confidence"
+                    if gate.get("mode") == "drift" else
+                    f"{gate.get('mode')} mode: both models' outputs scored by BERTScore F1 against the "
+                    f"{'teacher' if gate.get('mode') == 'teacher' else 'given'} references on {n} prompts; pass = "
+                    f"mean drop F1(unquantized) - F1(quantized) < {cfg.quant_max_drop} with 95 % confidence")
             (Path(out_dir) / "quantization_gate.json").write_text(json.dumps(gate, indent=2, default=str) + "\n")
     card = ex.model_card(name, student, records, student.model.dtype, size_bytes=ex.dir_size(out_dir))
     print(f"quantized {cfg.quantize}: decoder-layer weights {sizes['other']:,} B vs {base_sizes['other']:,} B "

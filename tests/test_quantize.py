@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -64,8 +65,10 @@ def test_unsupported_model_or_scheme_is_refused_before_writing(tmp_path: Path) -
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["gpt2", "src"]
 
 
-def test_quant_gate_passes_the_quantized_model_against_itself_unquantized(tmp_path: Path) -> None:
-    """The gate runs and its verdict lands in the card (a wide-enough tiny model drifts little)."""
+@pytest.mark.parametrize("teacher", [False, True], ids=["drift", "teacher"])
+def test_quant_gate_passes_the_quantized_model_against_itself_unquantized(tmp_path: Path, teacher: bool) -> None:
+    """The gate runs and its verdict lands in the card (a wide-enough tiny model drifts little); with a
+    teacher it bounds the quality drop against the teacher's outputs instead of the drift."""
     pytest.importorskip("bert_score")
     from eval.bertscore import ScorerMissingError, scorer_model_dir
 
@@ -81,10 +84,22 @@ def test_quant_gate_passes_the_quantized_model_against_itself_unquantized(tmp_pa
     prompts.write_text("".join(f'{{"id": "p{i}", "prompt": "the quick brown fox {i}"}}\n' for i in range(10)))
     out = tmp_path / "int8"
     export(ExportConfig(source=str(src), output_dir=str(out), quantize="int8", quant_gate_prompts=str(prompts),
-                        quant_gate_max_new_tokens=8, quant_max_drop=0.5))
+                        quant_gate_max_new_tokens=8, quant_max_drop=0.5,
+                        quant_gate_teacher=str(src) if teacher else None))
     card = (out / "README.md").read_text()
-    assert "Release gate against the unquantized model:" in card
-    assert (out / "quantization_gate.json").is_file()
+    gate = json.loads((out / "quantization_gate.json").read_text())
+    assert gate["mode"] == ("teacher" if teacher else "drift")
+    assert ("teacher mode: both models' outputs scored" in card) == teacher
+    assert gate["threshold"]["value"] == 0.5
+    # Both models generated through the serving engine (as the export is served), and the card says so.
+    assert gate["generation"]["backend"]["backend"] == "serve.engine"
+    assert {m["backend"]["backend"] for m in gate["models"].values()} == {"serve.engine"}
+    assert f"Release gate against the unquantized model: {gate['verdict'].upper()}" in card
+    drop = gate["bertscore"]["difference"]
+    assert f"| drop (unquantized − quantized) | {-drop['mean']:.4f} | [{-drop['high']:.4f}, {-drop['low']:.4f}] |" in card
+    assert f"| quantized | {gate['bertscore']['candidate']['mean']:.4f} |" in card
+    assert "generated greedily by `serve.engine`" in card and "gate wall time" in card
+    assert "| decoder layers |" in card and "Decoder-layer weight bytes:" in card
 
 
 def _w8a8_linears(n_in: int, outs: list[int], bias: bool = False) -> list[torch.nn.Linear]:
@@ -132,5 +147,66 @@ def test_only_w8a8_weights_take_the_int8_path() -> None:
     assert int8_w8a8_parts(wo) is None and int8_w8a8_parts(plain) is None
     qdata, scale = int8_w8a8_parts(w8a8)
     assert qdata.dtype == torch.int8 and qdata.shape == (16, 32) and scale.shape == (16,)
-    assert not _Fused.fusable([wo]) and not _Fused.fusable([plain, w8a8]) and _Fused.fusable([plain])
+    assert not _Fused.fusable([plain, w8a8]) and not _Fused.fusable([wo, w8a8]) and _Fused.fusable([plain])
+    # Weight-only int8 takes its own path (int8wo), never the W8A8 one.
+    from serve.model import _int8pack_available
+
+    assert _Fused.fusable([wo]) == _int8pack_available()
+    if _int8pack_available():
+        assert _Fused([wo]).w8 and not _Fused([wo]).int8
+    odd = torch.nn.Linear(40, 16, bias=False)  # in_features not a multiple of 16: the kernel would crash
+    tq.quantize_(odd, tq.Int8WeightOnlyConfig())
+    assert not _Fused.fusable([odd])
     assert _Fused.fusable([w8a8]) == _onednn_int8_available()
+
+
+def test_fused_weight_only_int8_linear_matches_a_naive_reference_and_torchao() -> None:
+    """int8wo: the engine's fused path is torchao's weight-only linear with activations rounded to bf16."""
+    from serve.model import _int8pack_available, int8_weight_only_parts
+
+    if not _int8pack_available():
+        pytest.skip("this torch build has no bf16 _weight_int8pack_mm")
+    import torchao.quantization as tq
+
+    torch.manual_seed(0)
+    mods = [torch.nn.Linear(96, n, bias=True) for n in (40, 24)]
+    for m in mods:
+        tq.quantize_(m, tq.Int8WeightOnlyConfig())
+    parts = [int8_weight_only_parts(m) for m in mods]
+    assert all(p is not None for p in parts) and int8_w8a8_parts(mods[0]) is None
+    assert _Fused.fusable(mods) and not _Fused.fusable([mods[0], torch.nn.Linear(96, 8)])
+    fused = _Fused(mods)
+    assert fused.w8 and not fused.int8 and fused.out_features == 64 and fused.nbytes() == 64 * 96 + 64 * 2
+    x = torch.randn(5, 1, 96) * torch.tensor([0.1, 1.0, 30.0, 3.0, 0.01])[:, None, None]
+    with torch.no_grad():
+        got = fused(x)
+        torchao_ref = torch.cat([m(x) for m in mods], dim=-1)
+    # Naive reference: weights dequantized with bf16 scales, bf16-rounded activations, fp32 math, bf16 result.
+    w = torch.cat([q.float() * s.bfloat16().float()[:, None] for q, s in parts])
+    bias = torch.cat([m.bias.detach() for m in mods])
+    xw = x.bfloat16().float() @ w.T
+    naive = xw.bfloat16().float() + bias
+    assert got.shape == (5, 1, 64)
+    row_max = xw.abs().amax(-1, keepdim=True)  # bf16 rounding is relative to the row's values
+    torch.testing.assert_close(got, naive, rtol=0, atol=1e-6 * float(row_max.max()))
+    assert ((got - torchao_ref).abs() <= 2 ** -7 * row_max).all()  # close to torchao's fp32-activation linear
+    assert not torch.equal(got, torchao_ref)  # ... but not it: the activations really are bf16
+    for r in range(5):  # rows are independent of their batch
+        assert torch.equal(fused(x[r:r + 1]), got[r:r + 1])
+
+
+def test_int8wo_export_serves_through_the_fused_path(tmp_path: Path) -> None:
+    from serve.engine import Engine
+    from serve.model import _int8pack_available
+    from serve.sampling import SamplingParams
+
+    src = save_tiny(tmp_path / "src", arch="llama", hidden=128, layers=2)
+    out = tmp_path / "int8wo"
+    export(ExportConfig(source=str(src), output_dir=str(out), quantize="int8wo", quant_gate=False))
+    sizes, base = weight_bytes(out), weight_bytes(src)
+    assert sizes["embeddings"] == base["embeddings"] and sizes["other"] <= 0.4 * base["other"]
+    assert "Int8WeightOnlyConfig" in (out / "README.md").read_text()
+    engine = Engine(out, max_batch=2)
+    assert engine.model._fast[0].qkv.w8 == _int8pack_available()
+    ids = engine.generate([[1, 5, 9, 33]], SamplingParams(max_new_tokens=6, ignore_eos=True))[0].token_ids
+    assert len(ids) == 6
