@@ -1,33 +1,43 @@
 """On-policy distillation on the demo pair: equal wall-clock against off-policy, and the step cost.
 
-    python bench/on_policy.py [--student DIR --budget 300 --fraction 0.5 --kind forward_kl --gen 64 --prompt 64]
+    python bench/on_policy.py --student DIR [--budget 300 --fraction 0.2 --on-kind reverse_kl --seed 0]
+    # or the two arms as parallel processes, then their verdict:
+    python bench/on_policy.py --student DIR --arms off --seed 0 > off.log
+    python bench/on_policy.py --student DIR --arms mix --seed 0 > mix.log
+    python bench/on_policy.py --compare off.log mix.log
 
 SmolLM2-135M-Instruct teacher; the student is ``--student`` (an HF folder, e.g. the demo's pruned
 student) or, without it, the teacher's layers 0-3 and 24-29. Built-in data packed into ``prompt + gen``
 token blocks. Two arms start from the same student and see the same block order, each for ``--budget``
-seconds of training (forward, rollouts, backward, optimizer), one after the other:
+seconds of training (forward, rollouts, backward, optimizer) under the recipe's optimizer and schedule
+(AdamW, lr 1e-3, 4 warmup steps, cosine decay to 0.1 over the budget):
 
 * **off-policy**: every micro-batch is data blocks (KD + CE, the recipe's default terms);
 * **on-policy mix**: a share ``--fraction`` of micro-batches are the student's own continuations
   of the blocks' first ``--prompt`` tokens (``--gen`` new tokens, through
-  :class:`distill.on_policy.OnPolicy`, i.e. serve's engine over the live weights; divergence only).
+  :class:`distill.on_policy.OnPolicy`, i.e. serve's engine over the live weights; divergence only,
+  ``--on-kind``), optionally after a warm start of ``--on-start`` of the budget off-policy.
 
 Measured after each arm, on held-out data the training never saw:
 
-* held-out perplexity (packed held-out blocks);
+* held-out perplexity (``--eval-blocks`` packed held-out blocks);
 * reverse KL to the teacher on the student's *own* continuations: the student continues
-  ``--eval-prompts`` held-out prefixes (sampling at T = 1, fixed seeds), then
-  ``mean over generated tokens of KL(p_student || p_teacher)`` — the exposure-bias gap on-policy
-  training targets.
+  ``--eval-prompts`` held-out prompts (``--eval-samples`` times each, sampling at T = 1 with the same
+  request seeds in every arm), then ``sum over generated tokens of KL(p_student || p_teacher)`` / their
+  number — the exposure-bias gap on-policy training targets — with its standard error over
+  continuations. At 32 prompts that error is ~4 % of the value (~6 % on an arm-to-arm change, as large
+  as the effect); the default 128 prompts make it ~2 % (~3 % on the change).
 
 Clock: ``--clock cpu`` (default) counts the budget and the step times in this process's CPU seconds.
 With ``--threads 1`` that is the wall-clock of an unloaded machine, and it stays fair when the machine
 is shared: a wall-clock budget would give more training to whichever arm ran in a quieter moment.
-``--clock wall`` counts wall seconds (use it on a machine of your own). Both are recorded.
+(CPU seconds per step still grow somewhat with contention: run the arms of one comparison side by side,
+``--arms off`` / ``--arms mix``, so they see the same load.) ``--clock wall`` counts wall seconds (use it
+on a machine of your own). Both are recorded.
 
-Step cost: inside the on-policy arm (``--fraction 0.5`` alternates off- and on-policy steps), the
-median time of on-policy steps over that of off-policy steps (same micro-batch size, same sequence
-length), in CPU and in wall seconds. JSON last line.
+Step cost: inside the on-policy arm (off- and on-policy steps interleaved), the median time of
+on-policy steps over that of off-policy steps (same micro-batch size, same sequence length), in CPU
+and in wall seconds. JSON last line.
 Targets: reverse KL on own continuations −10 % with perplexity no worse than +5 %; step cost ≤ 2×.
 """
 
@@ -111,6 +121,19 @@ def perplexity(student, blocks: torch.Tensor, batch: int) -> float:
     return ppl
 
 
+def lr_multiplier(args, step: int, progress: float) -> float:
+    """The recipe's warmup + cosine (``distill.training.warmup_cosine``) with the budget share as its progress.
+
+    Linear warmup over ``--warmup`` steps, then cosine decay to ``--min-lr-ratio`` at the end of the budget
+    (the number of steps a budget buys is not known in advance); ``--schedule constant``: 1.
+    """
+    if args.schedule == "constant":
+        return 1.0
+    if step < args.warmup:
+        return (step + 1) / (args.warmup + 1)
+    return args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
 def _clock(kind: str):
     return time.process_time if kind == "cpu" else time.perf_counter
 
@@ -141,6 +164,8 @@ def run_arm(name: str, fraction: float, args, teacher, student0, tokenizer, data
             pick = order[: args.batch]
         blocks = data.train[pick]
         t0, w0 = clock(), time.perf_counter()
+        for group in opt.param_groups:
+            group["lr"] = args.lr * lr_multiplier(args, step, (t0 - t_start) / args.budget)
         if first_on is None and clock() - t_start >= args.on_start * args.budget:
             first_on = step
         on = first_on is not None and policy.wants(step - first_on, 0, 1)
@@ -191,7 +216,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--gen-temperature", type=float, default=1.0, help="sampling temperature of the rollouts")
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens (prefix of each block)")
     ap.add_argument("--batch", type=int, default=4, help="rows per micro-batch")
-    ap.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate (the README's on-policy numbers used 3e-4; the recipe's default is now 1e-3)")
+    ap.add_argument("--lr", type=float, default=1e-3, help="AdamW peak learning rate (the recipe's default)")
+    ap.add_argument("--schedule", choices=("cosine", "constant"), default="cosine",
+                    help="cosine: the recipe's warmup + cosine decay, over the budget; constant: --lr throughout")
+    ap.add_argument("--warmup", type=int, default=4, help="warmup steps of the cosine schedule (the demo's)")
+    ap.add_argument("--min-lr-ratio", type=float, default=0.1, help="final lr / peak lr of the cosine schedule")
     ap.add_argument("--eval-blocks", type=int, default=64, help="held-out blocks for perplexity (all of them if fewer)")
     ap.add_argument("--eval-prompts", type=int, default=128, help="held-out prompts for the reverse KL (consecutive "
                     "--prompt-token windows of the held-out blocks)")
@@ -205,6 +234,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "student, data, seed, budget, clock, lr, eval settings): only the mix arm runs")
     ap.add_argument("--compare", nargs=2, metavar=("OFF_LOG", "MIX_LOG"), default=None,
                     help="only compare an --arms off log with an --arms mix log (no training)")
+    ap.add_argument("--skip-init", action="store_true", help="do not evaluate the untrained student (it does not "
+                    "depend on the seed: one run of a seed sweep is enough)")
     ap.add_argument("--save", default=None, help="folder to save each arm's trained student state dict in")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
@@ -240,7 +271,7 @@ def main() -> None:
     print(f"demo pair: student {args.student or 'teacher layers 0-3,24-29'} ({n_params:.0f}M), blocks of {seq} "
           f"tokens ({data.train.shape[0]} train / {min(args.eval_blocks, data.eval.shape[0])} held-out for ppl, "
           f"{len(eval_prompts)} held-out prompts x {args.eval_samples} continuations for the reverse KL), "
-          f"micro-batch {args.batch}, lr {args.lr:g}, {args.budget:.0f}s ({args.clock}) per arm, kd_kind={args.kind} "
+          f"micro-batch {args.batch}, lr {args.lr:g} ({args.schedule}), {args.budget:.0f}s ({args.clock}) per arm, kd_kind={args.kind} "
           f"(on-policy: {args.on_kind or args.kind}), threads={args.threads}, load average {os.getloadavg()[0]:.1f}",
           flush=True)
     loads = [os.getloadavg()[0]]
@@ -249,11 +280,7 @@ def main() -> None:
         init, off = last_json(args.off_json)["init"], last_json(args.off_json)["off_policy"]
         print(f"  init and off-policy: from {args.off_json} ({off['steps']} steps)", flush=True)
     elif args.arms != "mix":
-        ev = own_continuation_rkl(student0, teacher, tokenizer, eval_prompts, args.gen, args.eval_seed, args.eval_samples)
-        init = {"ppl": perplexity(student0, data.eval[: args.eval_blocks], args.batch), "own_rkl": ev["rkl"],
-                "own_rkl_se": ev["se"]}
-        print(f"  init: ppl {init['ppl']:.2f}, reverse KL on own continuations {init['own_rkl']:.4f} "
-              f"(SE {init['own_rkl_se']:.4f})", flush=True)
+        init = None if args.skip_init else measure_init(args, student0, teacher, tokenizer, data, eval_prompts)
         off = run_arm("off-policy", 0.0, args, teacher, student0, tokenizer, data, eval_prompts)
         loads.append(os.getloadavg()[0])
     if args.arms != "off":
@@ -263,6 +290,16 @@ def main() -> None:
     report(args, init, off, mix, loads)
 
 
+def measure_init(args, student0, teacher, tokenizer, data, eval_prompts) -> dict:
+    """Held-out perplexity and own-continuation reverse KL of the untrained student (the same for every seed)."""
+    ev = own_continuation_rkl(student0, teacher, tokenizer, eval_prompts, args.gen, args.eval_seed, args.eval_samples)
+    init = {"ppl": perplexity(student0, data.eval[: args.eval_blocks], args.batch), "own_rkl": ev["rkl"],
+            "own_rkl_se": ev["se"]}
+    print(f"  init: ppl {init['ppl']:.2f}, reverse KL on own continuations {init['own_rkl']:.4f} "
+          f"(SE {init['own_rkl_se']:.4f})", flush=True)
+    return init
+
+
 def last_json(path: str) -> dict:
     return json.loads(Path(path).read_text().strip().splitlines()[-1])
 
@@ -270,14 +307,14 @@ def last_json(path: str) -> dict:
 def compare(off_log: str, mix_log: str) -> None:
     """``--compare OFF MIX``: the verdict of two arms run as separate processes (``--arms off`` / ``--arms mix``)."""
     off, mix = last_json(off_log), last_json(mix_log)
-    keys = ("budget_s", "clock", "student", "seed", "lr", "kind", "gen_tokens", "eval_prompts", "eval_samples",
+    keys = ("budget_s", "clock", "student", "seed", "lr", "schedule", "kind", "gen_tokens", "eval_prompts", "eval_samples",
             "eval_seed", "threads")
     differ = [k for k in keys if off.get(k) != mix.get(k)]
     if differ or off["off_policy"] is None or mix["on_policy"] is None:
         raise SystemExit(f"--compare needs an --arms off log and an --arms mix log of the same settings; "
                          f"{'they differ in ' + ', '.join(differ) if differ else 'an arm is missing'}")
     args = argparse.Namespace(budget=mix["budget_s"], gen=mix["gen_tokens"], **{
-        k: mix[k] for k in ("clock", "student", "seed", "lr", "fraction", "on_start", "kind", "on_kind", "beta",
+        k: mix[k] for k in ("clock", "student", "seed", "lr", "schedule", "fraction", "on_start", "kind", "on_kind", "beta",
                             "gen_temperature", "threads", "eval_prompts", "eval_samples", "eval_seed")})
     report(args, off["init"], off["off_policy"], mix["on_policy"], off["load_avg"] + mix["load_avg"])
 
@@ -291,7 +328,7 @@ def report(args, init: dict, off: dict, mix: dict | None, loads: list[float]) ->
     for r in (x for x in (off, mix) if x is not None):
         print(f"{r['arm']:<16} {r['steps']:>5} {r['ppl']:>12.2f} {r['own_rkl']:>13.4f} "
               f"{r['rollout_tok_s']:>13.1f} {r['gen_time_share']:>9.2f}")
-    out = {"budget_s": args.budget, "clock": args.clock, "student": args.student, "seed": args.seed, "lr": args.lr,
+    out = {"budget_s": args.budget, "clock": args.clock, "student": args.student, "seed": args.seed, "lr": args.lr, "schedule": args.schedule,
            "fraction": args.fraction, "on_start": args.on_start, "kind": args.kind, "on_kind": args.on_kind or args.kind, "beta": args.beta,
            "gen_tokens": args.gen, "gen_temperature": args.gen_temperature, "threads": args.threads,
            "eval_prompts": args.eval_prompts, "eval_samples": args.eval_samples, "eval_seed": args.eval_seed,

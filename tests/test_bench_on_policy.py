@@ -93,7 +93,7 @@ def test_eval_windows_are_held_out_and_refuse_too_many():
 def _log(tmp_path: Path, name: str, **row) -> str:
     base = {"budget_s": 300.0, "clock": "cpu", "student": "s", "seed": 0, "lr": 3e-4, "fraction": 0.2, "on_start": 0.0,
             "kind": "forward_kl", "on_kind": "reverse_kl", "beta": 0.5, "gen_tokens": 64, "gen_temperature": 1.0,
-            "threads": 1, "eval_prompts": 128, "eval_samples": 1, "eval_seed": 10_000, "load_avg": [1.0],
+            "threads": 1, "schedule": "cosine", "eval_prompts": 128, "eval_samples": 1, "eval_seed": 10_000, "load_avg": [1.0],
             "init": None, "off_policy": None, "on_policy": None}
     base.update(row)
     path = tmp_path / name
@@ -120,3 +120,18 @@ def test_compare_two_arm_logs(tmp_path, capsys):
     other = _log(tmp_path, "other.log", seed=1, on_policy=_arm(61.8, 1.10, 0.022, 2))
     with pytest.raises(SystemExit, match="differ in seed"):
         bench.compare(off, other)
+
+
+def test_lr_schedule_is_the_recipes_warmup_cosine_over_the_budget():
+    """Progress = share of the budget; with the step's share it is the recipe's ``warmup_cosine`` exactly."""
+    import argparse
+
+    from distill.training import warmup_cosine
+
+    bench = _bench()
+    args = argparse.Namespace(schedule="cosine", warmup=4, min_lr_ratio=0.1)
+    recipe = warmup_cosine(4, 30, 0.1)
+    for step in range(30):
+        assert bench.lr_multiplier(args, step, max(0, step - 4) / 26) == pytest.approx(recipe(step))
+    assert bench.lr_multiplier(args, 50, 1.3) == pytest.approx(0.1)  # past the budget: the floor
+    assert bench.lr_multiplier(argparse.Namespace(schedule="constant"), 0, 0.5) == 1.0
