@@ -1,0 +1,137 @@
+"""bench/on_policy.py: the held-out reverse-KL eval against a naive reference, its error bar, and --compare."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+
+from core.tiny import tiny_model, tiny_tokenizer
+from serve.engine import Engine
+from serve.sampling import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+VOCAB = 12  # tiny vocabulary: EOS (id 2) is sampled often, so continuations end at different lengths
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_on_policy", ROOT / "bench" / "on_policy.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _pair():
+    return tiny_model(seed=1, layers=2, vocab=VOCAB).eval(), tiny_model(seed=2, layers=1, vocab=VOCAB).train()
+
+
+def _prompts(n: int, length: int = 5, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (n, length), generator=g).tolist()
+
+
+def test_own_continuation_rkl_equals_naive_reference():
+    """Batched, padded eval == per-row, per-token KL(q || p) over a fresh engine's continuations (same seeds)."""
+    bench = _bench()
+    teacher, student = _pair()
+    tok = tiny_tokenizer()
+    prompts, gen, seed, samples = _prompts(6), 7, 123, 2
+    got = bench.own_continuation_rkl(student, teacher, tok, prompts, gen, seed, samples=samples, batch=3)
+    assert student.training  # left as found
+
+    todo = [p for p in prompts for _ in range(samples)]
+    fresh = Engine(model=copy.deepcopy(student), tokenizer=tok, max_batch=len(todo), max_seq_len=len(prompts[0]) + gen)
+    conts = [c.token_ids for c in fresh.generate(todo, [SamplingParams(max_new_tokens=gen, temperature=1.0,
+                                                                       seed=seed + i) for i in range(len(todo))])]
+    assert len({len(c) for c in conts}) > 1  # some stopped at EOS: the eval's padding is exercised
+    sums, counts = [], []
+    with torch.no_grad():
+        for p, c in zip(todo, conts):
+            ids = torch.tensor([p + c])
+            zq, zp = student.eval()(input_ids=ids).logits[0], teacher(input_ids=ids).logits[0]
+            row = 0.0
+            for t in range(len(p), len(p) + len(c)):  # logits at t - 1 predict token t
+                q, lp = torch.softmax(zq[t - 1].double(), -1), torch.log_softmax(zp[t - 1].double(), -1)
+                row += sum(float(q[v] * (torch.log(q[v]) - lp[v])) for v in range(VOCAB))
+            sums.append(row)
+            counts.append(len(c))
+    ref = sum(sums) / sum(counts)
+    assert got["rkl"] == pytest.approx(ref, rel=1e-5)
+    n, mean_c = len(sums), sum(counts) / len(counts)
+    se = (sum((s - ref * c) ** 2 for s, c in zip(sums, counts)) / ((n - 1) * n)) ** 0.5 / mean_c
+    assert got["se"] == pytest.approx(se, rel=1e-4)
+
+
+def test_own_continuation_rkl_error_bar_matches_seed_to_seed_spread():
+    """The reported SE is the real sampling noise: the spread of the estimate over eval seeds agrees with it."""
+    bench = _bench()
+    teacher, student = _pair()
+    tok = tiny_tokenizer()
+    prompts = _prompts(40, seed=3)
+    runs = [bench.own_continuation_rkl(student, teacher, tok, prompts, 6, seed=1000 * k, batch=20) for k in range(16)]
+    spread = statistics.stdev(r["rkl"] for r in runs)
+    se = statistics.mean(r["se"] for r in runs)
+    assert 0.5 < spread / se < 2.0  # 16 draws: the sample std is within ±50 % of the truth with high probability
+    assert len({round(r["rkl"], 9) for r in runs}) == 16  # each eval seed draws other continuations
+
+
+def test_eval_windows_are_held_out_and_refuse_too_many():
+    bench = _bench()
+    blocks = torch.arange(3 * 8).reshape(3, 8)  # 3 held-out blocks of 8 tokens, windows of 4
+    w = bench.eval_windows(blocks, 4, 6)
+    assert w[:3] == [blocks[b, :4].tolist() for b in range(3)]  # first windows of every block come first
+    assert w[3:] == [blocks[b, 4:].tolist() for b in range(3)]
+    with pytest.raises(SystemExit, match="lower it"):
+        bench.eval_windows(blocks, 4, 7)
+
+
+def _log(tmp_path: Path, name: str, **row) -> str:
+    base = {"budget_s": 300.0, "clock": "cpu", "student": "s", "seed": 0, "lr": 3e-4, "fraction": 0.2, "on_start": 0.0,
+            "kind": "forward_kl", "on_kind": "reverse_kl", "beta": 0.5, "gen_tokens": 64, "gen_temperature": 1.0,
+            "threads": 1, "schedule": "cosine", "eval_prompts": 128, "eval_samples": 1, "eval_seed": 10_000, "load_avg": [1.0],
+            "init": None, "off_policy": None, "on_policy": None}
+    base.update(row)
+    path = tmp_path / name
+    path.write_text("progress lines\n" + json.dumps(base) + "\n")
+    return str(path)
+
+
+def _arm(ppl, rkl, se, on_steps):
+    return {"arm": "a", "steps": 10, "ppl": ppl, "own_rkl": rkl, "own_rkl_se": se, "on_steps": on_steps,
+            "off_steps": 10 - on_steps, "on_step_s": 5.0, "off_step_s": 4.0, "on_step_wall_s": 5.0,
+            "off_step_wall_s": 4.0, "rollout_tok_s": 0.0, "gen_time_share": 0.0}
+
+
+def test_compare_two_arm_logs(tmp_path, capsys):
+    bench = _bench()
+    off = _log(tmp_path, "off.log", init={"ppl": 100.0, "own_rkl": 1.5}, off_policy=_arm(60.0, 1.25, 0.025, 0))
+    mix = _log(tmp_path, "mix.log", on_policy=_arm(61.8, 1.10, 0.022, 2))
+    bench.compare(off, mix)
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["own_rkl_change"] == pytest.approx(1.10 / 1.25 - 1)
+    assert out["ppl_change"] == pytest.approx(61.8 / 60.0 - 1)
+    assert out["own_rkl_change_se"] == pytest.approx((1.10 / 1.25) * ((0.022 / 1.10) ** 2 + (0.025 / 1.25) ** 2) ** 0.5)
+    assert out["target_rkl_met"] and out["target_ppl_met"] and out["step_cost_ratio"] == pytest.approx(1.25)
+    other = _log(tmp_path, "other.log", seed=1, on_policy=_arm(61.8, 1.10, 0.022, 2))
+    with pytest.raises(SystemExit, match="differ in seed"):
+        bench.compare(off, other)
+
+
+def test_lr_schedule_is_the_recipes_warmup_cosine_over_the_budget():
+    """Progress = share of the budget; with the step's share it is the recipe's ``warmup_cosine`` exactly."""
+    import argparse
+
+    from distill.training import warmup_cosine
+
+    bench = _bench()
+    args = argparse.Namespace(schedule="cosine", warmup=4, min_lr_ratio=0.1)
+    recipe = warmup_cosine(4, 30, 0.1)
+    for step in range(30):
+        assert bench.lr_multiplier(args, step, max(0, step - 4) / 26) == pytest.approx(recipe(step))
+    assert bench.lr_multiplier(args, 50, 1.3) == pytest.approx(0.1)  # past the budget: the floor
+    assert bench.lr_multiplier(argparse.Namespace(schedule="constant"), 0, 0.5) == 1.0
