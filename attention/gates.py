@@ -25,16 +25,15 @@ Tensors: ``gates`` are ``[layers, kv_heads]``; attention inputs ``q [b, heads, q
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import random
-from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 
 from attention.errors import HybridAttentionError
 from attention.functional import resolve_window
+from attention.integration import attention_swapped
 from attention.masks import query_key_mask
 from attention.spec import HybridAttentionConfig
 
@@ -107,17 +106,9 @@ class _GatedInterface:
         return out.transpose(1, 2).contiguous(), None
 
 
-@contextlib.contextmanager
-def _gated(model, interface: _GatedInterface) -> Iterator[None]:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(GATE_IMPLEMENTATION, interface)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(GATE_IMPLEMENTATION)
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(previous or "sdpa")
+def _gated(model, interface: _GatedInterface):
+    """Context manager: ``model`` runs ``interface``'s gated attention inside the block."""
+    return attention_swapped(model, GATE_IMPLEMENTATION, interface)
 
 
 def _decoder(model):

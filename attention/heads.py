@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from attention.errors import HybridAttentionError
+from attention.integration import attention_swapped
 from attention.spec import HybridAttentionConfig
 
 METHODS = ("retrieval", "mass", "gates")
@@ -184,16 +185,9 @@ class _Probe:
 
 @contextlib.contextmanager
 def _probing(model) -> Iterator[_Probe]:
-    from transformers import AttentionInterface
-
     probe = _Probe()
-    AttentionInterface.register(PROBE_IMPLEMENTATION, probe)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(PROBE_IMPLEMENTATION)
-    try:
+    with attention_swapped(model, PROBE_IMPLEMENTATION, probe):
         yield probe
-    finally:
-        model.set_attn_implementation(previous or "sdpa")
 
 
 @torch.inference_mode()

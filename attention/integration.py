@@ -13,11 +13,13 @@ queries sit among the keys) instead of a dense ``[q, k]`` mask, which is what ke
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
 import logging
 import os
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -45,6 +47,24 @@ class HybridMask:
     padding: torch.Tensor | None
     query_start: int
 
+
+
+@contextlib.contextmanager
+def attention_swapped(model, name: str, forward: Callable) -> Iterator[None]:
+    """Run ``model`` with ``forward`` registered as attention implementation ``name``, then restore.
+
+    For measuring passes over a model (head scores, gate training) that replace its attention for a
+    while: the previous implementation (or ``sdpa``) is set back however the block exits.
+    """
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(name, forward)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous or "sdpa")
 
 def _spec_from_config(config: Any) -> HybridAttentionConfig:
     raw = getattr(config, CONFIG_KEY, None)
