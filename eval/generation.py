@@ -102,11 +102,15 @@ def load_tokenizer(model_dir: Path):
                              f"{str(err).splitlines()[0] if str(err) else ''}); save it with the model") from None
 
 
-def load_model(model_dir: Path, device: str, dtype: str):
-    """The model as it is served (hybrid attention when its config carries a spec) and its tokenizer."""
+def load_model(model_dir: Path, device: str, dtype: str, **load_kwargs):
+    """The model as it is served (hybrid attention when its config carries a spec) and its tokenizer.
+
+    ``load_kwargs`` go to :func:`core.models.load_causal_lm` (the engine backend loads ``dense=True``).
+    A model that cannot load is one :class:`ModelLoadError` line.
+    """
     tok = load_tokenizer(model_dir)
     try:
-        model = load_causal_lm(str(model_dir), dtype=DTYPES[dtype])
+        model = load_causal_lm(str(model_dir), dtype=DTYPES[dtype], **load_kwargs)
     except Exception as err:  # noqa: BLE001
         raise ModelLoadError(f"cannot load the model in {model_dir} ({type(err).__name__}: "
                              f"{str(err).splitlines()[0] if str(err) else ''}); check its weights and config") from None

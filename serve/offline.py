@@ -27,9 +27,8 @@ from typing import Any
 
 import torch
 
-from core.models import DTYPES, load_causal_lm
-from eval.generation import GenerationSettings, Generator, OnRows, eos_ids, finish_row, load_tokenizer
-from eval.prompt_set import ModelLoadError
+from core.models import DTYPES
+from eval.generation import GenerationSettings, Generator, OnRows, eos_ids, finish_row, load_model
 from serve.engine import Engine
 from serve.sampling import SamplingParams
 
@@ -64,14 +63,8 @@ class EngineGenerator(Generator):
     def load(self, model_dir: Path, settings: GenerationSettings) -> tuple[Engine, Any, list[int]]:
         """``(engine, tokenizer, eos ids)`` for ``model_dir``; the engine's length limit is set by :meth:`run`."""
         settings = settings.resolved()
-        tok = load_tokenizer(model_dir)
-        try:  # dense=True: the engine runs a saved hybrid spec with its own kernels and bounded caches
-            model = load_causal_lm(str(model_dir), dtype=DTYPES[settings.dtype], dense=True,
-                                   attn_implementation="sdpa")
-        except Exception as err:  # noqa: BLE001 - any loader failure is the same user problem
-            raise ModelLoadError(f"cannot load the model in {model_dir} ({type(err).__name__}: "
-                                 f"{str(err).splitlines()[0] if str(err) else ''}); check its weights and "
-                                 "config") from None
+        # dense=True: the engine runs a saved hybrid spec with its own kernels and bounded caches
+        model, tok = load_model(model_dir, settings.device, settings.dtype, dense=True, attn_implementation="sdpa")
         engine = Engine(model=model, tokenizer=tok, device=settings.device, dtype=DTYPES[settings.dtype],
                         max_batch=settings.batch_size, fast_weights=self.fast_weights, prefix_cache_bytes=0)
         return engine, tok, eos_ids(model, tok)
