@@ -1,20 +1,19 @@
-"""int8 exports (torchao W8A8 ``int8``, weight-only ``int8wo``) against fp32: weight bytes and engine decode tokens/s.
+"""int8 exports (torchao weight-only ``int8``, W8A8 ``w8a8``) against fp32: weight bytes and engine decode tokens/s.
 
-    python bench/serve_quant.py [--model smollm2-135m-instruct] [--schemes int8 int8wo] [--batch 1 4] \
+    python bench/serve_quant.py [--model smollm2-135m-instruct] [--schemes int8 w8a8] [--batch 1 4] \
         [--new-tokens 48] [--reps 3] [--threads 2] [--defaults-only]
 
 The fp32 model is quantized through the export path (:func:`serve.quantize.quantize_dir` into a temp
 dir, the same files ``recipes/export.py quantize=int8`` writes) and loaded back as transformers loads
-it. Four engines decode the same prompts, alternately (so machine noise hits all alike): fp32 with the
-fused oneDNN-packed decode copies (the CPU default), fp32 on the model's own weights, int8 with the
-fused int8 copies in oneDNN's int8 GEMM (the default for an int8 export) and int8 through torchao's own
-linears (``fast_weights=False``). Decode tokens/s = tokens after the first over the time after the last
+it. The engines decode the same prompts, alternately (so machine noise hits all alike): fp32 with the
+fused oneDNN-packed decode copies (the CPU default), fp32 on the model's own weights, and per scheme the
+fused int8 copies (the default for that export: ``int8`` through ``torch._weight_int8pack_mm`` with
+activations rounded to bf16, ``w8a8`` through oneDNN's int8 GEMM) and, without ``--defaults-only``,
+torchao's own linears (``fast_weights=False``). Decode tokens/s = tokens after the first over the time after the last
 prefill, median over ``--reps``; prefill tokens/s of one ``--prompt``-token prompt likewise. Also:
 decoder-layer weight bytes int8 / fp32 (embeddings excluded) and how many greedy tokens int8 shares
-with fp32 before the first difference. ``int8wo`` (weight-only) adds an engine on its fused int8 weights
-(``torch._weight_int8pack_mm``, activations rounded to bf16) and, without ``--defaults-only``, one on
-torchao's own weight-only linears. Targets (issue 16): bytes <= 0.4x; int8 decode tokens/s not lower
-than fp32 (the default engines: fused fp32 vs fused int8 / int8wo).
+with fp32 before the first difference. Targets (issue 16): bytes <= 0.4x; int8 decode tokens/s not lower
+than fp32 (the default engines: fused fp32 vs fused int8 / w8a8).
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--schemes", nargs="+", default=["int8"], choices=["int8", "int8wo"])
+    ap.add_argument("--schemes", nargs="+", default=["int8"], choices=["int8", "w8a8"])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens")
     ap.add_argument("--new-tokens", type=int, default=48)
@@ -70,7 +69,7 @@ def main() -> None:
         "fp32 (model weights)": Engine(model=fp32, tokenizer=tok, max_batch=mb, max_seq_len=seq, fast_weights=False,
                                        prefix_cache_bytes=0),
     }
-    fused_names = {"int8": "int8 (fused, oneDNN int8)", "int8wo": "int8wo (fused, int8pack bf16)"}
+    fused_names = {"int8": "int8 (fused, int8pack bf16)", "w8a8": "w8a8 (fused, oneDNN int8)"}
     for scheme, model in quant.items():
         engines[fused_names[scheme]] = Engine(model=model, tokenizer=tok, max_batch=mb, max_seq_len=seq,
                                               prefix_cache_bytes=0)

@@ -11,11 +11,14 @@ tokenizer and chat template, generation config, the hybrid-attention spec in ``c
 model has one, and a ``README.md`` model card built from the run's config, metrics and gate report.
 It loads with plain ``AutoModelForCausalLM.from_pretrained``. The directory appears whole or not at all.
 
-``quantize=int8`` stores the decoder's linears as torchao int8 W8A8 (int8 weights, dynamic int8 activations
-per token; embeddings and head in full precision; :mod:`serve.quantize`); ``quantize=int8wo`` as int8
-weights only (torchao ``Int8WeightOnlyConfig``). Either runs the release gate of the quantized model against the unquantized
-one and writes the verdict and the sizes into the model card (``quantization_gate.json`` beside it). The
-gate generates both models' outputs through the serving engine (``quant_gate_backend=engine``, as the export
+``quantize=int8`` stores the decoder's linears as torchao int8 weights (weight-only; activations stay
+floating point), ``quantize=w8a8`` as int8 weights with dynamic int8 activations per token; embeddings and
+head stay in full precision (:mod:`serve.quantize`). Either runs the release gate of the quantized model
+against the unquantized one and writes the verdict and the sizes into the model card
+(``quantization_gate.json`` beside it): by default against the outputs of the teacher the source run was
+distilled from (the quality drop, ``quant_max_drop``), else — no run, or ``quant_gate_teacher=none`` —
+how far the quantized outputs moved from the unquantized ones (drift, ``quant_max_drift``). The gate
+generates every side's outputs through the serving engine (``quant_gate_backend=engine``, as the export
 is served; transformers runs torchao's int8 linears far slower on CPU).
 """
 
@@ -54,20 +57,23 @@ class ExportConfig:
     overwrite: bool = field(False, help="replace an existing output_dir")
     threads: int = field(0, ge=0, help="torch CPU threads (0: leave torch's default)")
     # -- quantized export (serve.quantize) --
-    quantize: str = field("none", help="none | int8 | int8wo: torchao int8 decoder linears; int8 = int8 weights and "
-                                       "dynamic int8 activations (W8A8), int8wo = int8 weights only (activations "
-                                       "stay floating point: closer to fp32). Embeddings and head stay full "
-                                       "precision; needs pip install 'hybrid-distill[quant]'")
+    quantize: str = field("none", help="none | int8 | w8a8: torchao int8 decoder linears; int8 = int8 weights only "
+                                       "(activations stay floating point: closest to fp32, fastest decode in the "
+                                       "engine), w8a8 = int8 weights and dynamic int8 activations per token. "
+                                       "Embeddings and head stay full precision; needs pip install "
+                                       "'hybrid-distill[quant]'")
     quant_gate: bool = field(True, help="with quantize: run the release gate of the quantized model against the "
                                         "unquantized one and put the verdict in the model card")
-    quant_max_drop: float = field(0.02, gt=0, lt=1, help="with quant_gate: largest acceptable BERTScore drop "
-                                  "(drift of the quantized outputs from the unquantized ones, 1 - F1)")
+    quant_gate_teacher: str = field("auto", help="with quant_gate: whose generations are the references: auto (the "
+                                    "teacher named in the source run's config; none if it names none), a model dir "
+                                    "or name, or none. With a teacher the gate bounds the quality drop "
+                                    "F1(unquantized) - F1(quantized) by quant_max_drop; with none, how far the "
+                                    "quantized outputs moved from the unquantized ones (1 - F1) by quant_max_drift")
+    quant_max_drop: float = field(0.02, gt=0, lt=1, help="with a gate teacher: largest acceptable BERTScore F1 drop")
+    quant_max_drift: float = field(0.10, gt=0, lt=1, help="without a gate teacher: largest acceptable mean 1 - F1 of "
+                                   "the quantized outputs to the unquantized ones (eval.gate's drift default)")
     quant_gate_prompts: str | None = field(None, help="with quant_gate: prompt JSONL (default: the bundled 100)")
     quant_gate_max_new_tokens: int = field(64, ge=1, help="with quant_gate: tokens generated per prompt")
-    quant_gate_teacher: str | None = field(None, help="with quant_gate: a model (dir or name) whose generations are "
-                                           "the references: the gate then bounds the quality drop F1(unquantized) - "
-                                           "F1(quantized) against them (teacher mode) instead of how far the "
-                                           "quantized outputs moved from the unquantized ones (drift mode, default)")
     quant_gate_backend: str = field("engine", choices=("engine", "transformers"),
                                     help="with quant_gate: who generates both models' outputs: engine (the serving "
                                          "engine, as the export is served; fast int8 on CPU) or transformers "
@@ -91,10 +97,12 @@ class ExportConfig:
             qz.check_scheme(self.quantize)  # before the (slow) load
         if self.quantize != "none" and self.quant_gate:
             # A broken prompt file or teacher must fail now, not after the quantization and the baseline's outputs.
+            self.quant_gate_teacher = str(self.quant_gate_teacher or "none").strip()
             for key, check in (("quant_gate_prompts", load_prompts), ("quant_gate_teacher", check_model_dir)):
+                value = getattr(self, key)
                 try:
-                    if getattr(self, key):
-                        check(getattr(self, key))
+                    if value and value.lower() not in ("auto", "none"):
+                        check(value)
                 except GateInputError as err:
                     raise ConfigError(f"{key}: {err}") from None
 
@@ -128,6 +136,26 @@ def _gate_generator(cfg: ExportConfig) -> Generator:
     return EngineGenerator() if cfg.quant_gate_backend == "engine" else TransformersGenerator()
 
 
+def gate_teacher(cfg: ExportConfig, records: ex.RunRecords) -> str | None:
+    """The quantized export's gate references: ``quant_gate_teacher``, or with ``auto`` the teacher the
+    source run was distilled from (its resolved ``config.yaml``); None = drift mode. A recorded teacher
+    that cannot be found is an error naming the two ways out, raised before anything is written."""
+    choice = cfg.quant_gate_teacher
+    if choice.lower() == "none":
+        return None
+    if choice.lower() != "auto":
+        return choice
+    recorded = (records.config or {}).get("teacher")
+    if not recorded:
+        return None
+    try:
+        check_model_dir(str(recorded))
+    except GateInputError as err:
+        raise ConfigError(f"quant_gate_teacher=auto: the source run's teacher {recorded!r} cannot be used ({err}); "
+                          "pass quant_gate_teacher=DIR, or quant_gate_teacher=none to gate on drift") from None
+    return str(recorded)
+
+
 def export(cfg: ExportConfig) -> ExportResult:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -135,9 +163,11 @@ def export(cfg: ExportConfig) -> ExportResult:
     if cfg.overwrite and out.exists():  # overwrite replaces only a model folder (core/rundir.py)
         check_replaceable(out, (out / "config.json").is_file(), "a model export (no config.json)")
 
-    # 1. What are we exporting? Refuse a bad target before the (slow) load.
+    # 1. What are we exporting? Refuse a bad target (or gate teacher) before the (slow) load.
     src = ex.resolve_source(cfg.source, cfg.checkpoint)
     ex.check_target(out, cfg.overwrite, src.path, cfg.base)
+    records = ex.read_run_records(src)
+    teacher = gate_teacher(cfg, records) if cfg.quantize != "none" and cfg.quant_gate else None
     print(f"loading {src.describe()}", flush=True)
 
     # 2. The bare student: projectors and teacher stripped, LoRA merged, in the chosen dtype.
@@ -150,13 +180,12 @@ def export(cfg: ExportConfig) -> ExportResult:
         print("warning: the tokenizer has no chat template; chat clients will need one", flush=True)
 
     # 3. Write everything into a temp dir beside the target; it is renamed into place only when complete.
-    records = ex.read_run_records(src)
     with ex.atomic_output_dir(out, overwrite=cfg.overwrite) as tmp:
         if cfg.quantize == "none":
             ex.save_export(student, tmp, max_shard_size=cfg.max_shard_size)
             card = ex.model_card(out.name, student, records, dtype, size_bytes=ex.dir_size(tmp))
         else:  # serve.quantize: the unquantized export goes to a scratch dir, the quantized one to tmp
-            card = qz.export_quantized(student, tmp, cfg, records, out.name, _gate_generator(cfg))
+            card = qz.export_quantized(student, tmp, cfg, records, out.name, _gate_generator(cfg), teacher)
         ex.write_card(tmp, card, records)
 
     result = ExportResult(out, ex.dir_size(out), dtype, student.params, student.hybrid,

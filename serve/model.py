@@ -23,11 +23,11 @@ most of its time to first token. The reordered copies cost one more copy of the 
 weights; ``fast_weights=False`` runs with the model's weights and holds nothing extra. Without oneDNN
 the fused weights run through ``F.linear``.
 
-An int8 export (torchao W8A8, :mod:`serve.quantize`) gets fused copies of its int8 weights instead,
+A W8A8 export (``quantize=w8a8``, :mod:`serve.quantize`) gets fused copies of its int8 weights instead,
 prepacked for oneDNN's int8 GEMM (``onednn.qlinear_pointwise``); each call quantizes its input per token
 (:func:`quantize_per_token`, torchao's own rule) and scales the int32 result back, which is torchao's
 W8A8 linear computed faster (its CPU path and its weight-only sibling are slower than fp32 here). Prefill
-goes through them too; the head stays fp32. A weight-only int8 export (``int8wo``) gets fused copies of its
+goes through them too; the head stays fp32. A weight-only int8 export (``quantize=int8``) gets fused copies of its
 int8 weights run by ``torch._weight_int8pack_mm`` with activations rounded to bf16 (its fast CPU kernel;
 with fp32 activations it is a slow reference loop). Other torchao layouts run through torchao's linears.
 """
@@ -142,7 +142,7 @@ def int8_w8a8_parts(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | No
 def int8_weight_only_parts(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(qdata [out, in] int8, scale [out] fp32)`` of a torchao weight-only int8 linear, else None.
 
-    Weight-only = torchao's ``Int8WeightOnlyConfig`` as :mod:`serve.quantize` exports it (``int8wo``):
+    Weight-only = torchao's ``Int8WeightOnlyConfig`` as :mod:`serve.quantize` exports it (``quantize=int8``):
     symmetric int8 weights, one scale per output row, activations left in floating point.
     """
     w = getattr(linear, "weight", None)

@@ -9,25 +9,25 @@ with the usual one line (torchao installed: ``pip install 'hybrid-distill[quant]
 
 and the serving engine and server take the directory as they take any other (``Engine(dir)``).
 
-What is quantized: every ``nn.Linear`` of the decoder layers (attention and MLP projections), as
-torchao's ``Int8DynamicActivationInt8WeightConfig`` ("W8A8 dynamic"): int8 weights with one fp32 scale
-per output row, and at run time each token's activations quantized to int8 (symmetric, one scale per
-token) so the matmul is int8 x int8. The input embeddings and the LM head stay in the export's dtype:
-quantizing them garbles output, and with tied embeddings the head *is* the embedding matrix.
+What is quantized: every ``nn.Linear`` of the decoder layers (attention and MLP projections). The
+input embeddings and the LM head stay in the export's dtype: quantizing them garbles output, and with
+tied embeddings the head *is* the embedding matrix. Two schemes:
 
-``int8`` (W8A8): torchao's own CPU linear falls back to a slow integer matmul; the engine runs the same
-W8A8 math through oneDNN's int8 GEMM on fused copies of the int8 weights (:mod:`serve.model`): faster
-prefill than fp32, about even at decode on the small demo student (the per-token activation quantization
-is a handful of small ops per linear; ``bench/serve_quant.py``). Per-token scales keep every request's
-numbers independent of what it is batched with.
+``int8`` (weight-only, torchao ``Int8WeightOnlyConfig``): int8 weights with one fp32 scale per
+output row, activations left in floating point, so the closest to fp32 (demo student, teacher-forced on
+the bundled prompts: KL to fp32 0.002 vs 0.026 for W8A8, top-1 agreement 0.95 vs 0.89). transformers
+runs it through torchao's linear, which dequantizes at every call; the engine instead runs fused copies
+of the int8 weights through ``torch._weight_int8pack_mm`` with the activations rounded to bf16 (its fast
+CPU kernel; with fp32 activations it is a slow reference loop): 1.3-1.4x fp32's decode tokens/s on the
+demo student (``bench/serve_quant.py``).
 
-``int8wo`` (weight-only, torchao ``Int8WeightOnlyConfig``): the same int8 weights with one scale per row,
-activations left in floating point, so closer to fp32 (demo student, teacher-forced on the bundled
-prompts: KL to fp32 0.002 vs 0.026 for W8A8, top-1 agreement 0.95 vs 0.89). transformers runs it
-through torchao's linear, which dequantizes at every call; the engine instead runs fused copies of the
-int8 weights through ``torch._weight_int8pack_mm`` with the activations rounded to bf16 (its fast CPU
-kernel; with fp32 activations it is a slow reference loop), faster than fp32 at decode on the demo
-student (``bench/serve_quant.py --schemes int8 int8wo``).
+``w8a8`` (torchao ``Int8DynamicActivationInt8WeightConfig``): the same int8 weights, and at run time each
+token's activations quantized to int8 (symmetric, one scale per token) so the matmul is int8 x int8.
+torchao's own CPU linear falls back to a slow integer matmul; the engine runs the same W8A8 math through
+oneDNN's int8 GEMM on fused copies of the int8 weights (:mod:`serve.model`): faster prefill than fp32,
+about even at decode on the small demo student (the per-token activation quantization is a handful of
+small ops per linear). Per-token scales keep every request's numbers independent of what it is batched
+with.
 
 int4: torchao's int4 weight-only layout needs its ``mslk`` kernels, which exist for CUDA only (checked
 with torchao 0.18 on CPU: ``ImportError: Requires mslk``), so it is refused with a one-line error rather
@@ -47,7 +47,7 @@ from attention.integration import SUPPORTED_MODEL_TYPES as SUPPORTED
 from core.config import ConfigError
 from serve import export as ex
 
-SCHEMES = ("int8", "int8wo")
+SCHEMES = ("int8", "w8a8")  # int8 = weight-only; w8a8 = int8 weights and dynamic int8 activations
 KEEP_FULL_PRECISION = ("lm_head",)  # embeddings are not linears: torchao leaves them alone by default
 _EMBEDDING_KEYS = ("embed_tokens", "lm_head", "wte", "embed_out")
 
@@ -97,7 +97,7 @@ def torchao_config(scheme: str) -> Any:
     from transformers import TorchAoConfig
 
     tq = _torchao()
-    quant = {"int8": tq.Int8DynamicActivationInt8WeightConfig, "int8wo": tq.Int8WeightOnlyConfig}[scheme]()
+    quant = {"int8": tq.Int8WeightOnlyConfig, "w8a8": tq.Int8DynamicActivationInt8WeightConfig}[scheme]()
     return TorchAoConfig(quant_type=quant, modules_to_not_convert=list(KEEP_FULL_PRECISION))
 
 
@@ -154,7 +154,7 @@ def _gate_lines(gate: dict, gate_note: str) -> list[str]:
     bs = gate.get("bertscore", {})
     cand, base, diff = bs.get("candidate", {}), bs.get("baseline", {}), bs.get("difference", {})
     conf = f"{100 * float(diff.get('confidence', 0.95)):g} %"
-    threshold = gate.get("threshold", {}).get("value")
+    threshold = gate.get("threshold", {})
     backend = gate.get("generation", {}).get("backend", {}).get("backend", "transformers")
     lines = [f"**Release gate against the unquantized model: {str(gate.get('verdict', '?')).upper()}** "
              f"({gate_note}).", ""]
@@ -164,7 +164,7 @@ def _gate_lines(gate: dict, gate_note: str) -> list[str]:
                   f"| unquantized | {base['mean']:.4f} | [{base['low']:.4f}, {base['high']:.4f}] |",
                   f"| drop (unquantized − quantized) | {-diff['mean']:.4f} | [{-diff['high']:.4f}, "
                   f"{-diff['low']:.4f}] |", "",
-                  f"Threshold: drop < {threshold}. Outputs generated greedily by `{backend}` "
+                  f"Threshold: {threshold.get('name')} {threshold.get('value')}. Outputs generated greedily by `{backend}` "
                   f"({gate.get('generation', {}).get('settings', {}).get('max_new_tokens', '?')} new tokens per "
                   f"prompt); gate wall time {gate.get('timings', {}).get('total', float('nan')):.0f} s.", ""]
     lines += ["```json", json.dumps({k: gate.get(k) for k in ("verdict", "mode", "threshold", "reasons")}, indent=2),
@@ -176,10 +176,10 @@ def card_section(scheme: str, sizes: dict[str, int], base_sizes: dict[str, int],
                  gate_note: str) -> str:
     """The model card's ``## Quantization`` section: scheme, sizes against the unquantized weights, gate."""
     ratio = sizes["other"] / max(1, base_sizes["other"])
-    what = {"int8": "int8 weights and dynamic int8 activations (torchao `Int8DynamicActivationInt8WeightConfig`: "
-                    "one scale per weight row, one per token)",
-            "int8wo": "int8 weights, activations in floating point (torchao `Int8WeightOnlyConfig`: one scale per "
-                      "weight row; the serving engine rounds activations to bf16 for its int8-weight kernel)"}
+    what = {"int8": "int8 weights, activations in floating point (torchao `Int8WeightOnlyConfig`: one scale per "
+                    "weight row; the serving engine rounds activations to bf16 for its int8-weight kernel)",
+            "w8a8": "int8 weights and dynamic int8 activations (torchao `Int8DynamicActivationInt8WeightConfig`: "
+                    "one scale per weight row, one per token)"}
     lines = ["", "## Quantization", "",
              f"{what.get(scheme, scheme)} on every linear of the decoder layers; embeddings and "
              "LM head kept in full precision. "
@@ -196,15 +196,19 @@ def card_section(scheme: str, sizes: dict[str, int], base_sizes: dict[str, int],
     return "\n".join(lines) + "\n"
 
 
-def run_quant_gate(candidate: Path, baseline: Path, out: Path, cfg: Any, generator: Any = None) -> dict:
+def run_quant_gate(candidate: Path, baseline: Path, out: Path, cfg: Any, generator: Any = None,
+                   teacher: str | None = None) -> dict:
     """The release gate (:mod:`eval.gate`) of the quantized export against the unquantized one.
 
-    By default (no ``cfg.quant_gate_teacher``) the gate runs in drift mode: the quantized model's
-    outputs are scored (BERTScore F1) against the unquantized model's outputs on the same prompts, and
-    it passes when the mean drop ``1 - F1`` is below ``cfg.quant_max_drop`` with 95 % confidence. With a
-    teacher, both are scored against the teacher's outputs and the bound is on the quality drop
-    ``F1(unquantized) - F1(quantized)`` (teacher mode). ``generator`` generates both (an :class:`eval.generation.Generator`; default: the
-    serving engine, :class:`serve.offline.EngineGenerator`, which runs the int8 linears as served and
+    With a ``teacher`` (by default the run's own, :func:`recipes.export.gate_teacher`) both models'
+    outputs are scored (BERTScore F1) against the teacher's outputs on the same prompts and the gate
+    bounds the quality drop ``F1(unquantized) - F1(quantized)`` by ``cfg.quant_max_drop`` with 95 %
+    confidence (teacher mode: the gate a student is released under). Without one it runs in drift mode:
+    the quantized outputs are scored against the unquantized model's own, which scores 1.0, and the gate
+    bounds how far they moved, ``1 - F1``, by ``cfg.quant_max_drift`` — a different quantity (an equally
+    good model moves too: greedy text forks at the first flipped token), so it has its own threshold, as
+    in :mod:`eval.gate`. ``generator`` generates all sides (an :class:`eval.generation.Generator`; default:
+    the serving engine, :class:`serve.offline.EngineGenerator`, which runs the int8 linears as served and
     far faster than transformers does on CPU). Returns the gate report (``report.json``).
     """
     from eval.bertscore import ScorerMissingError
@@ -212,24 +216,34 @@ def run_quant_gate(candidate: Path, baseline: Path, out: Path, cfg: Any, generat
     from serve.offline import EngineGenerator
 
     gcfg = GateConfig(candidate=str(candidate), baseline=str(baseline), out=str(out), prompts=cfg.quant_gate_prompts,
-                      teacher=getattr(cfg, "quant_gate_teacher", None), max_drop=cfg.quant_max_drop,
-                      max_drift=cfg.quant_max_drop, max_new_tokens=cfg.quant_gate_max_new_tokens,
-                      skip_lm_metrics=True, chat=True, device="cpu")
+                      teacher=teacher, max_drop=cfg.quant_max_drop, max_drift=cfg.quant_max_drift,
+                      max_new_tokens=cfg.quant_gate_max_new_tokens, skip_lm_metrics=True, chat=True, device="cpu")
     try:
         return run_gate(gcfg, generator=generator or EngineGenerator()).report
     except ScorerMissingError as e:
         raise QuantizeError(f"{e} (or export with quant_gate=false)") from None
 
 
-def export_quantized(student: Any, out_dir: Path, cfg: Any, records: Any, name: str, generator: Any = None) -> str:
+def gate_note(gate: dict, cfg: Any) -> str:
+    """One sentence for the model card: what the gate compared and what passing means."""
+    n = gate.get("prompts", {}).get("n", "?")
+    if gate.get("mode") == "drift":
+        return (f"drift mode, no teacher known: the quantized model's outputs scored by BERTScore F1 against the "
+                f"unquantized model's on {n} prompts; pass = mean drift 1 - F1 < {cfg.quant_max_drift} with 95 % "
+                "confidence")
+    refs = "teacher's outputs" if gate.get("mode") == "teacher" else "given references"
+    return (f"{gate.get('mode')} mode: both models' outputs scored by BERTScore F1 against the {refs} on {n} "
+            f"prompts; pass = mean drop F1(unquantized) - F1(quantized) < {cfg.quant_max_drop} with 95 % confidence")
+
+
+def export_quantized(student: Any, out_dir: Path, cfg: Any, records: Any, name: str, generator: Any = None,
+                     teacher: str | None = None) -> str:
     """Write the quantized export of ``student`` into ``out_dir``; return its model card.
 
     The unquantized export is written to a scratch dir beside ``out_dir`` (the gate's baseline and the
-    size reference) and deleted afterwards. ``generator``: who generates for the gate (see
-    :func:`run_quant_gate`).
+    size reference) and deleted afterwards. ``generator`` and ``teacher``: see :func:`run_quant_gate`.
     """
     import tempfile
-
 
     with tempfile.TemporaryDirectory(prefix=".unquantized-", dir=Path(out_dir).parent) as scratch:
         base = Path(scratch) / "model"
@@ -238,17 +252,12 @@ def export_quantized(student: Any, out_dir: Path, cfg: Any, records: Any, name: 
         sizes, base_sizes = weight_bytes(out_dir), weight_bytes(base)
         gate, note = None, "quant_gate=false"
         if cfg.quant_gate:
-            gate = run_quant_gate(out_dir, base, Path(scratch) / "gate", cfg, generator)
-            n = gate.get("prompts", {}).get("n", "?")
-            note = (f"drift mode: the quantized model's outputs scored by BERTScore F1 against the unquantized "
-                    f"model's on {n} prompts; pass = mean drop 1 - F1 < {cfg.quant_max_drop} with 95 % confidence"
-                    if gate.get("mode") == "drift" else
-                    f"{gate.get('mode')} mode: both models' outputs scored by BERTScore F1 against the "
-                    f"{'teacher' if gate.get('mode') == 'teacher' else 'given'} references on {n} prompts; pass = "
-                    f"mean drop F1(unquantized) - F1(quantized) < {cfg.quant_max_drop} with 95 % confidence")
+            gate = run_quant_gate(out_dir, base, Path(scratch) / "gate", cfg, generator, teacher)
+            note = gate_note(gate, cfg)
             (Path(out_dir) / "quantization_gate.json").write_text(json.dumps(gate, indent=2, default=str) + "\n")
     card = ex.model_card(name, student, records, student.model.dtype, size_bytes=ex.dir_size(out_dir))
     print(f"quantized {cfg.quantize}: decoder-layer weights {sizes['other']:,} B vs {base_sizes['other']:,} B "
           f"({sizes['other'] / max(1, base_sizes['other']):.3f}x); gate: "
-          f"{gate.get('verdict') if gate else 'not run'}", flush=True)
+          f"{gate.get('verdict') if gate else 'not run'}" + (f" ({gate.get('mode')} mode)" if gate else ""),
+          flush=True)
     return card + card_section(cfg.quantize, sizes, base_sizes, gate, note)

