@@ -14,7 +14,8 @@ deployment sends). Per request it records the time to the first token event, eve
 events, the token events against ``usage.completion_tokens`` and the ``[DONE]`` terminator. Locust's own
 table then shows, per class, ``TTFT`` and ``ITL`` (inter-token latency) rows next to the whole requests;
 a stream that breaks or miscounts is a failure. With ``SERVE_MIX_LOG=FILE`` every request is also
-appended as one JSON line (``bench/serve_mix.py`` reads it for exact percentiles).
+appended as one JSON line, with the response id (``bench/serve_mix.py`` reads it for exact percentiles and
+joins it with the server's ``--request-log``).
 
 locust is an optional bench dependency: ``pip install 'hybrid-distill[bench]'``.
 """
@@ -78,7 +79,7 @@ class ChatUser(HttpUser):
         entry = {"class": cls, "words": len(content.split()), "max_tokens": max_tokens, "start": time.time()}
         t0 = time.perf_counter()
         last = None
-        ttft, gaps, events, usage, done, error = None, [], 0, None, False, None
+        ttft, gaps, events, usage, done, error, rid = None, [], 0, None, False, None, None
         with self.client.post("/v1/chat/completions", json=body, stream=True, catch_response=True,
                               name=cls) as r:
             try:
@@ -99,6 +100,7 @@ class ChatUser(HttpUser):
                             error = f"error event: {err.get('code') or err.get('type')}: {err.get('message', '')[:120]}"
                             break
                         now = time.perf_counter()
+                        rid = rid or chunk.get("id")
                         if chunk["choices"][0]["finish_reason"] is None:
                             events += 1
                             if ttft is None:
@@ -125,7 +127,7 @@ class ChatUser(HttpUser):
         for g in gaps:
             env.fire(request_type="ITL", name=cls, response_time=g * 1000, response_length=0, exception=None,
                      context={})
-        entry.update(http_status=r.status_code, ttft=ttft, gaps=gaps, events=events, usage_tokens=usage and usage["completion_tokens"],
+        entry.update(id=rid, http_status=r.status_code, ttft=ttft, gaps=gaps, events=events, usage_tokens=usage and usage["completion_tokens"],
                      done=done, error=error, seconds=time.perf_counter() - t0)
         record(entry)
 

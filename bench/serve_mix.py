@@ -11,7 +11,12 @@ bench/locustfile.py), then reports from every request's own record:
 * generated tokens/s (token events over the wall time), requests, error rate;
 * stream integrity: token events == ``usage.completion_tokens`` and ``[DONE]`` on every stream;
 * the server's RSS at start (after loading), peak and end, sampled every 0.5 s; with ``--soak`` also
-  the growth from the end of the warm-up (the first ``--warmup`` seconds, default 20 %) to the end.
+  the growth from the end of the warm-up (the first ``--warmup`` seconds, default 20 %) to the end;
+* where the time to first token goes, from the server's ``--request-log`` joined by response id: per
+  class, P50 / P95 of the server's share (handler start to the first event handed to HTTP) split into
+  tokenize, wait (for the step in flight and earlier prompts), own prefill and hand-off, and the rest
+  (client TTFT minus the server's: connection, HTTP, the client's own scheduling); and every short
+  request over the 150 ms target with its split.
 
 Targets (issue 16, demo student, 2 cores): short P95 TTFT <= 150 ms at 4 users, 0 errors, events ==
 tokens, soak RSS growth <= 5 %. A table for people, then one JSON line. Without locust it says what to
@@ -65,6 +70,20 @@ def prefix_cache_bytes(url: str) -> int | None:
     except OSError:
         return None
     return None
+
+
+def scrape(url: str, names: tuple[str, ...]) -> dict[str, float]:
+    """The named samples (full names, as in the exposition) from the server's ``/metrics``; missing ones left out."""
+    out: dict[str, float] = {}
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+            for line in r.read().decode().splitlines():
+                name, _, value = line.partition(" ")
+                if name in names:
+                    out[name] = float(value)
+    except OSError:
+        pass
+    return out
 
 
 class RssWatch(threading.Thread):
@@ -147,6 +166,34 @@ def summarize(entries: list[dict], elapsed: float) -> dict:
     return out
 
 
+SPLIT = (("tokenize", None, "tokenized_ms"), ("wait", "tokenized_ms", "prefill_start_ms"),
+         ("prefill", "prefill_start_ms", "first_token_ms"), ("hand_off", "first_token_ms", "first_sent_ms"))
+
+
+def ttft_split(entries: list[dict], server: list[dict], slow_ms: float = 150.0) -> dict:
+    """Join client records with the server's request log by response id; per class, P50 / P95 (ms) of
+    each part of the time to first token; and the short requests slower than ``slow_ms`` with their parts."""
+    by_id = {r["id"]: r for r in server}
+    rows = []
+    for e in entries:
+        r = by_id.get(e.get("id"))
+        if r is None or e["ttft"] is None or r.get("first_sent_ms") is None:
+            continue
+        parts = {name: r[b] - (r[a] if a else 0.0) for name, a, b in SPLIT}
+        parts["server"] = r["first_sent_ms"]
+        parts["client_rest"] = e["ttft"] * 1000 - r["first_sent_ms"]
+        rows.append({"class": e["class"], "ttft_ms": round(e["ttft"] * 1000, 1), "prompt_tokens": r["prompt_tokens"],
+                     "cached_tokens": r.get("cached_tokens"), **{k: round(v, 1) for k, v in parts.items()}})
+    names = [n for n, _, _ in SPLIT] + ["server", "client_rest"]
+    per = {}
+    for c in CLASSES:
+        cr = [x for x in rows if x["class"] == c]
+        per[c] = {"joined": len(cr), **{f"{n}_p{q}_ms": _ms(pct([x[n] / 1000 for x in cr], q / 100))
+                                        for n in names for q in (50, 95)}}
+    slow = sorted((x for x in rows if x["class"] == "short" and x["ttft_ms"] > slow_ms), key=lambda x: -x["ttft_ms"])
+    return {"classes": per, "slow_short": slow}
+
+
 def soak_net_of_prefix_cache(rss: list[tuple[float, int]], cache: list[tuple[float, int]], warmup: float) -> dict:
     """RSS growth after warm-up net of the prefix cache's own bytes (bounded by its budget, by design).
 
@@ -165,6 +212,10 @@ def soak_net_of_prefix_cache(rss: list[tuple[float, int]], cache: list[tuple[flo
 
 def _ms(s: float | None) -> float | None:
     return None if s is None else round(s * 1000, 1)
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f}"
 
 
 def main() -> int:
@@ -196,12 +247,15 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     log = work / "requests.jsonl"
     log.unlink(missing_ok=True)
+    server_log = work / "server_requests.jsonl"
+    server_log.unlink(missing_ok=True)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(REPO)}
     server_cmd = [sys.executable, "-m", "serve.server", "--model", args.model, "--port", str(port),
                   "--max-batch", str(args.max_batch), "--max-queue", str(4 * args.users),
-                  "--max-seq-len", str(args.max_seq_len), "--prefix-cache-mb", str(args.prefix_cache_mb)]
+                  "--max-seq-len", str(args.max_seq_len), "--prefix-cache-mb", str(args.prefix_cache_mb),
+                  "--request-log", str(server_log)]
     if args.prefill_chunk:
         server_cmd += ["--prefill-chunk", str(args.prefill_chunk)]
     if args.prefill_budget:
@@ -223,6 +277,7 @@ def main() -> int:
                        check=False)
         elapsed = time.perf_counter() - t0
         watch.stop()
+        gc_stats = scrape(url, ("hd_serve_gc_full_collection_seconds_count", "hd_serve_gc_full_collection_seconds_sum"))
     finally:
         server.terminate()
         try:
@@ -231,6 +286,10 @@ def main() -> int:
             server.kill()
     entries = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     out = summarize(entries, elapsed)
+    served = [json.loads(line) for line in server_log.read_text().splitlines()] if server_log.exists() else []
+    out["ttft_split"] = ttft_split(entries, served)
+    out["server_full_gc"] = {"collections": int(gc_stats.get("hd_serve_gc_full_collection_seconds_count", -1)),
+                             "seconds": round(gc_stats.get("hd_serve_gc_full_collection_seconds_sum", float("nan")), 4)}
     rss = watch.samples
     out["rss_start_mb"] = round(rss[0][1] / 2**20, 1) if rss else None
     out["rss_peak_mb"] = round(max(r for _, r in rss) / 2**20, 1) if rss else None
@@ -258,6 +317,21 @@ def main() -> int:
         cols = [s[k] for k in ("ttft_p50_ms", "ttft_p95_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p95_ms", "itl_p99_ms")]
         print(f"{c:<8}{s['requests']:>5}" + "".join(f"{'-' if v is None else f'{v:.0f}':>{w}}"
                                                      for v, w in zip(cols, (10, 8, 8, 9, 8, 8))))
+    split = out["ttft_split"]
+    print("where the time to first token goes (ms, P50 / P95; server = handler start to first event handed to HTTP):")
+    print(f"{'class':<8}{'n':>4}" + "".join(f"{n:>14}" for n in ("tokenize", "wait", "prefill", "hand_off", "server",
+                                                                   "client_rest")))
+    for c in CLASSES:
+        s = split["classes"][c]
+        cells = [f"{_fmt(s[f'{n}_p50_ms'])} / {_fmt(s[f'{n}_p95_ms'])}"
+                 for n in ("tokenize", "wait", "prefill", "hand_off", "server", "client_rest")]
+        print(f"{c:<8}{s['joined']:>4}" + "".join(f"{x:>14}" for x in cells))
+    print(f"server full GC collections: {out['server_full_gc']['collections']} "
+          f"({out['server_full_gc']['seconds'] * 1000:.0f} ms in all)")
+    for x in split["slow_short"]:
+        print(f"  slow short: TTFT {x['ttft_ms']:.0f} ms = tokenize {x['tokenize']:.0f} + wait {x['wait']:.0f} + prefill "
+              f"{x['prefill']:.0f} ({x['prompt_tokens']} tokens, {x['cached_tokens']} cached) + hand-off "
+              f"{x['hand_off']:.0f} + client {x['client_rest']:.0f}")
     (work / "rss.csv").write_text("seconds,rss_bytes\n" + "".join(f"{t:.1f},{r}\n" for t, r in rss))
     (work / "prefix_cache.csv").write_text("seconds,bytes\n" + "".join(f"{t:.1f},{b}\n" for t, b in watch.cache))
     print(f"server RSS MB: start {out['rss_start_mb']}, peak {out['rss_peak_mb']}, end {out['rss_end_mb']}"

@@ -84,6 +84,7 @@ class Request:
         # flight, admission, earlier prompts) -> first token (its own prefill).
         self.prefill_start: float | None = None
         self.first_token_at: float | None = None
+        self.cached_tokens = 0  # prompt tokens restored from the prefix cache at admission
 
     @property
     def done(self) -> bool:
@@ -332,7 +333,7 @@ class Engine:
             req.generator.manual_seed(req.params.seed if req.params.seed is not None
                                       else int(torch.randint(0, 2**62, ()).item()))
         if self.prefix_cache is not None:
-            req.prefilled = self.prefix_cache.restore(cache, row, req.prompt_ids)
+            req.prefilled = req.cached_tokens = self.prefix_cache.restore(cache, row, req.prompt_ids)
         self._pos[row] = req.prefilled
 
     def _admit_waiting(self) -> None:

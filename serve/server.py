@@ -33,6 +33,7 @@ import argparse
 import asyncio
 import concurrent.futures
 import contextlib
+import gc
 import hmac
 import json
 import math
@@ -58,7 +59,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from serve.engine import Engine, Request
-from serve.metrics import Metrics
+from serve.metrics import Metrics, RequestLog
 from serve.sampling import MIN_TEMPERATURE, MIN_TOP_P, SamplingParams
 
 API_KEY_ENV = "HYBRID_DISTILL_API_KEY"
@@ -326,6 +327,7 @@ class AsyncEngine:
         if engine.prefix_cache is not None:  # serve.prefix_cache: bytes / budget / hits / evictions
             for name, (help_, fn) in engine.prefix_cache.gauges().items():
                 m.gauge(name, help_, fn)
+        m.watch_gc()
         engine.start()
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> tuple[Request, asyncio.Queue]:
@@ -376,8 +378,9 @@ class OpenAIRoutes:
     """
 
     def __init__(self, engine: Engine, aengine: AsyncEngine, *, model_name: str, max_body_bytes: int,
-                 request_timeout: float, body_timeout: float) -> None:
+                 request_timeout: float, body_timeout: float, request_log: RequestLog | None = None) -> None:
         self.engine, self.aengine = engine, aengine
+        self.request_log = request_log
         self.model_name = model_name
         self.max_body_bytes, self.request_timeout, self.body_timeout = max_body_bytes, request_timeout, body_timeout
         self.vocab = engine.model.config.vocab_size
@@ -451,6 +454,7 @@ class OpenAIRoutes:
         return await loop.run_in_executor(self.tokenize_pool, self.engine.encode, prompt)
 
     async def generate(self, request: HTTPRequest, chat: bool) -> Response:
+        received = time.perf_counter()
         aengine = self.aengine
         aengine.metrics.inc("requests_total")
         deadline = asyncio.get_running_loop().time() + self.request_timeout
@@ -473,7 +477,7 @@ class OpenAIRoutes:
                             type="server_busy", code="server_busy", headers={"Retry-After": "1"}).response()
         except ClientDisconnect:
             return Response(status_code=499)
-        reply = _Reply(self, req, queue, len(prompt_ids), chat, deadline)
+        reply = _Reply(self, req, queue, len(prompt_ids), chat, deadline, received)
         return reply.stream() if body.get("stream") else await reply.complete(request)
 
     # ---- small routes ------------------------------------------------------------------------------
@@ -509,14 +513,29 @@ class _Reply:
     """The answer to one admitted request: an SSE stream or one JSON body, within the deadline."""
 
     def __init__(self, api: OpenAIRoutes, req: Request, queue: asyncio.Queue, n_prompt: int, chat: bool,
-                 deadline: float) -> None:
+                 deadline: float, received: float) -> None:
         self.api, self.req, self.queue, self.n_prompt, self.chat, self.deadline = api, req, queue, n_prompt, chat, deadline
+        self.received = received  # perf_counter when the handler started
+        self.first_sent: float | None = None
         self.rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.obj = "chat.completion" if chat else "text_completion"
         self.timeout_error = APIError(504, f"the request did not finish within {api.request_timeout:g} s (server "
                                       "flag --request-timeout); lower max_tokens or retry later",
                                       type="timeout_error", code="request_timeout")
+
+    def log(self) -> None:
+        """Append this request's timings to the server's request log, if it keeps one (serve.metrics.RequestLog)."""
+        log = self.api.request_log
+        if log is None:
+            return
+        req, t0 = self.req, self.received
+        ms = lambda t: None if t is None else round((t - t0) * 1000, 2)  # noqa: E731
+        log.write({"id": self.rid, "prompt_tokens": self.n_prompt, "cached_tokens": req.cached_tokens,
+                   "completion_tokens": len(req.out_ids), "finish_reason": req.finish_reason,
+                   "tokenized_ms": ms(req.arrival), "prefill_start_ms": ms(req.prefill_start),
+                   "first_token_ms": ms(req.first_token_at), "first_sent_ms": ms(self.first_sent),
+                   "done_ms": ms(time.perf_counter())})
 
     def usage(self) -> dict[str, int]:
         n = len(self.req.out_ids)
@@ -560,10 +579,13 @@ class _Reply:
                         yield f"data: {json.dumps(chunk)}\n\n"
                         yield "data: [DONE]\n\n"
                         return
+                    if self.first_sent is None:
+                        self.first_sent = time.perf_counter()
                     yield f"data: {json.dumps(chunk)}\n\n"
             finally:
                 if not self.req.done:  # the client went away: stop generating for it
                     self.api.engine.cancel(self.req)
+                self.log()
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -588,6 +610,7 @@ class _Reply:
                     break
         finally:
             watcher.cancel()
+            self.log()
         if finish == "cancelled":  # only a disconnected client cancels a non-streaming request
             return Response(status_code=499)
         if finish == "error":
@@ -614,22 +637,27 @@ async def _server_error(_: HTTPRequest, exc: Exception) -> Response:
 def create_app(engine: Engine, *, max_queue: int = 32, model_name: str = "hybrid-distill",
                api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                request_timeout: float = DEFAULT_REQUEST_TIMEOUT, body_timeout: float = DEFAULT_BODY_TIMEOUT,
-               ) -> Starlette:
+               request_log: str | None = None) -> Starlette:
     """The ASGI app; starts the engine's background thread.
 
     ``api_key``: required as a bearer token on every route but ``/health``. ``max_body_bytes``: larger
     bodies get 413. ``body_timeout``: seconds to receive the whole body (408 after). ``request_timeout``:
-    seconds from arrival to the last token (504, or an error event when streaming, after).
+    seconds from arrival to the last token (504, or an error event when streaming, after). ``request_log``:
+    a JSONL file that gets one line per finished request with where its time went (:class:`RequestLog`).
     """
+    log = RequestLog(request_log) if request_log else None
     aengine = AsyncEngine(engine, max_queue=max_queue)
     api = OpenAIRoutes(engine, aengine, model_name=model_name, max_body_bytes=max_body_bytes,
-                       request_timeout=request_timeout, body_timeout=body_timeout)
+                       request_timeout=request_timeout, body_timeout=body_timeout, request_log=log)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         yield
         engine.stop()
+        aengine.metrics.unwatch_gc()
         api.tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        if log is not None:
+            log.close()
 
     middleware = [Middleware(AuthGuard, api_key=api_key)] if api_key else []
     app = Starlette(routes=api.routes(), middleware=middleware,
@@ -709,6 +737,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-step-ms", type=float, default=0,
                    help="while requests decode, size each step's prefill to about this many ms by the measured "
                         "prefill speed (CPU; default 0: always --prefill-budget tokens)")
+    p.add_argument("--request-log", default=None, metavar="FILE",
+                   help="append one JSON line per finished request: its id, token counts and where its time went "
+                        "(tokenized, prefill start, first token, first event sent, done; ms from arrival)")
     return p
 
 
@@ -728,6 +759,10 @@ def check_flags(args: argparse.Namespace) -> str | None:
         v = getattr(args, flag)
         if not (math.isfinite(v) and v > 0):
             return f"--{flag.replace('_', '-')} must be a positive number of seconds, got {v}"
+    if args.request_log is not None:
+        parent = Path(args.request_log).expanduser().absolute().parent
+        if Path(args.request_log).is_dir() or not parent.is_dir() or not os.access(parent, os.W_OK):
+            return f"--request-log {args.request_log}: not a writable file path; give a file in an existing directory"
     if args.api_key is not None and not args.api_key.strip():
         return f"--api-key (or ${API_KEY_ENV}) is empty; give a key or leave it unset"
     if args.served_model_name is not None and not args.served_model_name.strip():
@@ -770,7 +805,12 @@ def main(argv: list[str] | None = None) -> int:
     name = args.served_model_name or Path(path).resolve().name or "model"
     app = create_app(engine, max_queue=args.max_queue, model_name=name, api_key=args.api_key,
                      max_body_bytes=args.max_body_bytes, request_timeout=args.request_timeout,
-                     body_timeout=args.body_timeout)
+                     body_timeout=args.body_timeout, request_log=args.request_log)
+    # Everything loaded so far (torch, transformers, the model: ~400K tracked objects) lives as long as the
+    # server: move it out of the collector's reach, so a full collection walks only what serving allocates
+    # (a few ms instead of a few hundred with every thread stopped; hd_serve_gc_full_collection_seconds).
+    gc.collect()
+    gc.freeze()
     uvicorn.run(app, host=args.host, port=args.port, http=NoDelayH11Protocol.with_head_timeout(args.body_timeout),
                 log_level="info")
     return 0

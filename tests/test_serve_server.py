@@ -159,6 +159,40 @@ def test_metrics_exposition(client):
     assert _metric(client, "hd_serve_time_to_first_token_seconds_count") >= 1
 
 
+def test_request_log_says_where_each_request_spent_its_time(tmp_path):
+    """--request-log: one line per finished request (streamed or not) whose id is the response's and whose
+    times are ordered: tokenized <= prefill start <= first token <= first event sent <= done."""
+    path = save_tiny(tmp_path / "tiny", arch="llama")
+    log = tmp_path / "requests.jsonl"
+    engine = Engine(path, max_batch=2, max_seq_len=128)
+    with ServerThread(create_app(engine, model_name="tiny", request_log=str(log))) as srv, \
+            httpx.Client(base_url=srv.url, timeout=60) as c:
+        body = {"prompt": "the quick brown", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            events = sse_events(r.iter_lines())
+        plain = c.post("/v1/completions", json={**body, "max_tokens": 3}).json()
+        c.post("/v1/completions", json={**body, "max_tokens": 0})  # a 400: never reached the engine, no line
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    assert [x["id"] for x in lines] == [events[0]["id"], plain["id"]]
+    streamed, whole = lines
+    assert streamed["completion_tokens"] == 6 and whole["completion_tokens"] == 3
+    assert streamed["prompt_tokens"] == events[-2]["usage"]["prompt_tokens"] and streamed["finish_reason"] == "length"
+    order = ("tokenized_ms", "prefill_start_ms", "first_token_ms", "first_sent_ms", "done_ms")
+    assert all(streamed[k] is not None for k in order)
+    assert 0 <= streamed["tokenized_ms"] and all(streamed[a] <= streamed[b] for a, b in zip(order, order[1:]))
+    assert whole["first_sent_ms"] is None and whole["first_token_ms"] <= whole["done_ms"]
+    # The second request shares the first's prompt: the prefix cache restored whole blocks of it, or none
+    # when the prompt is shorter than one block (tiny prompt here) — never more than the prompt.
+    assert 0 <= whole["cached_tokens"] < whole["prompt_tokens"]
+
+
+def test_request_log_flag_refuses_an_unwritable_path(tmp_path):
+    from serve.server import main
+
+    assert main(["--model", "x", "--request-log", str(tmp_path / "no" / "such" / "dir" / "log.jsonl")]) == 2
+    assert main(["--model", "x", "--request-log", str(tmp_path)]) == 2
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -194,3 +228,25 @@ def test_server_cli_serves_a_hybrid_model(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_full_gc_pauses_are_timed_and_exposed():
+    """Metrics.watch_gc times full (generation-2) collections only, and stops when unwatched."""
+    import gc
+
+    from serve.metrics import Metrics
+
+    m = Metrics()
+    m.watch_gc()
+    try:
+        gc.collect(0)
+        gc.collect(1)
+        assert m.gc_pause.count == 0
+        gc.collect()
+        gc.collect(2)
+        assert m.gc_pause.count == 2 and m.gc_pause.sum > 0
+        assert "hd_serve_gc_full_collection_seconds_count 2" in m.render()
+    finally:
+        m.unwatch_gc()
+    gc.collect()
+    assert m.gc_pause.count == 2 and m._on_gc not in gc.callbacks

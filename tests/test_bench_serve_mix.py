@@ -1,0 +1,50 @@
+"""bench/serve_mix.py's report: per-class percentiles and the time-to-first-token split, on records made by hand."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+spec = importlib.util.spec_from_file_location("serve_mix", Path(__file__).resolve().parents[1] / "bench" / "serve_mix.py")
+serve_mix = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(serve_mix)
+
+
+def _client(rid, cls, ttft_s, events=3, usage=3, done=True, error=None):
+    return {"id": rid, "class": cls, "ttft": ttft_s, "gaps": [0.01, 0.02], "events": events, "usage_tokens": usage,
+            "done": done, "error": error, "http_status": 200}
+
+
+def _server(rid, tok, start, first, sent, n=40, cached=32):
+    return {"id": rid, "prompt_tokens": n, "cached_tokens": cached, "tokenized_ms": tok, "prefill_start_ms": start,
+            "first_token_ms": first, "first_sent_ms": sent, "done_ms": sent + 50}
+
+
+def test_ttft_split_joins_by_id_and_splits_each_request():
+    entries = [_client("a", "short", 0.100), _client("b", "short", 0.200), _client("c", "medium", 0.300),
+               _client("x", "short", 0.500)]  # x has no server record: left out of the split
+    server = [_server("a", 2, 10, 60, 61), _server("b", 3, 120, 170, 175), _server("c", 1, 5, 250, 251),
+              _server("zzz", 1, 2, 3, 4)]  # a record no client saw: ignored
+    split = serve_mix.ttft_split(entries, server)
+    short = split["classes"]["short"]
+    assert short["joined"] == 2 and split["classes"]["medium"]["joined"] == 1 and split["classes"]["long"]["joined"] == 0
+    # Two short requests: wait 8 and 117 ms, prefill 50 and 50, client rest 100-61 = 39 and 200-175 = 25.
+    assert (short["wait_p50_ms"], short["wait_p95_ms"]) == (8.0, 117.0)
+    assert short["prefill_p50_ms"] == short["prefill_p95_ms"] == 50.0
+    assert (short["client_rest_p50_ms"], short["client_rest_p95_ms"]) == (25.0, 39.0)
+    assert (short["server_p50_ms"], short["server_p95_ms"]) == (61.0, 175.0)
+    # Only b is a short request over 150 ms; its parts add up to its client TTFT.
+    [slow] = split["slow_short"]
+    assert slow["ttft_ms"] == 200.0
+    assert slow["tokenize"] + slow["wait"] + slow["prefill"] + slow["hand_off"] + slow["client_rest"] == 200.0
+    assert split["classes"]["long"]["wait_p50_ms"] is None
+
+
+def test_summarize_counts_errors_integrity_and_percentiles():
+    entries = [_client("a", "short", 0.1), _client("b", "short", 0.3, events=3, usage=2),
+               _client("c", "long", 0.5, error="HTTP 503")]
+    entries[2]["http_status"] = 503
+    out = serve_mix.summarize(entries, elapsed=10.0)
+    assert out["errors"] == 1 and out["streams"] == 2 and out["integrity_failures"] == 1
+    assert out["events_equal_tokens"] is False and out["tokens"] == 9 and out["tokens_per_s"] == 0.9
+    assert out["classes"]["short"]["ttft_p50_ms"] == 100.0 and out["classes"]["short"]["ttft_p95_ms"] == 300.0
