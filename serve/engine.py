@@ -352,21 +352,33 @@ class Engine:
         """Prefill up to ``prefill_budget`` prompt tokens, one chunk at a time, shortest remaining first.
 
         Between chunks, requests that arrived meanwhile are admitted and the shortest remaining prompt
-        is picked again, so a short prompt overtakes a long one mid-step (module docstring). A request
-        whose prompt completes samples its first token here and joins this step's decode. Each
-        request's prefill is its own: one that raises is finished with "error", the others go on.
+        is picked again, so a short prompt overtakes a long one mid-step (module docstring). A prompt whose
+        remainder fits in one chunk (and in the step's budget) is finished in this step even past what is
+        left of the budget, once per step: cutting it would hold its first token behind a whole decode
+        step to save less than a chunk. A step's prefill thus stays under twice its budget. A request whose prompt completes samples its first token here and joins this step's
+        decode. Each request's prefill is its own: one that raises is finished with "error", the others go on.
         """
-        budget = self.step_prefill_budget()
-        while budget > 0:
+        budget = step_budget = self.step_prefill_budget()
+        may_overrun = True
+        while True:
             pending = [r for r in self._rows if r is not None and r.prefilled < len(r.prompt_ids)]
             if not pending:
                 break
             req = min(pending, key=lambda r: len(r.prompt_ids) - r.prefilled)
-            allowance = min(budget, self.prefill_chunk)
+            left = len(req.prompt_ids) - req.prefilled
+            if budget >= min(left, self.prefill_chunk):
+                allowance = min(left, self.prefill_chunk)
+            elif left <= min(self.prefill_chunk, step_budget) and may_overrun:
+                allowance, may_overrun = left, False
+            elif budget > 0:
+                allowance = budget
+            else:
+                break
             try:
                 budget -= allowance - self._prefill_one(req, allowance)
             except Exception as e:  # this request's prefill, first sample or callback: it alone fails
                 self._fail(req, e)
+                budget -= allowance
             self._admit_waiting()
 
     def step_prefill_budget(self) -> int:

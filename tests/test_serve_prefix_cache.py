@@ -150,6 +150,45 @@ def test_request_arriving_mid_step_overtakes_a_long_prefill_at_the_next_chunk(mo
                                              do_sample=False)[0, n:].tolist()
 
 
+def test_a_prompt_whose_rest_fits_in_a_chunk_finishes_in_this_step_past_the_budget(monkeypatch):
+    """Once per step, a prompt whose remainder fits in one chunk is finished even past the budget, instead
+    of waiting a whole decode step for its first token; anything longer stops at the budget as before."""
+    model = no_eos(tiny_model("llama", seed=18))
+    engine = Engine(model=model, tokenizer=tiny_tokenizer(), max_batch=4, prefill_chunk=16, prefill_budget=40,
+                    prefix_cache_bytes=0)
+    order: list[tuple[int, int]] = []
+    real_prefill = engine.model.prefill
+
+    def prefill(cache, row, ids, start):
+        order.append((row, ids.shape[0]))
+        return real_prefill(cache, row, ids, start)
+
+    monkeypatch.setattr(engine.model, "prefill", prefill)
+    a = engine.submit(list(range(3, 33)), SamplingParams(max_new_tokens=3))  # 30 tokens: 16 + 14
+    b = engine.submit(list(range(40, 52)), SamplingParams(max_new_tokens=3))  # 12 tokens: one chunk
+    c = engine.submit(list(range(60, 72)), SamplingParams(max_new_tokens=3))  # 12 tokens: one chunk
+    engine.step()
+    # Budget 40: b (12) and c (12) first, shortest first, then a gets 16 (budget 0 left). a's rest (14)
+    # fits in a chunk: finished now (one overrun), so all three have their first token after one step.
+    assert order == [(b.row, 12), (c.row, 12), (a.row, 16), (a.row, 14)]
+    assert all(len(r.out_ids) == 2 for r in (a, b, c))  # first token from the prefill, second from the decode
+    while not all(r.done for r in (a, b, c)):
+        engine.step()
+    # A prompt whose rest is longer than a chunk still stops at the budget.
+    order.clear()
+    d = engine.submit(list(range(80, 150)), SamplingParams(max_new_tokens=3))  # 70 tokens
+    engine.step()
+    assert order == [(d.row, 16), (d.row, 16), (d.row, 8)] and not d.out_ids  # 30 left: more than a chunk
+    engine.step()
+    assert order[3:] == [(d.row, 16), (d.row, 14)] and len(d.out_ids) == 2
+    while not d.done:
+        engine.step()
+    for req in (a, b, c, d):
+        n = len(req.prompt_ids)
+        assert req.out_ids == model.generate(torch.tensor([req.prompt_ids]), max_new_tokens=3,
+                                             do_sample=False)[0, n:].tolist()
+
+
 def test_prefill_budget_is_sized_by_measured_time_while_others_decode(monkeypatch):
     """While a request decodes, a long prompt's prefill per step follows prefill_step_s / measured speed."""
     import serve.engine as eng
