@@ -104,8 +104,12 @@ class Engine:
         max_batch: most requests decoded together (cache rows).
         max_seq_len: longest prompt + generation a request may reach (default: the model's
             ``max_position_embeddings``); requests beyond it are refused, never truncated.
-        prefill_chunk: prompt tokens per prefill forward (bounds activation memory for long prompts,
-            and how long a newly arrived prompt waits for the forward in flight).
+        prefill_chunk: prompt tokens per prefill forward at the start of a prompt (bounds activation
+            memory for long prompts, and how long a newly arrived prompt waits for the forward in
+            flight); deeper in a long prompt a forward takes fewer tokens of the same cost
+            (:meth:`chunk_at`).
+        chunk_by_cost: shrink chunks with depth as :meth:`chunk_at` says (default); False: always
+            ``prefill_chunk`` tokens.
         compile: CUDA only: ``torch.compile`` the decode step (ignored on CPU).
         dense: force the dense cache even for a hybrid model (the full-attention baseline).
         fast_weights: decode from fused copies of the projections in CPU-friendly layouts (faster
@@ -135,7 +139,8 @@ class Engine:
                  max_batch: int = 8, max_seq_len: int | None = None, prefill_chunk: int = 128,
                  compile: bool = False, dense: bool = False, fast_weights: bool | None = None,
                  prefill_budget: int | None = None, prefix_cache_bytes: int = 256 * 2**20,
-                 prefix_block: int = 32, prefill_step_s: float | None = None, min_prefill_tokens: int = 128) -> None:
+                 prefix_block: int = 32, prefill_step_s: float | None = None, min_prefill_tokens: int = 128,
+                 chunk_by_cost: bool = True) -> None:
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         if model is None:
@@ -165,6 +170,7 @@ class Engine:
         if max_batch < 1:  # no cache row: every request would wait forever
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.prefill_chunk = prefill_chunk
+        self._attn_ratio, self._ctx_cap = self._chunk_cost_model() if chunk_by_cost else (0.0, None)
         self.prefill_budget = prefill_budget or max(512, prefill_chunk)
         if self.prefill_budget < 1:
             raise ValueError(f"prefill_budget must be >= 1, got {prefill_budget}")
@@ -203,6 +209,23 @@ class Engine:
             self._decode = torch.compile(self.model.decode_one_token, dynamic=True)
 
     # ---- setup helpers -----------------------------------------------------------------------------------
+
+    def _chunk_cost_model(self) -> tuple[float, int | None]:
+        """``(ratio, context cap)`` for :meth:`chunk_at`: attention multiply-adds per token per key over
+        the projections' per token, all layers; the cap is a hybrid model's bounded cache (sinks +
+        window + a global per 1024 positions of an 8K prompt: an upper bound), None when dense or when
+        some heads keep the full context."""
+        m = self.model
+        proj = sum(mod.weight.numel() for layer in m.layers for mod in layer.modules()
+                   if isinstance(mod, torch.nn.Linear))
+        if not proj:
+            return 0.0, None
+        ratio = 2.0 * m.n_heads * m.head_dim * len(m.layers) / proj
+        spec = None if self.dense else self.model.spec
+        cap = None
+        if spec is not None and not spec.has_head_roles:
+            cap = spec.sink_tokens + spec.window + (8192 // spec.global_every if spec.global_every else 0)
+        return ratio, cap
 
     def _eos_ids(self, model) -> set[int]:
         ids: set[int] = set()
@@ -366,9 +389,10 @@ class Engine:
                 break
             req = min(pending, key=lambda r: len(r.prompt_ids) - r.prefilled)
             left = len(req.prompt_ids) - req.prefilled
-            if budget >= min(left, self.prefill_chunk):
-                allowance = min(left, self.prefill_chunk)
-            elif left <= min(self.prefill_chunk, step_budget) and may_overrun:
+            chunk = self.chunk_at(req.prefilled)
+            if budget >= min(left, chunk):
+                allowance = min(left, chunk)
+            elif left <= min(chunk, step_budget) and may_overrun:
                 allowance, may_overrun = left, False
             elif budget > 0:
                 allowance = budget
@@ -405,12 +429,12 @@ class Engine:
         logits = None
         while req.prefilled < n and budget > 0:
             start = req.prefilled
-            t = min(self.prefill_chunk, n - start, budget)
+            t = min(self.chunk_at(start), n - start, budget)
             ids = torch.tensor(req.prompt_ids[start:start + t], dtype=torch.long, device=self.device)
             t0 = time.perf_counter()
             if req.prefill_start is None:
                 req.prefill_start = t0
-            logits = self.model.prefill(cache, req.row, ids, start)
+            logits = self.model.prefill(cache, req.row, ids, start, logits=start + t == n)
             self._note_prefill_time(t, time.perf_counter() - t0)
             req.prefilled += t
             budget -= t
@@ -425,6 +449,22 @@ class Engine:
             self._tokens[req.row] = token
             self._pos[req.row] = req.pos + 1
         return budget
+
+    def chunk_at(self, start: int) -> int:
+        """Prompt tokens in a prefill forward that starts at position ``start``.
+
+        ``prefill_chunk`` at the start of a prompt; further in, fewer, so that every forward costs about
+        the same multiply-adds: per token, the layers' projections (``P`` weights) plus attention over
+        the context before it (``2 * heads * head_dim`` per key, per layer), so a chunk at position
+        ``p`` holds ``prefill_chunk / (1 + ratio * p)`` tokens, ``ratio = 2 * heads * head_dim * layers
+        / P`` (the context is capped by the bounded cache of a hybrid model). A chunk is what a newly
+        arrived prompt may wait for, so this bounds that wait at any depth (``chunk_by_cost=False``:
+        always ``prefill_chunk``). At least 16 tokens (or ``prefill_chunk`` if smaller).
+        """
+        if not self._attn_ratio:
+            return self.prefill_chunk
+        ctx = start if self._ctx_cap is None else min(start, self._ctx_cap)
+        return max(min(16, self.prefill_chunk), int(self.prefill_chunk / (1.0 + self._attn_ratio * ctx)))
 
     def _shield(self, rows: list[int]) -> list[tuple]:
         """Save what a decode step would overwrite in rows that are still prefilling.

@@ -466,17 +466,20 @@ class DecoderModel(nn.Module):
         return o
 
     @torch.inference_mode()
-    def prefill(self, cache: KVCache, row: int, ids: torch.Tensor, start: int) -> torch.Tensor:
+    def prefill(self, cache: KVCache, row: int, ids: torch.Tensor, start: int, logits: bool = True
+                ) -> torch.Tensor | None:
         """Run one chunk of one row's prompt through the model and store its keys/values.
 
         Args:
             ids: ``[chunk]`` token ids at absolute positions ``start .. start + chunk - 1``; the cache
                 row already holds positions ``< start``.
+            logits: compute the last position's logits (False for a chunk that does not end the
+                prompt: the head is a full read of the embedding matrix, skipped when unused).
         Returns:
-            ``[vocab]`` fp32 logits of the chunk's last position.
+            ``[vocab]`` fp32 logits of the chunk's last position, or None without ``logits``.
         """
         if isinstance(cache, MixedKVCache):
-            return self._prefill_mixed(cache, row, ids, start)
+            return self._prefill_mixed(cache, row, ids, start, logits)
         t = ids.shape[0]
         pos = torch.arange(start, start + t, device=ids.device)
         h = self.embed(ids)[None]  # [1, t, hidden]
@@ -507,7 +510,7 @@ class DecoderModel(nn.Module):
             cache.write_prefill(li, row, idx, slot, k[0], v[0])
             h = self._finish_prefill(li, layer, h, o)
         cache.commit_prefill(row, pos, idx, slot)
-        return self._logits(h[:, -1])[0]
+        return self._logits(h[:, -1])[0] if logits else None
 
     @torch.inference_mode()
     def decode_one_token(self, cache: KVCache, tokens: torch.Tensor, pos: torch.Tensor, n_slots: int
@@ -545,7 +548,8 @@ class DecoderModel(nn.Module):
     # ---- per-head roles: full heads over the dense cache, streaming heads over the bounded one ----------
 
     @torch.inference_mode()
-    def _prefill_mixed(self, cache: MixedKVCache, row: int, ids: torch.Tensor, start: int) -> torch.Tensor:
+    def _prefill_mixed(self, cache: MixedKVCache, row: int, ids: torch.Tensor, start: int, logits: bool = True
+                       ) -> torch.Tensor | None:
         """:meth:`prefill` for a :class:`MixedKVCache` (same arguments and result)."""
         fc, sc = cache.full, cache.stream
         t = ids.shape[0]
@@ -593,7 +597,7 @@ class DecoderModel(nn.Module):
             h = self._finish_prefill(li, layer, h, roles.join(of, os))
         fc.commit_prefill(row, pos, idx_f, slot_f)
         sc.commit_prefill(row, pos, idx_s, slot_s)
-        return self._logits(h[:, -1])[0]
+        return self._logits(h[:, -1])[0] if logits else None
 
     @torch.inference_mode()
     def _decode_mixed(self, cache: MixedKVCache, tokens: torch.Tensor, pos: torch.Tensor, n_slots: int

@@ -123,16 +123,16 @@ def test_request_arriving_mid_step_overtakes_a_long_prefill_at_the_next_chunk(mo
     """Arrivals are admitted between a step's prefill chunks; the shortest remaining prompt goes next."""
     model = no_eos(tiny_model("llama", seed=17))
     engine = Engine(model=model, tokenizer=tiny_tokenizer(), max_batch=4, prefill_chunk=16, prefill_budget=64,
-                    prefix_cache_bytes=0)
+                    prefix_cache_bytes=0, chunk_by_cost=False)
     order: list[tuple[int, int]] = []  # (row, chunk length) of every prefill forward
     real_prefill = engine.model.prefill
     arrivals = []
 
-    def prefill(cache, row, ids, start):
+    def prefill(cache, row, ids, start, logits=True):
         order.append((row, ids.shape[0]))
         if len(order) == 1:  # a short request arrives while the long prompt's first chunk runs
             arrivals.append(engine.submit([1, 2, 3], SamplingParams(max_new_tokens=3)))
-        return real_prefill(cache, row, ids, start)
+        return real_prefill(cache, row, ids, start, logits)
 
     monkeypatch.setattr(engine.model, "prefill", prefill)
     long = engine.submit(list(range(3, 200)), SamplingParams(max_new_tokens=3))
@@ -155,13 +155,13 @@ def test_a_prompt_whose_rest_fits_in_a_chunk_finishes_in_this_step_past_the_budg
     of waiting a whole decode step for its first token; anything longer stops at the budget as before."""
     model = no_eos(tiny_model("llama", seed=18))
     engine = Engine(model=model, tokenizer=tiny_tokenizer(), max_batch=4, prefill_chunk=16, prefill_budget=40,
-                    prefix_cache_bytes=0)
+                    prefix_cache_bytes=0, chunk_by_cost=False)
     order: list[tuple[int, int]] = []
     real_prefill = engine.model.prefill
 
-    def prefill(cache, row, ids, start):
+    def prefill(cache, row, ids, start, logits=True):
         order.append((row, ids.shape[0]))
-        return real_prefill(cache, row, ids, start)
+        return real_prefill(cache, row, ids, start, logits)
 
     monkeypatch.setattr(engine.model, "prefill", prefill)
     a = engine.submit(list(range(3, 33)), SamplingParams(max_new_tokens=3))  # 30 tokens: 16 + 14
@@ -189,22 +189,57 @@ def test_a_prompt_whose_rest_fits_in_a_chunk_finishes_in_this_step_past_the_budg
                                              do_sample=False)[0, n:].tolist()
 
 
+def test_deeper_prefill_chunks_hold_fewer_tokens_of_equal_cost_and_skip_the_head(monkeypatch):
+    """chunk_at: prefill_chunk / (1 + ratio * position), ratio from the model's shapes (attention
+    multiply-adds per key over projection ones); only the forward that ends a prompt computes logits;
+    the output is the same greedy text as a plain generate."""
+    model = no_eos(tiny_model("llama", seed=19))
+    engine = Engine(model=model, tokenizer=tiny_tokenizer(), max_batch=2, prefill_chunk=64, prefill_budget=4096,
+                    prefix_cache_bytes=0)
+    cfg = model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    proj = sum(m.weight.numel() for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear))
+    ratio = 2 * cfg.num_attention_heads * head_dim * cfg.num_hidden_layers / proj  # by hand
+    for pos in (0, 50, 300, 1000):
+        assert engine.chunk_at(pos) == max(16, int(64 / (1 + ratio * pos)))
+    assert engine.chunk_at(1000) < engine.chunk_at(0) == 64
+    assert Engine(model=model, tokenizer=tiny_tokenizer(), prefill_chunk=64, chunk_by_cost=False).chunk_at(1000) == 64
+    calls: list[tuple[int, int, bool]] = []
+    real_prefill = engine.model.prefill
+
+    def prefill(cache, row, ids, start, logits=True):
+        calls.append((start, ids.shape[0], logits))
+        out = real_prefill(cache, row, ids, start, logits)
+        assert (out is None) == (not logits)
+        return out
+
+    monkeypatch.setattr(engine.model, "prefill", prefill)
+    prompt = [3 + (i * 7) % 250 for i in range(300)]
+    req = engine.submit(prompt, SamplingParams(max_new_tokens=4))
+    while not req.done:
+        engine.step()
+    assert [s for s, _, _ in calls] == [0] + [s + t for s, t, _ in calls[:-1]] and sum(t for _, t, _ in calls) == 300
+    assert all(t == min(engine.chunk_at(s), 300 - s) for s, t, _ in calls)
+    assert [lg for _, _, lg in calls] == [False] * (len(calls) - 1) + [True]
+    assert req.out_ids == model.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)[0, 300:].tolist()
+
+
 def test_prefill_budget_is_sized_by_measured_time_while_others_decode(monkeypatch):
     """While a request decodes, a long prompt's prefill per step follows prefill_step_s / measured speed."""
     import serve.engine as eng
 
     model = no_eos(tiny_model("llama", seed=16))
     engine = Engine(model=model, tokenizer=tiny_tokenizer(), max_batch=4, prefill_chunk=64, prefill_budget=64,
-                    prefill_step_s=0.0105, min_prefill_tokens=4, prefix_cache_bytes=0)
+                    prefill_step_s=0.0105, min_prefill_tokens=4, prefix_cache_bytes=0, chunk_by_cost=False)
     # A fake clock: every prefill chunk "takes" 1 ms per token, nothing else takes time.
     fake = [0.0]
     chunks: list[int] = []
     real_prefill = engine.model.prefill
 
-    def timed_prefill(cache, row, ids, start):
+    def timed_prefill(cache, row, ids, start, logits=True):
         chunks.append(ids.shape[0])
         fake[0] += ids.shape[0] * 1e-3
-        return real_prefill(cache, row, ids, start)
+        return real_prefill(cache, row, ids, start, logits)
 
     monkeypatch.setattr(engine.model, "prefill", timed_prefill)
     monkeypatch.setattr(eng.time, "perf_counter", lambda: fake[0])
