@@ -219,9 +219,46 @@ def test_deeper_prefill_chunks_hold_fewer_tokens_of_equal_cost_and_skip_the_head
     while not req.done:
         engine.step()
     assert [s for s, _, _ in calls] == [0] + [s + t for s, t, _ in calls[:-1]] and sum(t for _, t, _ in calls) == 300
-    assert all(t == min(engine.chunk_at(s), 300 - s) for s, t, _ in calls)
+    assert all(t == engine.chunk_for(s, 300) for s, t, _ in calls)
     assert [lg for _, _, lg in calls] == [False] * (len(calls) - 1) + [True]
     assert req.out_ids == model.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)[0, 300:].tolist()
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_a_remainder_within_a_quarter_chunk_is_prefilled_in_the_same_forward(monkeypatch, hybrid):
+    """chunk_for: 16 + up to 4 tokens go in one forward, 16 + 5 in two; with a bounded cache and the
+    prefix cache, never past window - block (blocks must still be in the ring when captured); exact."""
+    model = no_eos(tiny_model("llama", seed=21))
+    spec = HybridAttentionConfig(sink_tokens=4, window=40, global_every=0)
+    if hybrid:
+        model.config.hybrid_attention = spec.to_dict()
+    engine = Engine(model=model, tokenizer=tiny_tokenizer(), max_batch=2, prefill_chunk=16, prefill_budget=64,
+                    prefix_cache_bytes=0, chunk_by_cost=False)
+    assert [engine.chunk_for(0, n) for n in (3, 16, 20, 21, 40)] == [3, 16, 20, 16, 16]
+    assert engine.chunk_for(16, 21) == 5
+    calls: list[int] = []
+    real_prefill = engine.model.prefill
+
+    def prefill(cache, row, ids, start, logits=True):
+        calls.append(ids.shape[0])
+        return real_prefill(cache, row, ids, start, logits)
+
+    monkeypatch.setattr(engine.model, "prefill", prefill)
+    for n, expect in ((20, [20]), (21, [16, 5]), (36, [16, 20])):
+        calls.clear()
+        prompt = [3 + (i * 5) % 200 for i in range(n)]
+        out = engine.generate([prompt], SamplingParams(max_new_tokens=4))[0].token_ids
+        assert calls == expect
+        ref = (greedy_reference(model, prompt, 4, spec) if hybrid else
+               model.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)[0, n:].tolist())
+        assert out == ref
+    # Prefix cache on a bounded cache: window 40 - block 8 - chunk 16 leaves room for 16 // 4 = 4 more
+    # tokens; window 26 leaves 2, window 24 none.
+    for window, tail in ((40, 4), (26, 2), (24, 0)):
+        m = no_eos(tiny_model("llama", seed=21))
+        m.config.hybrid_attention = HybridAttentionConfig(sink_tokens=4, window=window, global_every=0).to_dict()
+        e = Engine(model=m, tokenizer=tiny_tokenizer(), prefill_chunk=16, prefix_block=8, chunk_by_cost=False)
+        assert e.chunk_for(0, 16 + tail) == 16 + tail and e.chunk_for(0, 17 + tail) == 16
 
 
 def test_prefill_budget_is_sized_by_measured_time_while_others_decode(monkeypatch):
