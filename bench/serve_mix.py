@@ -29,6 +29,7 @@ import argparse
 import importlib.util
 import json
 import os
+import resource
 import shutil
 import socket
 import subprocess
@@ -48,6 +49,15 @@ def pct(xs: list[float], q: float) -> float | None:
         return None
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds a live process has used so far (/proc/PID/stat), None if unreadable."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
 
 
 def rss_bytes(pid: int) -> int | None:
@@ -272,10 +282,14 @@ def main() -> int:
                       "-r", str(args.users), "-t", f"{int(seconds)}s", "--host", url, "--csv", str(work / "locust"),
                       "--only-summary", "--stop-timeout", "30", "--exit-code-on-error", "0"]
         t0 = time.perf_counter()
+        server_cpu0 = cpu_seconds(server.pid)
+        children0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         lenv = {**os.environ, "SERVE_MIX_LOG": str(log), "OMP_NUM_THREADS": "1"}
         subprocess.run(locust_cmd, env=lenv, cwd=REPO, stdout=open(work / "locust.log", "w"), stderr=subprocess.STDOUT,
                        check=False)
         elapsed = time.perf_counter() - t0
+        children1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        server_cpu1 = cpu_seconds(server.pid)
         watch.stop()
         gc_stats = scrape(url, ("hd_serve_gc_full_collection_seconds_count", "hd_serve_gc_full_collection_seconds_sum"))
     finally:
@@ -300,6 +314,12 @@ def main() -> int:
         out["rss_after_warmup_mb"] = round(after[0] / 2**20, 1)
         out["rss_growth_after_warmup"] = round(after[-1] / after[0] - 1, 4)
         out.update(soak_net_of_prefix_cache(rss, watch.cache, warmup))
+    # Cores each side kept busy on average: the client shares the server's cores, so its share is time
+    # the server's torch threads could not run (a parallel region waits for its slowest thread).
+    client_cpu = (children1.ru_utime + children1.ru_stime) - (children0.ru_utime + children0.ru_stime)
+    out["client_cores"] = round(client_cpu / elapsed, 3) if elapsed else None
+    out["server_cores"] = (round((server_cpu1 - server_cpu0) / elapsed, 3)
+                           if elapsed and server_cpu0 is not None and server_cpu1 is not None else None)
     out.update(users=args.users, seconds=round(elapsed, 1), threads=args.threads, model=args.model,
                max_batch=args.max_batch, prefill_step_ms=args.prefill_step_ms, logs=str(work))
     short_p95 = out["classes"]["short"]["ttft_p95_ms"]
@@ -326,6 +346,7 @@ def main() -> int:
         cells = [f"{_fmt(s[f'{n}_p50_ms'])} / {_fmt(s[f'{n}_p95_ms'])}"
                  for n in ("tokenize", "wait", "prefill", "hand_off", "server", "client_rest")]
         print(f"{c:<8}{s['joined']:>4}" + "".join(f"{x:>14}" for x in cells))
+    print(f"CPU cores busy on average: server {out['server_cores']}, load generator (locust) {out['client_cores']}")
     print(f"server full GC collections: {out['server_full_gc']['collections']} "
           f"({out['server_full_gc']['seconds'] * 1000:.0f} ms in all)")
     for x in split["slow_short"]:

@@ -48,3 +48,25 @@ def test_summarize_counts_errors_integrity_and_percentiles():
     assert out["errors"] == 1 and out["streams"] == 2 and out["integrity_failures"] == 1
     assert out["events_equal_tokens"] is False and out["tokens"] == 9 and out["tokens_per_s"] == 0.9
     assert out["classes"]["short"]["ttft_p50_ms"] == 100.0 and out["classes"]["short"]["ttft_p95_ms"] == 300.0
+
+
+def test_cpu_seconds_reads_a_live_process_and_grows_with_its_work():
+    import os
+    import subprocess
+    import sys
+    import time
+
+    assert serve_mix.cpu_seconds(2**22 + 12345) is None  # no such process
+    child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.process_time()\n"
+                              "while time.process_time() - t < 0.4: pass\ntime.sleep(30)"])
+    try:
+        deadline = time.time() + 20
+        used = 0.0
+        while time.time() < deadline and used < 0.39:
+            used = serve_mix.cpu_seconds(child.pid) or 0.0
+            time.sleep(0.05)
+        assert 0.39 <= used < 5.0  # the busy loop's 0.4 s (plus start-up), not wall time
+    finally:
+        child.kill()
+        child.wait()
+    assert serve_mix.cpu_seconds(os.getpid()) > 0
