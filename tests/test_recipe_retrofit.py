@@ -110,6 +110,7 @@ def test_summary_reports_what_was_saved(tiny_run):
     assert dense == pytest.approx(summary["perplexity"]["256"]["dense"], rel=1e-4)
     # the pass-key check ran on the final model and the dense one, with its heatmap beside the run
     assert set(summary["longctx"]["hybrid"]) == set(summary["longctx"]["dense"]) == {"256"}
+    assert summary["longctx"]["depths"] == [0.1, 0.3, 0.5, 0.7, 0.9]  # interior needles (longctx_depths)
     assert 0.0 <= summary["longctx"]["hybrid"]["256"] <= 1.0 and (out / "longctx.png").stat().st_size > 1000
 
 
@@ -162,6 +163,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path, args, needle):
     (["head_score=duo"], "head_score must be one of retrieval, mass, gates"),
     (["full_head_share=1.5"], r"full_head_share must be in \[0, 1\]"),
     (["gate_steps=0"], "gate_steps must be >= 1"),
+    (["longctx_depths=[0.5, 1.5]"], r"longctx_depths must be in \[0, 1\]"),
 ])
 def test_config_errors_name_the_fix(argv, match):
     with pytest.raises(ConfigError, match=match) as err:
