@@ -122,14 +122,17 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cases", default="512_b1,512_b8,8k", help="comma-separated subset of 512_b1,512_b8,8k")
-    ap.add_argument("--engines", default="dense,hybrid,mixed", help="engine arms beside HF: subset of "
-                    "dense,hybrid,mixed")
+    ap.add_argument("--engines", default="dense,hybrid,mixed", help="engine arms beside HF (always run, so "
+                    "naming it changes nothing): subset of dense,hybrid,mixed")
     ap.add_argument("--repeats", type=int, default=1, help="round-robin repeats per case (medians reported)")
     ap.add_argument("--full-share", type=float, default=None, help="mixed engine: share of (layer, KV head) "
                     "pairs full (default: the retrofit config's full_head_share)")
     ap.add_argument("--roles", default=None, help="mixed engine: take the full heads from this model's config")
     args = ap.parse_args()
-    engines = [e for e in args.engines.split(",") if e]
+    engines = [e for e in args.engines.split(",") if e and e != "hf"]
+    unknown = sorted(set(engines) - {"dense", "hybrid", "mixed"})
+    if unknown:
+        ap.error(f"--engines: unknown arm(s) {', '.join(unknown)}; use a subset of hf,dense,hybrid,mixed")
     share = default_share() if args.full_share is None else args.full_share
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
