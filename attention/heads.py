@@ -238,9 +238,29 @@ def choose_roles(spec: HybridAttentionConfig, scores: torch.Tensor, share: float
     full: dict[int, list[int]] = {}
     for flat in sorted(order):
         full.setdefault(flat // kv_heads, []).append(flat % kv_heads)
-    record = {"method": method, "full_head_share": share, "full_heads": count,
-              "scores": [[round(float(x), 5) for x in row] for row in scores], **(extra or {})}
+    rounded = lambda m: [[round(float(x), 5) for x in row] for row in m]  # noqa: E731
+    record = {**(extra or {}), "method": method, "full_head_share": share, "full_heads": count,
+              "scores": rounded(scores)}
+    if tiebreak is not None:  # kept so that the whole ranking, not just the chosen top, is saved
+        record["tiebreak"] = rounded(tiebreak)
     return dataclasses.replace(spec, full_heads=full or None, full_layers=None, head_scores=record)
+
+
+def reshare(spec: HybridAttentionConfig, share: float) -> HybridAttentionConfig:
+    """``spec`` with the top ``share`` of heads full by the ranking saved in its ``head_scores``.
+
+    A retrofit saves its scores (and tiebreak) with the roles, so another share of the same ranking
+    needs no new scoring or gate training, e.g. to trade retrieval at long lengths against KV bytes.
+    """
+    record = spec.head_scores or {}
+    if "scores" not in record:
+        raise HybridAttentionError("this spec has no saved head scores to re-rank; run the retrofit's head "
+                                   "scoring (full_head_share > 0) first")
+    tiebreak = torch.tensor(record["tiebreak"]) if "tiebreak" in record else None
+    extra = {k: v for k, v in record.items() if k not in ("method", "full_head_share", "full_heads", "scores",
+                                                         "tiebreak")}
+    return choose_roles(spec, torch.tensor(record["scores"]), share, method=record["method"], tiebreak=tiebreak,
+                        extra=extra)
 
 
 def spread_roles(spec: HybridAttentionConfig, layers: int, kv_heads: int, share: float) -> HybridAttentionConfig:

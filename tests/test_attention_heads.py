@@ -217,3 +217,23 @@ def test_choose_roles_takes_the_top_share_with_tiebreak():
         choose_roles(HybridAttentionConfig(**BASE), scores, 1.5, method="mass")
     with pytest.raises(HybridAttentionError, match="head scores"):
         plot_head_scores(HybridAttentionConfig(**BASE), "unused.png")
+
+
+def test_reshare_reranks_the_saved_scores_and_tiebreak():
+    """The saved record holds the whole ranking: another share of it needs no new scoring, and it
+    survives the config round trip."""
+    from attention.heads import choose_roles, reshare
+
+    scores = torch.tensor([[0.0, 0.9], [0.0, 0.0], [0.5, 0.0]])
+    tiebreak = torch.tensor([[0.1, 0.5], [0.0, 0.3], [0.4, 0.2]])
+    spec = choose_roles(HybridAttentionConfig(**BASE), scores, 0.5, method="gates", tiebreak=tiebreak,
+                        extra={"steps": 7})
+    saved = HybridAttentionConfig.from_dict(json.loads(json.dumps(spec.to_dict())))
+    assert reshare(saved, 0.5).full_heads == spec.full_heads == {0: [1], 1: [1], 2: [0]}
+    # two more heads: the next ties by tiebreak (0.2 at (2, 1), then 0.1 at (0, 0))
+    wider = reshare(saved, 5 / 6)
+    assert wider.full_heads == {0: [0, 1], 1: [1], 2: [0, 1]}
+    assert wider.head_scores["steps"] == 7 and wider.head_scores["full_head_share"] == 5 / 6
+    assert reshare(saved, 0.0).full_heads is None
+    with pytest.raises(HybridAttentionError, match="no saved head scores"):
+        reshare(HybridAttentionConfig(**BASE), 0.5)
