@@ -257,10 +257,9 @@ def reshare(spec: HybridAttentionConfig, share: float) -> HybridAttentionConfig:
         raise HybridAttentionError("this spec has no saved head scores to re-rank; run the retrofit's head "
                                    "scoring (full_head_share > 0) first")
     tiebreak = torch.tensor(record["tiebreak"]) if "tiebreak" in record else None
-    extra = {k: v for k, v in record.items() if k not in ("method", "full_head_share", "full_heads", "scores",
-                                                         "tiebreak")}
+    # choose_roles writes method, share, count, scores and tiebreak over the old record's; the rest carries over
     return choose_roles(spec, torch.tensor(record["scores"]), share, method=record["method"], tiebreak=tiebreak,
-                        extra=extra)
+                        extra=record)
 
 
 def spread_roles(spec: HybridAttentionConfig, layers: int, kv_heads: int, share: float) -> HybridAttentionConfig:

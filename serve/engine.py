@@ -189,18 +189,17 @@ class Engine:
             logger.warning("prefix cache: off for a model with per-head roles (full_heads/full_layers); "
                            "prompts are prefilled in full")
             self.prefix_cache = None
+        # A chunk may grow by a quarter (chunk_for); with a bounded cache and the prefix cache, not past
+        # window - block, so that every prompt block is still in the ring when it is captured.
+        self._max_tail = prefill_chunk // 4
         if self.prefix_cache is not None and self.spec is not None:
             window = min([self.spec.window] + [w for _, w in (self.spec.window_policy or [])])
+            self._max_tail = max(0, min(self._max_tail, window - prefix_block - prefill_chunk))
             if prefill_chunk + prefix_block > window:  # serve.prefix_cache: "Bounded (hybrid) caches"
                 logger.warning("prefix cache: with prefill_chunk %d + block %d > window %d, prompt blocks can leave "
                                "the bounded cache before they are cached; only the start of long prompts is "
                                "cached (prefill_chunk <= %d caches all)", prefill_chunk, prefix_block, window,
                                window - prefix_block)
-        # A chunk may grow by a quarter (chunk_for); with a bounded cache and the prefix cache, not past
-        # window - block, so that every prompt block is still in the ring when it is captured.
-        self._max_tail = prefill_chunk // 4
-        if self.prefix_cache is not None and self.spec is not None:
-            self._max_tail = max(0, min(self._max_tail, window - prefix_block - prefill_chunk))
         self.stop_ids = self._eos_ids(model)
         self.cache: KVCache | None = None
         self._waiting: deque[Request] = deque()
