@@ -16,7 +16,8 @@ bench/locustfile.py), then reports from every request's own record:
   class, P50 / P95 of the server's share (handler start to the first event handed to HTTP) split into
   tokenize, wait (for the step in flight and earlier prompts), own prefill and hand-off, and the rest
   (client TTFT minus the server's: connection, HTTP, the client's own scheduling); and every short
-  request over the 150 ms target with its split.
+  request over the 150 ms target with its split, and what the engine ran while it waited (the server's
+  ``--step-log``: decode steps, other prompts' prefill, or neither).
 
 Targets (issue 16, demo student, 2 cores): short P95 TTFT <= 150 ms at 4 users, 0 errors, events ==
 tokens, soak RSS growth <= 5 %. A table for people, then one JSON line. Without locust it says what to
@@ -180,9 +181,29 @@ SPLIT = (("tokenize", None, "tokenized_ms"), ("wait", "tokenized_ms", "prefill_s
          ("prefill", "prefill_start_ms", "first_token_ms"), ("hand_off", "first_token_ms", "first_sent_ms"))
 
 
-def ttft_split(entries: list[dict], server: list[dict], slow_ms: float = 150.0) -> dict:
+def waited_on(r: dict, forwards: list[dict]) -> dict:
+    """What the engine ran while request ``r`` (a request-log line) waited for its first forward: ms of
+    decode steps and of other prompts' prefill overlapping that wait, and the rest of it (the engine's own
+    Python between forwards, or a core taken by another thread); ``forwards``: the step log."""
+    if r.get("received_s") is None or r.get("prefill_start_ms") is None:
+        return {}
+    a, b = r["received_s"] + r["tokenized_ms"] / 1000, r["received_s"] + r["prefill_start_ms"] / 1000
+    out = {"wait_decode": 0.0, "wait_prefill": 0.0, "wait_prefill_tokens": 0}
+    for f in forwards:
+        overlap = min(b, f["end_s"]) - max(a, f["start_s"])
+        if overlap > 0:
+            out["wait_" + f["kind"]] += overlap * 1000
+            if f["kind"] == "prefill":
+                out["wait_prefill_tokens"] += f["tokens"]
+    out["wait_other"] = (b - a) * 1000 - out["wait_decode"] - out["wait_prefill"]
+    return {k: round(v, 1) for k, v in out.items()}
+
+
+def ttft_split(entries: list[dict], server: list[dict], slow_ms: float = 150.0,
+               forwards: list[dict] | None = None) -> dict:
     """Join client records with the server's request log by response id; per class, P50 / P95 (ms) of
-    each part of the time to first token; and the short requests slower than ``slow_ms`` with their parts."""
+    each part of the time to first token; and the short requests slower than ``slow_ms`` with their parts
+    (with the step log, ``forwards``, also what their wait overlapped: :func:`waited_on`)."""
     by_id = {r["id"]: r for r in server}
     rows = []
     for e in entries:
@@ -193,7 +214,8 @@ def ttft_split(entries: list[dict], server: list[dict], slow_ms: float = 150.0) 
         parts["server"] = r["first_sent_ms"]
         parts["client_rest"] = e["ttft"] * 1000 - r["first_sent_ms"]
         rows.append({"class": e["class"], "ttft_ms": round(e["ttft"] * 1000, 1), "prompt_tokens": r["prompt_tokens"],
-                     "cached_tokens": r.get("cached_tokens"), **{k: round(v, 1) for k, v in parts.items()}})
+                     "cached_tokens": r.get("cached_tokens"), **{k: round(v, 1) for k, v in parts.items()},
+                     **(waited_on(r, forwards) if forwards else {})})
     names = [n for n, _, _ in SPLIT] + ["server", "client_rest"]
     per = {}
     for c in CLASSES:
@@ -259,13 +281,15 @@ def main() -> int:
     log.unlink(missing_ok=True)
     server_log = work / "server_requests.jsonl"
     server_log.unlink(missing_ok=True)
+    step_log = work / "server_steps.jsonl"
+    step_log.unlink(missing_ok=True)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(REPO)}
     server_cmd = [sys.executable, "-m", "serve.server", "--model", args.model, "--port", str(port),
                   "--max-batch", str(args.max_batch), "--max-queue", str(4 * args.users),
                   "--max-seq-len", str(args.max_seq_len), "--prefix-cache-mb", str(args.prefix_cache_mb),
-                  "--request-log", str(server_log)]
+                  "--request-log", str(server_log), "--step-log", str(step_log)]
     if args.prefill_chunk:
         server_cmd += ["--prefill-chunk", str(args.prefill_chunk)]
     if args.prefill_budget:
@@ -301,7 +325,8 @@ def main() -> int:
     entries = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     out = summarize(entries, elapsed)
     served = [json.loads(line) for line in server_log.read_text().splitlines()] if server_log.exists() else []
-    out["ttft_split"] = ttft_split(entries, served)
+    forwards = [json.loads(line) for line in step_log.read_text().splitlines()] if step_log.exists() else []
+    out["ttft_split"] = ttft_split(entries, served, forwards=forwards)
     out["server_full_gc"] = {"collections": int(gc_stats.get("hd_serve_gc_full_collection_seconds_count", -1)),
                              "seconds": round(gc_stats.get("hd_serve_gc_full_collection_seconds_sum", float("nan")), 4)}
     rss = watch.samples
@@ -352,7 +377,9 @@ def main() -> int:
     for x in split["slow_short"]:
         print(f"  slow short: TTFT {x['ttft_ms']:.0f} ms = tokenize {x['tokenize']:.0f} + wait {x['wait']:.0f} + prefill "
               f"{x['prefill']:.0f} ({x['prompt_tokens']} tokens, {x['cached_tokens']} cached) + hand-off "
-              f"{x['hand_off']:.0f} + client {x['client_rest']:.0f}")
+              f"{x['hand_off']:.0f} + client {x['client_rest']:.0f}"
+              + (f"; its wait overlapped decode {x['wait_decode']:.0f}, other prompts' prefill {x['wait_prefill']:.0f} "
+                 f"({x['wait_prefill_tokens']} tokens), neither {x['wait_other']:.0f}" if "wait_decode" in x else ""))
     (work / "rss.csv").write_text("seconds,rss_bytes\n" + "".join(f"{t:.1f},{r}\n" for t, r in rss))
     (work / "prefix_cache.csv").write_text("seconds,bytes\n" + "".join(f"{t:.1f},{b}\n" for t, b in watch.cache))
     print(f"server RSS MB: start {out['rss_start_mb']}, peak {out['rss_peak_mb']}, end {out['rss_end_mb']}"

@@ -201,6 +201,10 @@ class Engine:
                                "cached (prefill_chunk <= %d caches all)", prefill_chunk, prefix_block, window,
                                window - prefix_block)
         self.stop_ids = self._eos_ids(model)
+        # on_forward(kind, start_s, end_s, tokens, request_ids): called after every forward ("prefill": one
+        # request's chunk, tokens = its length; "decode": one token per id), perf_counter seconds; the
+        # server's --step-log writes these, so a request's wait can be attributed to what ran meanwhile.
+        self.on_forward: Callable[[str, float, float, int, list[int]], None] | None = None
         self.cache: KVCache | None = None
         self._waiting: deque[Request] = deque()
         self._rows: list[Request | None] = []
@@ -441,7 +445,10 @@ class Engine:
             if req.prefill_start is None:
                 req.prefill_start = t0
             logits = self.model.prefill(cache, req.row, ids, start, logits=start + t == n)
-            self._note_prefill_time(t, time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            self._note_prefill_time(t, t1 - t0)
+            if self.on_forward is not None:
+                self.on_forward("prefill", t0, t1, t, [req.id])
             req.prefilled += t
             budget -= t
             if self.prefix_cache is not None:
@@ -535,8 +542,11 @@ class Engine:
         cache = self.cache
         n_slots = cache.used_slots(max(r.pos for r in active) + 1)
         saved = self._shield([r.row for r in self._rows[:hi] if r is not None and r.prefilled < len(r.prompt_ids)])
+        t0 = time.perf_counter()
         logits = self._decode(cache, self._tokens[:hi], self._pos[:hi], n_slots)
         self._unshield(saved)
+        if self.on_forward is not None:
+            self.on_forward("decode", t0, time.perf_counter(), len(active), [r.id for r in active])
         nxt = logits.argmax(-1)
         # Per-row work is isolated: a row whose sampling, detokenization or callback raises is finished
         # with "error" and freed; the forward above is shared, so its failure is left to the caller.

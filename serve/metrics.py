@@ -118,7 +118,8 @@ class RequestLog:
     ``tokenized_ms`` (body checked and tokenized, handed to the engine), ``prefill_start_ms`` (its first
     prefill forward began: the wait for the step in flight and for earlier prompts), ``first_token_ms``
     (its first token sampled), ``first_sent_ms`` (that token's SSE event handed to the HTTP layer) and
-    ``done_ms``; plus ``id`` (the response id, also in every SSE chunk), ``prompt_tokens``,
+    ``done_ms``; plus ``received_s`` (that start, ``time.perf_counter`` seconds: the step log's clock),
+    ``engine_id`` (the engine's request id), ``id`` (the response id, also in every SSE chunk), ``prompt_tokens``,
     ``cached_tokens`` (restored from the prefix cache), ``completion_tokens``, ``finish_reason``. Written
     by the event loop after the response ends; appends, one lock, flushed per line.
     """
@@ -137,3 +138,15 @@ class RequestLog:
     def close(self) -> None:
         with self._lock:
             self._file.close()
+
+
+class StepLog(RequestLog):
+    """One JSON line per engine forward (``--step-log FILE``; :attr:`serve.engine.Engine.on_forward`):
+    ``kind`` ("prefill" or "decode"), ``start_s`` / ``end_s`` (``time.perf_counter`` seconds, the clock of
+    the request log's ``received_s``), ``tokens`` and ``requests`` (engine request ids, the request log's
+    ``engine_id``). Joined with the request log, it says what ran while a request waited for its first
+    forward. Written by the engine thread; a line costs a few microseconds."""
+
+    def forward(self, kind: str, start_s: float, end_s: float, tokens: int, requests: list[int]) -> None:
+        self.write({"kind": kind, "start_s": round(start_s, 6), "end_s": round(end_s, 6), "tokens": tokens,
+                    "requests": requests})

@@ -59,7 +59,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from serve.engine import Engine, Request
-from serve.metrics import Metrics, RequestLog
+from serve.metrics import Metrics, RequestLog, StepLog
 from serve.sampling import MIN_TEMPERATURE, MIN_TOP_P, SamplingParams
 
 API_KEY_ENV = "HYBRID_DISTILL_API_KEY"
@@ -531,7 +531,7 @@ class _Reply:
             return
         req, t0 = self.req, self.received
         ms = lambda t: None if t is None else round((t - t0) * 1000, 2)  # noqa: E731
-        log.write({"id": self.rid, "prompt_tokens": self.n_prompt, "cached_tokens": req.cached_tokens,
+        log.write({"id": self.rid, "engine_id": req.id, "received_s": round(t0, 6), "prompt_tokens": self.n_prompt, "cached_tokens": req.cached_tokens,
                    "completion_tokens": len(req.out_ids), "finish_reason": req.finish_reason,
                    "tokenized_ms": ms(req.arrival), "prefill_start_ms": ms(req.prefill_start),
                    "first_token_ms": ms(req.first_token_at), "first_sent_ms": ms(self.first_sent),
@@ -637,15 +637,19 @@ async def _server_error(_: HTTPRequest, exc: Exception) -> Response:
 def create_app(engine: Engine, *, max_queue: int = 32, model_name: str = "hybrid-distill",
                api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                request_timeout: float = DEFAULT_REQUEST_TIMEOUT, body_timeout: float = DEFAULT_BODY_TIMEOUT,
-               request_log: str | None = None) -> Starlette:
+               request_log: str | None = None, step_log: str | None = None) -> Starlette:
     """The ASGI app; starts the engine's background thread.
 
     ``api_key``: required as a bearer token on every route but ``/health``. ``max_body_bytes``: larger
     bodies get 413. ``body_timeout``: seconds to receive the whole body (408 after). ``request_timeout``:
     seconds from arrival to the last token (504, or an error event when streaming, after). ``request_log``:
     a JSONL file that gets one line per finished request with where its time went (:class:`RequestLog`).
+    ``step_log``: a JSONL file that gets one line per engine forward (:class:`StepLog`).
     """
     log = RequestLog(request_log) if request_log else None
+    steps = StepLog(step_log) if step_log else None
+    if steps is not None:
+        engine.on_forward = steps.forward
     aengine = AsyncEngine(engine, max_queue=max_queue)
     api = OpenAIRoutes(engine, aengine, model_name=model_name, max_body_bytes=max_body_bytes,
                        request_timeout=request_timeout, body_timeout=body_timeout, request_log=log)
@@ -658,6 +662,8 @@ def create_app(engine: Engine, *, max_queue: int = 32, model_name: str = "hybrid
         api.tokenize_pool.shutdown(wait=False, cancel_futures=True)
         if log is not None:
             log.close()
+        if steps is not None:
+            steps.close()
 
     middleware = [Middleware(AuthGuard, api_key=api_key)] if api_key else []
     app = Starlette(routes=api.routes(), middleware=middleware,
@@ -740,6 +746,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-log", default=None, metavar="FILE",
                    help="append one JSON line per finished request: its id, token counts and where its time went "
                         "(tokenized, prefill start, first token, first event sent, done; ms from arrival)")
+    p.add_argument("--step-log", default=None, metavar="FILE",
+                   help="append one JSON line per engine forward (prefill chunk or decode step: its start and end "
+                        "on the request log's clock, tokens, request ids), to see what a waiting request waited for")
     return p
 
 
@@ -759,10 +768,13 @@ def check_flags(args: argparse.Namespace) -> str | None:
         v = getattr(args, flag)
         if not (math.isfinite(v) and v > 0):
             return f"--{flag.replace('_', '-')} must be a positive number of seconds, got {v}"
-    if args.request_log is not None:
-        parent = Path(args.request_log).expanduser().absolute().parent
-        if Path(args.request_log).is_dir() or not parent.is_dir() or not os.access(parent, os.W_OK):
-            return f"--request-log {args.request_log}: not a writable file path; give a file in an existing directory"
+    for flag in ("request_log", "step_log"):
+        path = getattr(args, flag)
+        if path is None:
+            continue
+        parent = Path(path).expanduser().absolute().parent
+        if Path(path).is_dir() or not parent.is_dir() or not os.access(parent, os.W_OK):
+            return f"--{flag.replace('_', '-')} {path}: not a writable file path; give a file in an existing directory"
     if args.api_key is not None and not args.api_key.strip():
         return f"--api-key (or ${API_KEY_ENV}) is empty; give a key or leave it unset"
     if args.served_model_name is not None and not args.served_model_name.strip():
@@ -811,7 +823,7 @@ def main(argv: list[str] | None = None) -> int:
     name = args.served_model_name or Path(path).resolve().name or "model"
     app = create_app(engine, max_queue=args.max_queue, model_name=name, api_key=args.api_key,
                      max_body_bytes=args.max_body_bytes, request_timeout=args.request_timeout,
-                     body_timeout=args.body_timeout, request_log=args.request_log)
+                     body_timeout=args.body_timeout, request_log=args.request_log, step_log=args.step_log)
     uvicorn.run(app, host=args.host, port=args.port, http=NoDelayH11Protocol.with_head_timeout(args.body_timeout),
                 log_level="info")
     return 0

@@ -40,6 +40,23 @@ def test_ttft_split_joins_by_id_and_splits_each_request():
     assert split["classes"]["long"]["wait_p50_ms"] is None
 
 
+def test_waited_on_splits_a_wait_by_what_overlapped_it():
+    """Request received at t = 10 s, handed over 2 ms later, first forward at 10.122: its 120 ms wait
+    overlapped 40 ms of a decode step (starting before it), 60 ms of another prompt's 96-token chunk, and a
+    forward wholly outside it counts nothing; the 20 ms left is "neither"."""
+    r = {**_server("b", 2, 122, 170, 175), "received_s": 10.0}
+    forwards = [{"kind": "decode", "start_s": 9.99, "end_s": 10.042, "tokens": 3, "requests": [1, 2, 3]},
+                {"kind": "prefill", "start_s": 10.052, "end_s": 10.112, "tokens": 96, "requests": [4]},
+                {"kind": "prefill", "start_s": 10.122, "end_s": 10.17, "tokens": 40, "requests": [5]},
+                {"kind": "decode", "start_s": 9.0, "end_s": 9.05, "tokens": 1, "requests": [1]}]
+    got = serve_mix.waited_on(r, forwards)
+    assert got == {"wait_decode": 40.0, "wait_prefill": 60.0, "wait_prefill_tokens": 96, "wait_other": 20.0}
+    assert serve_mix.waited_on(_server("b", 2, 122, 170, 175), forwards) == {}  # an older log: no clock
+    entries = [_client("b", "short", 0.2)]
+    [slow] = serve_mix.ttft_split(entries, [r], forwards=forwards)["slow_short"]
+    assert slow["wait"] == 120.0 and slow["wait_decode"] + slow["wait_prefill"] + slow["wait_other"] == 120.0
+
+
 def test_summarize_counts_errors_integrity_and_percentiles():
     entries = [_client("a", "short", 0.1), _client("b", "short", 0.3, events=3, usage=2),
                _client("c", "long", 0.5, error="HTTP 503")]

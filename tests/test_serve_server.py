@@ -186,11 +186,39 @@ def test_request_log_says_where_each_request_spent_its_time(tmp_path):
     assert 0 <= whole["cached_tokens"] < whole["prompt_tokens"]
 
 
-def test_request_log_flag_refuses_an_unwritable_path(tmp_path):
+def test_step_log_accounts_for_every_forward_of_a_request(tmp_path):
+    """--step-log: one line per engine forward on the request log's clock. A request's prefill lines add up
+    to its uncached prompt tokens and begin at its prefill_start; its decode lines are one per generated
+    token after the first (which its last prefill forward samples), all inside its own time span."""
+    path = save_tiny(tmp_path / "tiny", arch="llama")
+    log, steps = tmp_path / "requests.jsonl", tmp_path / "steps.jsonl"
+    engine = Engine(path, max_batch=2, max_seq_len=128, prefill_chunk=4)
+    with ServerThread(create_app(engine, model_name="tiny", request_log=str(log), step_log=str(steps))) as srv, \
+            httpx.Client(base_url=srv.url, timeout=60) as c:
+        body = {"prompt": "the quick brown fox jumps over the lazy dog", "max_tokens": 5, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            sse_events(r.iter_lines())
+    (req,) = [json.loads(x) for x in log.read_text().splitlines()]
+    forwards = [json.loads(x) for x in steps.read_text().splitlines()]
+    mine = [f for f in forwards if req["engine_id"] in f["requests"]]
+    prefill = [f for f in mine if f["kind"] == "prefill"]
+    decode = [f for f in mine if f["kind"] == "decode"]
+    assert sum(f["tokens"] for f in prefill) == req["prompt_tokens"] - req["cached_tokens"] and len(prefill) > 1
+    assert len(decode) == req["completion_tokens"] - 1 and all(f["tokens"] == 1 for f in decode)
+    t0 = req["received_s"]
+    assert abs((prefill[0]["start_s"] - t0) * 1000 - req["prefill_start_ms"]) < 1.0
+    assert all(f["start_s"] <= f["end_s"] for f in mine)
+    assert all(a["end_s"] <= b["start_s"] for a, b in zip(mine, mine[1:]))  # one engine thread: no overlap
+    assert t0 <= mine[0]["start_s"] and mine[-1]["end_s"] <= t0 + req["done_ms"] / 1000
+
+
+def test_request_and_step_log_flags_refuse_an_unwritable_path(tmp_path):
     from serve.server import main
 
-    assert main(["--model", "x", "--request-log", str(tmp_path / "no" / "such" / "dir" / "log.jsonl")]) == 2
-    assert main(["--model", "x", "--request-log", str(tmp_path)]) == 2
+    for flag in ("--request-log", "--step-log"):
+        assert main(["--model", "x", flag, str(tmp_path / "no" / "such" / "dir" / "log.jsonl")]) == 2
+        assert main(["--model", "x", flag, str(tmp_path)]) == 2
 
 
 def _free_port() -> int:
