@@ -276,8 +276,8 @@ def spread_roles(spec: HybridAttentionConfig, layers: int, kv_heads: int, share:
 
 def find_head_roles(model, tokenizer, spec: HybridAttentionConfig, haystack: torch.Tensor, *, share: float,
                     method: str = "retrieval", samples: int = 12, length: int = 1536, seed: int = 0,
-                    progress: bool = True, gate_steps: int = 120, gate_lr: float = 0.05, gate_l1: float = 0.05
-                    ) -> HybridAttentionConfig:
+                    progress: bool = True, gate_steps: int = 120, gate_lr: float = 0.05, gate_l1: float = 0.05,
+                    gate_window: int | None = None) -> HybridAttentionConfig:
     """Score the heads of the dense ``model`` on needle samples and return ``spec`` with roles.
 
     Args:
@@ -289,6 +289,10 @@ def find_head_roles(model, tokenizer, spec: HybridAttentionConfig, haystack: tor
             half the samples single-key, half with 3 named keys).
         samples, length: how many samples of how many tokens.
         gate_steps, gate_lr, gate_l1: the gate training (``method="gates"`` only).
+        gate_window: the streaming window while the gates train (None: ``spec.window``; ``window_policy``
+            layers keep theirs). A smaller one puts more of each sample beyond the window at the same cost,
+            so the gates also learn which heads need the tokens between it and the serving window; the
+            roles apply to ``spec`` as given.
     """
     if method not in METHODS:
         raise HybridAttentionError(f"unknown head score {method!r}; use one of {', '.join(METHODS)}")
@@ -298,10 +302,11 @@ def find_head_roles(model, tokenizer, spec: HybridAttentionConfig, haystack: tor
         return spec.streaming()
     extra: dict[str, Any] = {"samples": samples, "sample_len": length}
     if method == "gates":
-        result = learn_gates(model, tokenizer, spec, haystack, samples=samples, length=length, seed=seed,
+        trained = spec if gate_window is None else dataclasses.replace(spec, window=gate_window)
+        result = learn_gates(model, tokenizer, trained, haystack, samples=samples, length=length, seed=seed,
                              steps=gate_steps, lr=gate_lr, l1=gate_l1, progress=progress)
         extra.update(steps=gate_steps, lr=gate_lr, l1=gate_l1, multikey=result.multikey,
-                     final_mse=round(result.history[-1]["mse"], 6))
+                     final_mse=round(result.history[-1]["mse"], 6), window=trained.window)
         return choose_roles(spec, result.gates, share, method=method, tiebreak=result.pressure, extra=extra)
     min_start, min_distance = _needle_bounds(spec, length)
     data = needle_samples(tokenizer, haystack, count=samples, length=length, min_distance=min_distance,

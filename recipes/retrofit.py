@@ -106,6 +106,8 @@ class RetrofitConfig:
     gate_lr: float = field(0.05, gt=0, help="head_score=gates: Adam learning rate on the gates")
     gate_l1: float = field(0.05, ge=0, help="head_score=gates: weight of the mean gate (L1) next to the relative "
                            "hidden-state MSE")
+    gate_window: int | None = field(None, ge=1, help="head_score=gates: the streaming window while the gates train "
+                                    "(null: window). Smaller puts more of each sample beyond it at the same cost")
     # LoRA + extra trainable pieces
     lora_r: int = field(16, ge=1, help="LoRA rank")
     lora_alpha: float = field(32.0, gt=0, help="LoRA scaling numerator (the update is scaled by alpha / r)")
@@ -430,7 +432,7 @@ def choose_head_roles(cfg: RetrofitConfig, model, teacher, tokenizer, spec: Hybr
         spec = find_head_roles(teacher, tokenizer, spec, train_blocks, share=cfg.full_head_share,
                                method=cfg.head_score, samples=cfg.head_samples, length=min(length, cfg.seq_len),
                                seed=cfg.seed, progress=main, gate_steps=cfg.gate_steps, gate_lr=cfg.gate_lr,
-                               gate_l1=cfg.gate_l1)
+                               gate_l1=cfg.gate_l1, gate_window=cfg.gate_window)
     except HybridAttentionError as err:  # e.g. samples too short for the window: name the key to change
         raise ConfigError(f"head roles: {str(err).splitlines()[0]}") from None
     attention.retrofit(model, spec)  # the same model object under the LoRA wrapper: the new spec applies

@@ -35,6 +35,7 @@ with fp32 activations it is a slow reference loop). Other torchao layouts run th
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +54,34 @@ def hybrid_spec(config) -> HybridAttentionConfig | None:
     if d is None:
         return None
     return d if isinstance(d, HybridAttentionConfig) else HybridAttentionConfig.from_dict(dict(d))
+
+
+def attention_spans(row_slots: Sequence[int], n_slots: int, *, min_saving: float = 0.25
+                    ) -> list[tuple[int, int, int]] | None:
+    """Contiguous spans of rows ``(start, end, slots)`` for one decode step, each attending over the most
+    slots any of its rows needs, or None to attend over ``n_slots`` all together.
+
+    Cost model: a span costs the bytes it reads, ``rows * slots``, plus a fixed overhead of one row's
+    worth of ``n_slots / 32`` per extra attention call. Rows are cut where it saves at least ``min_saving``
+    of the batched read: one row per span unless two neighbours need nearly the same. ``row_slots``:
+    ``[batch]`` slots each row needs.
+    """
+    b = len(row_slots)
+    if b < 2:
+        return None
+    batched = b * n_slots
+    spans: list[tuple[int, int, int]] = []
+    for r, n in enumerate(row_slots):
+        n = max(1, min(int(n), n_slots))
+        if spans:
+            a, e, m = spans[-1]
+            merged = (e - a + 1) * max(m, n)
+            if merged <= (e - a) * m + n + n_slots / 32:  # joining costs less than another call
+                spans[-1] = (a, r + 1, max(m, n))
+                continue
+        spans.append((r, r + 1, n))
+    cost = sum((e - a) * m for a, e, m in spans) + (len(spans) - 1) * n_slots / 32
+    return spans if len(spans) > 1 and cost <= (1 - min_saving) * batched else None
 
 
 def _check_supported(config) -> None:
@@ -513,13 +542,17 @@ class DecoderModel(nn.Module):
         return self._logits(h[:, -1])[0] if logits else None
 
     @torch.inference_mode()
-    def decode_one_token(self, cache: KVCache, tokens: torch.Tensor, pos: torch.Tensor, n_slots: int
-                         ) -> torch.Tensor:
+    def decode_one_token(self, cache: KVCache, tokens: torch.Tensor, pos: torch.Tensor, n_slots: int,
+                         row_slots: Sequence[int] | None = None) -> torch.Tensor:
         """One decode step for cache rows ``0 .. batch - 1``.
 
         Args:
             tokens: ``[batch]`` the last token of each row; ``pos``: ``[batch]`` its absolute position.
             n_slots: attend over the first ``n_slots`` cache slots (all rows' keys live there).
+            row_slots: optional ``[batch]`` slots each row needs (``<= n_slots``). With a dense cache, when
+                they are uneven enough (:func:`attention_spans`), the attention runs per span of rows over
+                that span's own slots instead of every row over ``n_slots``: one long request then no longer
+                makes every row read a long cache (decode is bound by the bytes it reads). Same result.
         Returns:
             ``[batch, vocab]`` fp32 logits.
         """
@@ -530,16 +563,20 @@ class DecoderModel(nn.Module):
         h = self.embed(tokens)[:, None]  # [b, 1, hidden]
         cos, sin = self.rotary(h, pos[:, None])
         ring_slot, pslot = cache.decode_slots(rows, pos)
-        mask = cache.visible(pos[:, None], rows, n_slots)  # [b, 1, 1, n_slots]
+        spans = attention_spans(row_slots, n_slots) if row_slots is not None and not cache.bounded else None
+        spans = spans or [(0, b, n_slots)]
+        masks = [cache.visible(pos[a:e, None], slice(a, e), n) for a, e, n in spans]  # [e - a, 1, 1, n] each
         for li, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
             fast = self._fast[li] if self._fast else None
             q, k, v = self._qkv(attn, x, cos, sin) if fast is None else self._qkv_fast(fast, x, cos, sin)
             cache.write_decode(li, rows, ring_slot, pslot, k[:, :, 0], v[:, :, 0])
-            o = F.scaled_dot_product_attention(q, cache.k[li, rows, :, :n_slots], cache.v[li, rows, :, :n_slots],
-                                               attn_mask=mask, scale=attn.scaling,
-                                               enable_gqa=self.n_kv != self.n_heads)
+            parts = [F.scaled_dot_product_attention(q[a:e], cache.k[li, a:e, :, :n], cache.v[li, a:e, :, :n],
+                                                    attn_mask=m, scale=attn.scaling,
+                                                    enable_gqa=self.n_kv != self.n_heads)
+                     for (a, e, n), m in zip(spans, masks)]
+            o = parts[0] if len(parts) == 1 else torch.cat(parts)
             h = self._finish_layer(layer, h, o) if fast is None else self._finish_layer_fast(fast, layer, h, o)
         h = self.norm(h)
         head = self.lm_head if self._fast_head is None else self._fast_head

@@ -746,6 +746,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-log", default=None, metavar="FILE",
                    help="append one JSON line per finished request: its id, token counts and where its time went "
                         "(tokenized, prefill start, first token, first event sent, done; ms from arrival)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads of the engine's forwards (default: torch's, i.e. $OMP_NUM_THREADS or the cores)")
     p.add_argument("--step-log", default=None, metavar="FILE",
                    help="append one JSON line per engine forward (prefill chunk or decode step: its start and end "
                         "on the request log's clock, tokens, request ids), to see what a waiting request waited for")
@@ -756,6 +758,8 @@ def check_flags(args: argparse.Namespace) -> str | None:
     """The first thing wrong with the flags, as a sentence naming the fix; None when all are usable."""
     if args.max_batch < 1:
         return f"--max-batch must be >= 1, got {args.max_batch}"
+    if args.threads is not None and args.threads < 1:
+        return f"--threads must be >= 1, got {args.threads}"
     if args.max_queue < 0:
         return f"--max-queue must be >= 0, got {args.max_queue}"
     if args.max_seq_len is not None and args.max_seq_len < 2:
@@ -801,15 +805,22 @@ def main(argv: list[str] | None = None) -> int:
     if problem:  # before loading anything: a bad flag costs no model load
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    import torch
     import uvicorn
 
     from core.models import resolve_model_path
 
+    # Every forward runs on the engine's thread, with the threads asked for; this thread loads the model on
+    # one, so that it never owns an OpenMP worker pool (serve.engine.Engine, ``threads``: that would cost
+    # the engine's forwards ~1.7x on a 2-core machine).
+    threads = args.threads or torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
         path = resolve_model_path(args.model)
         engine = Engine(path, device=args.device, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
                         prefix_cache_bytes=int(args.prefix_cache_mb * 2**20), prefill_chunk=args.prefill_chunk,
-                        prefill_budget=args.prefill_budget, prefill_step_s=args.prefill_step_ms / 1000 or None)
+                        prefill_budget=args.prefill_budget, prefill_step_s=args.prefill_step_ms / 1000 or None,
+                        threads=threads)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -824,6 +835,8 @@ def main(argv: list[str] | None = None) -> int:
     app = create_app(engine, max_queue=args.max_queue, model_name=name, api_key=args.api_key,
                      max_body_bytes=args.max_body_bytes, request_timeout=args.request_timeout,
                      body_timeout=args.body_timeout, request_log=args.request_log, step_log=args.step_log)
+    # Before the port opens (so /health says ready only after): the whole cache, and one short generation.
+    print(f"warm-up: {engine.warmup():.1f} s (KV cache for {engine.max_batch} rows, first kernel calls)", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, http=NoDelayH11Protocol.with_head_timeout(args.body_timeout),
                 log_level="info")
     return 0

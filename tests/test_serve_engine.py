@@ -39,6 +39,49 @@ def test_greedy_equals_hf_generate_with_mixed_prompt_lengths(arch):
         assert r.finish_reason == "length" and r.prompt_tokens == len(p)
 
 
+def test_attention_spans_cut_where_it_saves_reads():
+    from serve.model import attention_spans
+
+    # One long row among short ones: it alone, the short neighbours together.
+    assert attention_spans([2000, 100, 100, 90], 2000) == [(0, 1, 2000), (1, 4, 100)]
+    assert attention_spans([100, 2000, 100, 90], 2000) == [(0, 1, 100), (1, 2, 2000), (2, 4, 100)]
+    # Even rows, a single row, or too little to save: all rows together over n_slots.
+    assert attention_spans([2000] * 4, 2000) is None and attention_spans([500, 520, 480, 510], 520) is None
+    assert attention_spans([10], 10) is None
+    # Every span covers its rows' needs, the spans tile the batch in order.
+    needs = [4000, 3000, 200, 100, 3900, 50]
+    spans = attention_spans(needs, 4000)
+    assert [a for a, _, _ in spans] == [0] + [e for _, e, _ in spans[:-1]] and spans[-1][1] == len(needs)
+    assert all(n >= max(needs[a:e]) for a, e, n in spans)
+
+
+def test_decode_over_per_row_spans_equals_the_batched_decode():
+    """decode_one_token with row_slots (each row over its own span) == over n_slots for every row, and
+    the engine's greedy tokens with very uneven rows equal each prompt decoded alone."""
+    model = no_eos(tiny_model("llama", seed=5))
+    engine = Engine(model=model, tokenizer=tiny_tokenizer(), max_batch=4, prefill_chunk=64)
+    prompts = [list(range(3, 200)), [7, 8, 9], list(range(50, 62)), [4, 5]]
+    cache = engine.model.new_cache(4, 256)
+    for row, p in enumerate(prompts):
+        engine.model.prefill(cache, row, torch.tensor(p), 0, logits=False)
+    pos = torch.tensor([len(p) for p in prompts])
+    tokens = torch.tensor([11, 12, 13, 14])
+    n_slots = cache.used_slots(int(pos.max()))
+    row_slots = [cache.used_slots(int(x)) for x in pos]
+    from serve.model import attention_spans
+
+    assert attention_spans(row_slots, n_slots) is not None  # the split path is taken
+    k0, v0, sp0 = cache.k.clone(), cache.v.clone(), cache.slot_pos.clone()
+    batched = engine.model.decode_one_token(cache, tokens, pos, n_slots)
+    cache.k.copy_(k0), cache.v.copy_(v0), cache.slot_pos.copy_(sp0)
+    split = engine.model.decode_one_token(cache, tokens, pos, n_slots, row_slots)
+    torch.testing.assert_close(split, batched, rtol=1e-5, atol=1e-5)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=12))
+    for p, out in zip(prompts, outs):
+        alone = Engine(model=model, tokenizer=tiny_tokenizer(), max_batch=1).generate([p], SamplingParams(max_new_tokens=12))
+        assert out.token_ids == alone[0].token_ids
+
+
 def greedy_reference(model, prompt: list[int], n: int, spec: HybridAttentionConfig) -> list[int]:
     """Recompute the whole sequence with the hybrid mask at every step (no cache at all)."""
     ids = list(prompt)
@@ -185,6 +228,57 @@ def test_chunked_prefill_matches_one_shot_prefill():
     outs = [Engine(model=model, tokenizer=tiny_tokenizer(), prefill_chunk=c)
             .generate([prompt], SamplingParams(max_new_tokens=8))[0].token_ids for c in (7, 512)]
     assert outs[0] == outs[1]
+
+
+def test_background_loop_runs_its_forwards_with_its_own_thread_count():
+    """Engine(threads=N).start(): every forward on the loop's thread runs with N intra-op threads, whatever
+    the starting thread has (the server loads on 1 so that only the loop owns an OpenMP pool); without
+    threads=, the count the starting thread had when start() was called."""
+    import threading
+
+    before = torch.get_num_threads()
+    try:
+        for threads, caller in ((2, 1), (None, 1), (1, 2)):
+            torch.set_num_threads(caller)
+            engine = Engine(model=no_eos(tiny_model("llama", seed=8)), tokenizer=tiny_tokenizer(), threads=threads)
+            seen = []
+            engine.on_forward = lambda kind, *_: seen.append((kind, torch.get_num_threads(), threading.current_thread().name))
+            done = threading.Event()
+            engine.start()
+            try:
+                engine.submit(list(range(3, 40)), SamplingParams(max_new_tokens=3),
+                              lambda _d, _t, finish: done.set() if finish else None)
+                assert done.wait(60)
+            finally:
+                engine.stop()
+            assert {k for k, _, _ in seen} == {"prefill", "decode"}
+            assert {(n, name) for _, n, name in seen} == {(threads or caller, "engine")}
+            assert torch.get_num_threads() == caller  # the caller's own count is left alone
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ValueError, match="threads must be >= 1"):
+        Engine(model=tiny_model("llama"), tokenizer=tiny_tokenizer(), threads=0)
+
+
+@pytest.mark.parametrize("started", [False, True])
+def test_warmup_makes_every_row_and_caches_no_prefix(started):
+    """warmup(): the cache holds all max_batch rows at once (no growth, no copy, when requests come), the
+    prefix cache stays empty, and generation afterwards is unchanged."""
+    model = no_eos(tiny_model("llama", seed=8))
+    engine = Engine(model=model, tokenizer=tiny_tokenizer(), max_batch=3, prefix_block=4)
+    if started:
+        engine.start()
+    try:
+        assert engine.warmup() > 0
+    finally:
+        engine.stop()
+    assert engine.cache.rows == 3 and engine.prefix_cache.stats.bytes == 0 and engine.num_active == 0
+    first = engine.cache
+    out = engine.generate([list(range(3, 30)), [5, 6]], SamplingParams(max_new_tokens=5))
+    assert engine.cache is first  # no regrowth
+    ref = Engine(model=model, tokenizer=tiny_tokenizer(), max_batch=3, prefix_block=4).generate(
+        [list(range(3, 30)), [5, 6]], SamplingParams(max_new_tokens=5))
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref]
 
 
 def test_too_long_requests_are_refused_not_truncated():
