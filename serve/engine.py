@@ -625,23 +625,31 @@ class Engine:
     # ---- background loop (server) ------------------------------------------------------------------------
 
     def warmup(self, new_tokens: int = 4) -> float:
-        """Make the cache for all ``max_batch`` rows and run one short greedy generation, so that the first
-        requests pay neither the cache's growth (a new allocation and a copy each time it doubles: 0.1-0.4
-        s on CPU at 4K context) nor the first calls of the kernels. On the loop's thread when started
-        (this call waits), else on this one. The prompt is shorter than a prefix-cache block: nothing is
-        cached. Returns the seconds it took."""
+        """Get the first requests' costs out of the way: make the cache for all ``max_batch`` rows (it
+        otherwise grows by doubling, each time a new allocation and a copy: 0.1-0.4 s on CPU at 4K
+        context), render the chat template once, and run two short greedy generations of one prompt, the
+        second restoring the first's prefix blocks (the first calls of the prefill, decode, restore and
+        capture paths). The prefix cache is emptied afterwards, its counters zeroed. On the loop's thread
+        when started (this call waits), else on this one. Returns the seconds it took."""
         t0 = time.perf_counter()
         self._min_rows = self.max_batch
-        block = self.prefix_cache.block if self.prefix_cache is not None else 17
+        if getattr(self.tokenizer, "chat_template", None):
+            self.encode([{"role": "user", "content": "Hello."}], chat=True)
         vocab = self.model.config.vocab_size
-        ids = [(3 + i) % vocab for i in range(max(1, min(16, block - 1)))]
+        n = 2 * self.prefix_cache.block + 3 if self.prefix_cache is not None else 16
+        ids = [(3 + i) % vocab for i in range(min(n, self.max_seq_len - new_tokens))]
         params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-        if self._thread is None:
-            self.generate([ids], params)
-        else:
-            done = threading.Event()
-            self.submit(ids, params, lambda _d, _t, finish: done.set() if finish is not None else None)
-            done.wait()
+        for _ in range(2 if self.prefix_cache is not None else 1):
+            if self._thread is None:
+                self.generate([ids], params)
+            else:
+                done = threading.Event()
+                self.submit(ids, params, lambda _d, _t, finish: done.set() if finish is not None else None)
+                done.wait()
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+            for f in dataclasses.fields(self.prefix_cache.stats):
+                setattr(self.prefix_cache.stats, f.name, 0)
         return time.perf_counter() - t0
 
     def start(self) -> None:

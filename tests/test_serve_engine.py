@@ -263,7 +263,7 @@ def test_background_loop_runs_its_forwards_with_its_own_thread_count():
 @pytest.mark.parametrize("started", [False, True])
 def test_warmup_makes_every_row_and_caches_no_prefix(started):
     """warmup(): the cache holds all max_batch rows at once (no growth, no copy, when requests come), the
-    prefix cache stays empty, and generation afterwards is unchanged."""
+    prefix cache is left empty with zeroed counters, and generation afterwards is unchanged."""
     model = no_eos(tiny_model("llama", seed=8))
     engine = Engine(model=model, tokenizer=tiny_tokenizer(), max_batch=3, prefix_block=4)
     if started:
@@ -272,7 +272,9 @@ def test_warmup_makes_every_row_and_caches_no_prefix(started):
         assert engine.warmup() > 0
     finally:
         engine.stop()
-    assert engine.cache.rows == 3 and engine.prefix_cache.stats.bytes == 0 and engine.num_active == 0
+    assert engine.cache.rows == 3 and engine.num_active == 0
+    st = engine.prefix_cache.stats
+    assert (st.bytes, st.blocks, st.lookups, st.hit_tokens, st.prompt_tokens) == (0, 0, 0, 0, 0)
     first = engine.cache
     out = engine.generate([list(range(3, 30)), [5, 6]], SamplingParams(max_new_tokens=5))
     assert engine.cache is first  # no regrowth
