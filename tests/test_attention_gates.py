@@ -165,6 +165,31 @@ def test_gate_roles_round_trip_through_the_config(tmp_path):
     assert HybridAttentionConfig.from_dict(attention.load(tmp_path).config.hybrid_attention) == spec
 
 
+def test_gate_window_trains_under_its_own_window_and_roles_keep_the_spec(monkeypatch):
+    """gate_window: the gates train (and their needles sit) beyond that window; the returned spec is the
+    one given, with its own window, and the record says which window trained the gates."""
+    import attention.gates as gates
+    from attention.heads import find_head_roles
+
+    seen = []
+    real = gates.train_gates
+
+    def spy(model, data, spec, **kw):
+        seen.append((spec.window, min(d.answer_start - d.key_positions[-1] for d in data)))
+        return real(model, data, spec, **kw)
+
+    monkeypatch.setattr(gates, "train_gates", spy)
+    model = tiny_model("llama", seed=2, layers=2, heads=4, kv_heads=2)
+    hay = torch.randint(3, 300, (4, 500), generator=torch.Generator().manual_seed(0))
+    kw = dict(share=0.5, method="gates", samples=2, length=450, gate_steps=2, progress=False)
+    plain = find_head_roles(model, CharTokenizer(), TINY_SPEC, hay, **kw)
+    small = find_head_roles(model, CharTokenizer(), TINY_SPEC, hay, gate_window=8, **kw)
+    assert [w for w, _ in seen] == [24, 8]
+    assert seen[0][1] >= 24 + 16 and seen[1][1] >= 8 + 16  # needles beyond each window (+16)
+    assert plain.window == small.window == 24 and small.full_head_count(2, 2) == 2
+    assert plain.head_scores["window"] == 24 and small.head_scores["window"] == 8
+
+
 @pytest.mark.parametrize("kw, match", [
     ({"share": 1.5}, r"full_head_share must be in \[0, 1\]"),
     ({"share": -0.1}, r"full_head_share must be in \[0, 1\]"),

@@ -163,6 +163,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path, args, needle):
     (["head_score=duo"], "head_score must be one of retrieval, mass, gates"),
     (["full_head_share=1.5"], r"full_head_share must be in \[0, 1\]"),
     (["gate_steps=0"], "gate_steps must be >= 1"),
+    (["gate_window=0"], "gate_window must be >= 1"),
     (["longctx_depths=[0.5, 1.5]"], r"longctx_depths must be in \[0, 1\]"),
 ])
 def test_config_errors_name_the_fix(argv, match):
