@@ -14,7 +14,8 @@ Arms:
 * ``stream``: the hybrid pattern on every head (no roles);
 * ``retrieval:S`` / ``mass:S``: the top share ``S`` of (layer, KV head) pairs by that score full;
 * ``gates:S``: the top share by DuoAttention-style gates learned on the frozen model
-  (``attention.heads.learn_gates``, the retrofit's defaults unless ``--gate-*`` say otherwise);
+  (``attention.heads.learn_gates``, the retrofit's defaults unless ``--gate-*`` say otherwise;
+  ``--gate-spec '{"window": 256}'`` trains them under another pattern, as the retrofit's ``gate_window``);
 * ``layers:S``: whole layers full (Gemma-style), the ``round(S * layers)`` layers whose KV heads
   score highest on average by retrieval hits (ties: attention mass).
 
