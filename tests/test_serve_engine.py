@@ -260,6 +260,32 @@ def test_background_loop_runs_its_forwards_with_its_own_thread_count():
         Engine(model=tiny_model("llama"), tokenizer=tiny_tokenizer(), threads=0)
 
 
+def test_background_loop_trims_the_heap_on_its_schedule():
+    """trim_every_s: the loop calls glibc's malloc_trim between steps at most that often (never when None),
+    and the tokens are the same either way."""
+    import threading
+
+    from serve.engine import _malloc_trim
+
+    if _malloc_trim() is None:
+        pytest.skip("not glibc: no malloc_trim (the engine then never trims)")
+    outs = {}
+    for every in (1e-9, None):
+        engine = Engine(model=no_eos(tiny_model("llama", seed=8)), tokenizer=tiny_tokenizer())
+        engine.trim_every_s = every
+        done, got = threading.Event(), []
+        engine.start()
+        try:
+            engine.submit(list(range(3, 40)), SamplingParams(max_new_tokens=6),
+                          lambda _d, tok, finish: got.append(tok) if finish is None else done.set())
+            assert done.wait(60)
+        finally:
+            engine.stop()
+        outs[every] = (got, engine.trims)
+    (trimmed, n_trims), (plain, no_trims) = outs[1e-9], outs[None]
+    assert n_trims >= 2 and no_trims == 0 and trimmed == plain
+
+
 @pytest.mark.parametrize("started", [False, True])
 def test_warmup_makes_every_row_and_caches_no_prefix(started):
     """warmup(): the cache holds all max_batch rows at once (no growth, no copy, when requests come), the
