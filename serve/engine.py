@@ -663,7 +663,7 @@ class Engine:
                 self.generate([ids], params)
             else:
                 done = threading.Event()
-                self.submit(ids, params, lambda _d, _t, finish: done.set() if finish is not None else None)
+                self.submit(ids, params, lambda _d, _t, finish, done=done: done.set() if finish is not None else None)
                 done.wait()
         if self.prefix_cache is not None:
             self.prefix_cache.clear()

@@ -242,12 +242,13 @@ def test_background_loop_runs_its_forwards_with_its_own_thread_count():
             torch.set_num_threads(caller)
             engine = Engine(model=no_eos(tiny_model("llama", seed=8)), tokenizer=tiny_tokenizer(), threads=threads)
             seen = []
-            engine.on_forward = lambda kind, *_: seen.append((kind, torch.get_num_threads(), threading.current_thread().name))
+            engine.on_forward = lambda kind, *_, seen=seen: seen.append(
+                (kind, torch.get_num_threads(), threading.current_thread().name))
             done = threading.Event()
             engine.start()
             try:
                 engine.submit(list(range(3, 40)), SamplingParams(max_new_tokens=3),
-                              lambda _d, _t, finish: done.set() if finish else None)
+                              lambda _d, _t, finish, done=done: done.set() if finish else None)
                 assert done.wait(60)
             finally:
                 engine.stop()
@@ -277,7 +278,7 @@ def test_background_loop_trims_the_heap_on_its_schedule():
         engine.start()
         try:
             engine.submit(list(range(3, 40)), SamplingParams(max_new_tokens=6),
-                          lambda _d, tok, finish: got.append(tok) if finish is None else done.set())
+                          lambda _d, tok, finish, got=got, done=done: got.append(tok) if finish is None else done.set())
             assert done.wait(60)
         finally:
             engine.stop()
