@@ -205,7 +205,7 @@ def ttft_split(entries: list[dict], server: list[dict], slow_ms: float = 150.0,
     each part of the time to first token; and the short requests slower than ``slow_ms`` with their parts
     (with the step log, ``forwards``, also what their wait overlapped: :func:`waited_on`)."""
     by_id = {r["id"]: r for r in server}
-    rows = []
+    pairs = []  # (row, its request-log line)
     for e in entries:
         r = by_id.get(e.get("id"))
         if r is None or e["ttft"] is None or r.get("first_sent_ms") is None:
@@ -213,17 +213,20 @@ def ttft_split(entries: list[dict], server: list[dict], slow_ms: float = 150.0,
         parts = {name: r[b] - (r[a] if a else 0.0) for name, a, b in SPLIT}
         parts["server"] = r["first_sent_ms"]
         parts["client_rest"] = e["ttft"] * 1000 - r["first_sent_ms"]
-        rows.append({"class": e["class"], "ttft_ms": round(e["ttft"] * 1000, 1), "prompt_tokens": r["prompt_tokens"],
-                     "cached_tokens": r.get("cached_tokens"), **{k: round(v, 1) for k, v in parts.items()},
-                     **(waited_on(r, forwards) if forwards else {})})
+        pairs.append(({"class": e["class"], "ttft_ms": round(e["ttft"] * 1000, 1), "prompt_tokens": r["prompt_tokens"],
+                       "cached_tokens": r.get("cached_tokens"), **{k: round(v, 1) for k, v in parts.items()}}, r))
+    rows = [x for x, _ in pairs]
     names = [n for n, _, _ in SPLIT] + ["server", "client_rest"]
     per = {}
     for c in CLASSES:
         cr = [x for x in rows if x["class"] == c]
         per[c] = {"joined": len(cr), **{f"{n}_p{q}_ms": _ms(pct([x[n] / 1000 for x in cr], q / 100))
                                         for n in names for q in (50, 95)}}
-    slow = sorted((x for x in rows if x["class"] == "short" and x["ttft_ms"] > slow_ms), key=lambda x: -x["ttft_ms"])
-    return {"classes": per, "slow_short": slow}
+    slow = sorted(((x, r) for x, r in pairs if x["class"] == "short" and x["ttft_ms"] > slow_ms),
+                  key=lambda p: -p[0]["ttft_ms"])
+    for x, r in slow if forwards else ():  # the step log is scanned for these only
+        x.update(waited_on(r, forwards))
+    return {"classes": per, "slow_short": [x for x, _ in slow]}
 
 
 def soak_net_of_prefix_cache(rss: list[tuple[float, int]], cache: list[tuple[float, int]], warmup: float) -> dict:

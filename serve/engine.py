@@ -572,7 +572,7 @@ class Engine:
         n_slots = cache.used_slots(max(r.pos for r in active) + 1)
         saved = self._shield([r.row for r in self._rows[:hi] if r is not None and r.prefilled < len(r.prompt_ids)])
         row_slots = None
-        if self.device.type == "cpu" and not isinstance(cache, MixedKVCache):
+        if self.device.type == "cpu":  # (a mixed or bounded cache ignores them: DecoderModel.decode_one_token)
             # Each row's own span (rows not decoding: one slot, their output is thrown away), so a long
             # request does not make every row read its whole cache (DecoderModel.decode_one_token).
             row_slots = [1] * hi
@@ -667,8 +667,6 @@ class Engine:
                 done.wait()
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
-            for f in dataclasses.fields(self.prefix_cache.stats):
-                setattr(self.prefix_cache.stats, f.name, 0)
         return time.perf_counter() - t0
 
     def start(self) -> None:

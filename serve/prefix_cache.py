@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -207,5 +207,7 @@ class PrefixCache:
         }
 
     def clear(self) -> None:
+        """Drop every block and zero the counters (in place: the gauges read this stats object)."""
         self._blocks.clear()
-        self.stats.bytes = self.stats.blocks = 0
+        for f in fields(self.stats):
+            setattr(self.stats, f.name, 0)
