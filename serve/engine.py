@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from core.models import load_causal_lm, load_tokenizer
+from serve.heap import malloc_trim
 from serve.kv_cache import KVCache, MixedKVCache
 from serve.model import DecoderModel
 from serve.prefix_cache import PrefixCache
@@ -47,20 +48,6 @@ logger = logging.getLogger(__name__)
 # on_event(text_delta, token_id, finish_reason): one call per generated token (token_id set,
 # finish_reason None), then exactly one final call (token_id None, finish_reason set).
 EventCallback = Callable[[str, "int | None", "str | None"], None]
-
-
-def _malloc_trim():
-    """glibc's ``malloc_trim`` (returns free heap pages to the OS), or None on other C libraries."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
-        return None
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return trim
 
 
 @dataclasses.dataclass
@@ -689,7 +676,7 @@ class Engine:
     def _loop(self, threads: int) -> None:
         torch.set_grad_enabled(False)
         torch.set_num_threads(threads)  # per thread under OpenMP: this one's, whatever the caller's
-        trim = _malloc_trim() if self.device.type == "cpu" else None
+        trim = malloc_trim() if self.device.type == "cpu" else None
         last_trim = time.monotonic()
         while True:
             with self._lock:

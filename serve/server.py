@@ -59,6 +59,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from serve.engine import Engine, Request
+from serve.heap import tune_heap
 from serve.metrics import Metrics, RequestLog, StepLog
 from serve.sampling import MIN_TEMPERATURE, MIN_TOP_P, SamplingParams
 
@@ -748,6 +749,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "(tokenized, prefill start, first token, first event sent, done; ms from arrival)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads of the engine's forwards (default: torch's, i.e. $OMP_NUM_THREADS or the cores)")
+    p.add_argument("--malloc-arena-max", type=int, default=2,
+                   help="CPU, glibc: cap the C heap's arenas (0: glibc's default, up to 8 per core); fewer arenas "
+                        "keep RSS flat under varied traffic (serve.heap)")
+    p.add_argument("--mmap-threshold-kb", type=int, default=1024,
+                   help="CPU, glibc: C heap blocks of at least this many KiB are mmapped, so freed activations "
+                        "go back to the OS (0: glibc's sliding default; serve.heap)")
     p.add_argument("--step-log", default=None, metavar="FILE",
                    help="append one JSON line per engine forward (prefill chunk or decode step: its start and end "
                         "on the request log's clock, tokens, request ids), to see what a waiting request waited for")
@@ -760,6 +767,10 @@ def check_flags(args: argparse.Namespace) -> str | None:
         return f"--max-batch must be >= 1, got {args.max_batch}"
     if args.threads is not None and args.threads < 1:
         return f"--threads must be >= 1, got {args.threads}"
+    if args.malloc_arena_max < 0:
+        return f"--malloc-arena-max must be >= 0 (0: glibc's default), got {args.malloc_arena_max}"
+    if not 0 <= args.mmap_threshold_kb <= 32 * 1024:
+        return f"--mmap-threshold-kb must be in [0, 32768] (0: glibc's default), got {args.mmap_threshold_kb}"
     if args.max_queue < 0:
         return f"--max-queue must be >= 0, got {args.max_queue}"
     if args.max_seq_len is not None and args.max_seq_len < 2:
@@ -805,6 +816,8 @@ def main(argv: list[str] | None = None) -> int:
     if problem:  # before loading anything: a bad flag costs no model load
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    # First, before the engine's, the tokenizer's and the HTTP threads exist: arenas made before the cap stay.
+    tune_heap(arena_max=args.malloc_arena_max or None, mmap_threshold=args.mmap_threshold_kb * 1024 or None)
     import torch
     import uvicorn
 

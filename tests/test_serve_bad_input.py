@@ -377,6 +377,8 @@ def test_503_carries_retry_after(slow_server):
     (["--prefill-step-ms", "-5"], "--prefill-step-ms must be >= 0"),
     (["--prefill-chunk", "0"], "--prefill-chunk must be >= 1"),
     (["--threads", "0"], "--threads must be >= 1"),
+    (["--malloc-arena-max", "-1"], "--malloc-arena-max must be >= 0"),
+    (["--mmap-threshold-kb", "40000"], "--mmap-threshold-kb must be in [0, 32768]"),
     (["--max-batch", "x"], "invalid int value"),
 ])
 def test_bad_server_flags_fail_before_loading_the_model(capsys, tmp_path, flags, fragment):

@@ -266,9 +266,9 @@ def test_background_loop_trims_the_heap_on_its_schedule():
     and the tokens are the same either way."""
     import threading
 
-    from serve.engine import _malloc_trim
+    from serve.heap import malloc_trim
 
-    if _malloc_trim() is None:
+    if malloc_trim() is None:
         pytest.skip("not glibc: no malloc_trim (the engine then never trims)")
     outs = {}
     for every in (1e-9, None):
