@@ -223,7 +223,6 @@ class Engine:
         self.trim_every_s: float | None = 10.0
         self.trims = 0
         self._waiting: deque[Request] = deque()
-        self._calls: deque[Callable[[], None]] = deque()  # run on the loop's thread between steps (_on_loop)
         self._rows: list[Request | None] = []
         self._lock = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -631,18 +630,15 @@ class Engine:
 
     # ---- background loop (server) ------------------------------------------------------------------------
 
-    def warmup(self, new_tokens: int = 4, deepest: bool = True) -> float:
+    def warmup(self, new_tokens: int = 4) -> float:
         """Get the first requests' costs out of the way: make the cache for all ``max_batch`` rows (it
         otherwise grows by doubling, each time a new allocation and a copy: 0.1-0.4 s on CPU at 4K
-        context), run the largest forwards once (``deepest``: :meth:`_profile_forwards`), render the chat
-        template once, and run two short greedy generations of one prompt, the second restoring the
-        first's prefix blocks (the first calls of the prefill, decode, restore and capture paths). The
-        prefix cache is emptied afterwards, its counters zeroed. On the loop's thread when started (this
-        call waits), else on this one. Returns the seconds it took."""
+        context), render the chat template once, and run two short greedy generations of one prompt, the
+        second restoring the first's prefix blocks (the first calls of the prefill, decode, restore and
+        capture paths). The prefix cache is emptied afterwards, its counters zeroed. On the loop's thread
+        when started (this call waits), else on this one. Returns the seconds it took."""
         t0 = time.perf_counter()
         self._min_rows = self.max_batch
-        if deepest:
-            self._on_loop(self._profile_forwards)
         if getattr(self.tokenizer, "chat_template", None):
             self.encode([{"role": "user", "content": "Hello."}], chat=True)
         vocab = self.model.config.vocab_size
@@ -659,51 +655,6 @@ class Engine:
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
         return time.perf_counter() - t0
-
-    @torch.no_grad()  # not inference_mode: the cache made here must stay writable by later steps
-    def _profile_forwards(self) -> None:
-        """The largest forwards serving can run, once, over the empty cache (vLLM's profile run, for the heap).
-
-        A whole first chunk, the deepest chunk (its attention reads ``max_seq_len`` keys) and a decode
-        step of every row at the last position. Their activations set the C heap's high-water mark here,
-        before the first request: later forwards reuse those blocks, where otherwise the resident set
-        grows each time traffic first reaches a new depth (a 10-minute soak read that as growth). The
-        cache's keys are zeros meanwhile and every row is emptied after; outputs are thrown away.
-        """
-        cache = self._ensure_cache(self.max_batch)
-        n, tok = self.max_seq_len, 3 % self.model.config.vocab_size
-        first = max(1, min(n - 1, self.prefill_chunk + self._max_tail))
-        self.model.prefill(cache, 0, torch.full((first,), tok, device=self.device), 0)
-        deep = max(1, min(n - 1, self.chunk_at(max(0, n - 1 - self.prefill_chunk))))
-        self.model.prefill(cache, 0, torch.full((deep,), tok, device=self.device), n - 1 - deep)
-        rows = cache.rows
-        n_slots = cache.used_slots(n - 1)
-        row_slots = [n_slots] * rows if self.device.type == "cpu" else None
-        self._decode(cache, self._tokens[:rows], torch.full((rows,), n - 1, device=self.device), n_slots, row_slots)
-        for row in range(rows):
-            cache.reset_row(row, cache.window_for(0))
-
-    def _on_loop(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the loop's thread (its heap arena, its thread count) and wait; here when not started."""
-        if self._thread is None:
-            fn()
-            return
-        done, failed = threading.Event(), []
-
-        def call() -> None:
-            try:
-                fn()
-            except BaseException as e:
-                failed.append(e)
-            finally:
-                done.set()
-
-        with self._lock:
-            self._calls.append(call)
-            self._lock.notify_all()
-        done.wait()
-        if failed:
-            raise failed[0]
 
     def start(self) -> None:
         """Run the step loop in a daemon thread; feed it with :meth:`submit` (events via ``on_event``)."""
@@ -729,14 +680,10 @@ class Engine:
         last_trim = time.monotonic()
         while True:
             with self._lock:
-                while not self._shutdown and not self._waiting and not self._calls and self.num_active == 0:
+                while not self._shutdown and not self._waiting and self.num_active == 0:
                     self._lock.wait()
                 if self._shutdown:
                     return
-                calls = list(self._calls)
-                self._calls.clear()
-            for call in calls:  # _on_loop: between steps
-                call()
             if trim is not None and self.trim_every_s and time.monotonic() - last_trim >= self.trim_every_s:
                 trim(0)  # a few ms on a GiB heap, between two steps
                 self.trims += 1

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
 
 import pytest
 import torch
@@ -309,49 +308,6 @@ def test_warmup_makes_every_row_and_caches_no_prefix(started):
     ref = Engine(model=model, tokenizer=tiny_tokenizer(), max_batch=3, prefix_block=4).generate(
         [list(range(3, 30)), [5, 6]], SamplingParams(max_new_tokens=5))
     assert [o.token_ids for o in out] == [o.token_ids for o in ref]
-
-
-@pytest.mark.parametrize("pattern", ["dense", "bounded", "mixed"])
-def test_profile_forwards_reach_the_deepest_shapes_and_change_nothing(pattern):
-    """warmup(deepest=True) runs a full first chunk, the deepest chunk and a decode of every row at the last
-    position, on the loop's thread when started; the rows are empty after, and generation (prompts that
-    fill the context) equals an engine that never warmed up."""
-    specs = {"dense": None, "bounded": HybridAttentionConfig(sink_tokens=3, window=8, global_every=5, max_globals=4),
-             "mixed": HybridAttentionConfig(sink_tokens=3, window=8, global_every=5, max_globals=4,
-                                            full_heads={0: [1]})}
-    model = no_eos(tiny_model("llama", seed=5))
-    if specs[pattern] is not None:
-        model.config.hybrid_attention = specs[pattern].to_dict()
-    make = lambda: Engine(model=model, tokenizer=tiny_tokenizer(), max_batch=3, max_seq_len=48, prefill_chunk=8)  # noqa: E731
-    engine = make()
-    seen = []
-    prefill, decode = engine.model.prefill, engine._decode
-    engine.model.prefill = lambda cache, row, ids, start, logits=True: (
-        seen.append(("prefill", start, len(ids), threading.current_thread().name)),
-        prefill(cache, row, ids, start, logits))[1]
-    engine._decode = lambda cache, tokens, pos, n_slots, row_slots=None: (
-        seen.append(("decode", int(pos.max()), len(tokens), threading.current_thread().name)),
-        decode(cache, tokens, pos, n_slots, row_slots))[1]
-    engine.start()
-    try:
-        engine.warmup()
-    finally:
-        engine.stop()
-    profile = seen[:3]
-    assert [k for k, *_ in profile] == ["prefill", "prefill", "decode"]
-    assert profile[0][1:3] == (0, max(engine.chunk_for(0, n) for n in range(1, 48)))  # the largest first chunk
-    assert profile[1][1] + profile[1][2] == 47  # the deepest chunk ends one before the context's end
-    assert profile[2][1:3] == (47, 3)  # every row decodes at the last position
-    assert all(name == "engine" for *_, name in seen)
-    assert engine.num_active == 0
-    alone = make()
-    alone._profile_forwards()  # not started: on this thread
-    caches = [alone.cache.full, alone.cache.stream] if pattern == "mixed" else [alone.cache]
-    assert all(bool((c.slot_pos == -1).all()) for c in caches)  # every row emptied
-    prompts = [list(range(3, 43)), [5, 6, 7], list(range(9, 30))]
-    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
-    got = [o.token_ids for o in engine.generate(prompts, params)]
-    assert got == [o.token_ids for o in make().generate(prompts, params)]
 
 
 def test_too_long_requests_are_refused_not_truncated():
