@@ -81,6 +81,50 @@ def test_lru_byte_budget_evicts_leaves_and_stays_exact():
     assert pc._chain(SYSTEM + [1], int(cached.cache.window[0]), len(SYSTEM)) != []
 
 
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_pool_reserves_slabs_up_to_the_budget_and_reuses_slots(hybrid):
+    """Blocks live in pool slots: slabs are reserved as the cache fills, never past the budget; churn
+    (eviction, clear) only frees slots, so the reserved bytes stop moving once full; still exact."""
+    model = no_eos(tiny_model("llama", seed=14))
+    if hybrid:
+        model.config.hybrid_attention = HybridAttentionConfig(sink_tokens=4, window=32, global_every=6,
+                                                              max_globals=3).to_dict()
+    probe = Engine(model=model, tokenizer=tiny_tokenizer(), prefix_block=8, prefill_chunk=8)
+    probe.generate([SYSTEM + [1]], SamplingParams(max_new_tokens=1))
+    block_bytes = probe.prefix_cache.stats.bytes // probe.prefix_cache.stats.blocks
+    cached = Engine(model=model, tokenizer=tiny_tokenizer(), prefix_block=8, prefix_cache_bytes=7 * block_bytes,
+                    prefill_chunk=8)
+    cached.prefix_cache.slab_blocks = 3
+    plain = Engine(model=model, tokenizer=tiny_tokenizer(), prefix_cache_bytes=0, prefill_chunk=8)
+    pc = cached.prefix_cache
+    assert pc.reserved_bytes() == 0  # nothing before the first capture
+    cached.generate([list(range(3, 13))], SamplingParams(max_new_tokens=2))  # one block
+    assert pc.reserved_bytes() == 3 * block_bytes  # one slab
+    prompts = [[s] + SYSTEM[:30] for s in range(3, 9)] + [SYSTEM + [1], [3] + SYSTEM[:30]]
+    assert run_one_by_one(cached, prompts, 4) == run_one_by_one(plain, prompts, 4)
+    assert pc.stats.evicted_blocks > 0 and pc.stats.bytes <= 7 * block_bytes
+    full = pc.reserved_bytes()
+    assert full == 7 * block_bytes  # slabs of 3, 3, then the 1 the budget leaves
+    slots = [b.slot for b in pc._blocks.values()]
+    assert len(set(slots)) == len(slots) and all(0 <= i < 7 for i in slots)
+    pc.clear()
+    assert pc.reserved_bytes() == full and pc.stats.bytes == 0
+    assert run_one_by_one(cached, prompts, 4) == run_one_by_one(plain, prompts, 4)
+    assert pc.reserved_bytes() == full
+
+
+def test_prefix_cache_refuses_a_second_layout():
+    pc = PrefixCache(1 << 20, block=4)
+    a = Engine(model=no_eos(tiny_model("llama", seed=1)), tokenizer=tiny_tokenizer(), prefix_block=4)
+    a.prefix_cache = pc
+    a.generate([list(range(3, 20))], SamplingParams(max_new_tokens=1))
+    cache = a.cache
+    other = type(cache)(layers=cache.k.shape[0] + 1, rows=1, kv_heads=cache.k.shape[2], head_dim=cache.k.shape[4],
+                        max_seq_len=64)
+    with pytest.raises(ValueError, match="another cache layout"):
+        pc.capture(other, 0, list(range(3, 20)), 8)
+
+
 def test_prefix_cache_refuses_bad_settings():
     with pytest.raises(ValueError, match="block >= 1"):
         PrefixCache(1 << 20, block=0)
