@@ -223,6 +223,7 @@ class Engine:
         self.trim_every_s: float | None = 10.0
         self.trims = 0
         self._waiting: deque[Request] = deque()
+        self._calls: deque[Callable[[], None]] = deque()  # for the loop's thread, between steps (_on_loop)
         self._rows: list[Request | None] = []
         self._lock = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -635,10 +636,15 @@ class Engine:
         otherwise grows by doubling, each time a new allocation and a copy: 0.1-0.4 s on CPU at 4K
         context), render the chat template once, and run two short greedy generations of one prompt, the
         second restoring the first's prefix blocks (the first calls of the prefill, decode, restore and
-        capture paths). The prefix cache is emptied afterwards, its counters zeroed. On the loop's thread
-        when started (this call waits), else on this one. Returns the seconds it took."""
+        capture paths), after building the linear kernels of every chunk length serving can produce
+        (:meth:`DecoderModel.warm_kernels`). The prefix cache is emptied afterwards, its counters zeroed.
+        On the loop's thread when started (this call waits), else on this one. Returns the seconds it took."""
         t0 = time.perf_counter()
         self._min_rows = self.max_batch
+        # Each chunk length serving can produce (prompt chunks, the tails taken with them, decode batches):
+        # oneDNN's primitives are per thread count, so on the loop's thread when it runs.
+        longest = self.prefill_chunk + self._max_tail  # chunk_for: the largest chunk
+        self._on_loop(lambda: self.model.warm_kernels(min(longest, self.max_seq_len), self.max_batch))
         if getattr(self.tokenizer, "chat_template", None):
             self.encode([{"role": "user", "content": "Hello."}], chat=True)
         vocab = self.model.config.vocab_size
@@ -655,6 +661,28 @@ class Engine:
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
         return time.perf_counter() - t0
+
+    def _on_loop(self, fn: Callable[[], object]) -> None:
+        """Run ``fn`` on the loop's thread between steps and wait for it; on this thread when not started."""
+        if self._thread is None:
+            fn()
+            return
+        done, failed = threading.Event(), []
+
+        def call() -> None:
+            try:
+                fn()
+            except BaseException as e:  # handed to the caller
+                failed.append(e)
+            finally:
+                done.set()
+
+        with self._lock:
+            self._calls.append(call)
+            self._lock.notify_all()
+        done.wait()
+        if failed:
+            raise failed[0]
 
     def start(self) -> None:
         """Run the step loop in a daemon thread; feed it with :meth:`submit` (events via ``on_event``)."""
@@ -680,10 +708,14 @@ class Engine:
         last_trim = time.monotonic()
         while True:
             with self._lock:
-                while not self._shutdown and not self._waiting and self.num_active == 0:
+                while not self._shutdown and not self._waiting and not self._calls and self.num_active == 0:
                     self._lock.wait()
                 if self._shutdown:
                     return
+                calls = list(self._calls)
+                self._calls.clear()
+            for call in calls:  # _on_loop
+                call()
             if trim is not None and self.trim_every_s and time.monotonic() - last_trim >= self.trim_every_s:
                 trim(0)  # a few ms on a GiB heap, between two steps
                 self.trims += 1

@@ -119,6 +119,53 @@ def test_fast_weights_are_fused_copies_and_can_be_turned_off(monkeypatch, onednn
     assert off._fast == [] and off.fast_weight_bytes() == 0
 
 
+def test_packed_linear_pads_rows_to_few_shapes_and_keeps_every_row():
+    """Prefill inputs run at a few padded row counts (one oneDNN primitive each), outputs unchanged."""
+    import serve.model
+    from serve.model import row_bucket, row_buckets
+
+    assert [row_bucket(r) for r in (1, 8, 9, 16, 17, 97, 256, 257)] == [1, 8, 16, 16, 24, 104, 256, 320]
+    assert all(0 <= row_bucket(r) - r < (1 if r <= 8 else 8 if r <= 256 else 64) for r in range(1, 999))
+    assert len(row_buckets(160)) == 27 and row_buckets(160)[-1] == 160
+    if not serve.model._onednn_linear_available():
+        pytest.skip("this torch build has no oneDNN linear")
+    model = tiny_model("qwen2", seed=3)
+    mlp = model.model.layers[0].mlp
+    dm = DecoderModel(model, fast_weights=True)
+    gate_up = dm._fast[0].gate_up
+    assert gate_up.packed
+    seen = []
+    real = torch.ops.mkldnn._linear_pointwise
+    for rows in (1, 5, 9, 23, 70, 130):
+        x = torch.randn(1, rows, mlp.gate_proj.in_features)
+        with torch.inference_mode():
+            want = torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], dim=-1)
+            torch.ops.mkldnn._linear_pointwise = lambda a, *rest: (seen.append(a.shape[0]), real(a, *rest))[1]
+            try:
+                got = gate_up(x)
+            finally:
+                torch.ops.mkldnn._linear_pointwise = real
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert seen == [1, 5, 16, 24, 72, 136]
+
+
+def test_warm_kernels_runs_every_padded_length_and_decode_batch(monkeypatch):
+    import serve.model
+
+    if not serve.model._onednn_linear_available():
+        pytest.skip("this torch build has no oneDNN linear")
+    dm = DecoderModel(tiny_model("llama", seed=3), fast_weights=True)
+    seen = []
+    fused_call = serve.model._Fused.__call__
+    monkeypatch.setattr(serve.model._Fused, "__call__", lambda self, x: (seen.append(serve.model.row_bucket(
+        x.shape[0] * x.shape[1])), fused_call(self, x))[1])
+    assert dm.warm_kernels(40, 4) == len(serve.model.row_buckets(40))
+    want = set(serve.model.row_buckets(40)) | {1, 2, 3, 4}
+    assert set(seen) == want and len(seen) == 4 * len(serve.model.row_buckets(40)) + 4  # + the head at 1..4
+    assert DecoderModel(tiny_model("llama", seed=3), fast_weights=False).warm_kernels(40, 4) == 0
+
+
 def test_bounded_memory_is_constant_in_length():
     spec = HybridAttentionConfig(sink_tokens=128, window=512, global_every=1024, max_globals=16)
     model = tiny_model("llama")
