@@ -310,6 +310,31 @@ def test_warmup_makes_every_row_and_caches_no_prefix(started):
     assert [o.token_ids for o in out] == [o.token_ids for o in ref]
 
 
+def test_warmup_builds_the_kernels_on_the_loop_thread_and_errors_reach_the_caller():
+    """The kernels are per thread count: warm_kernels runs on the engine's thread (here when not started),
+    for the largest chunk and every decode batch; a call that fails there raises in the caller."""
+    import threading
+
+    model = no_eos(tiny_model("llama", seed=8))
+    for started in (False, True):
+        engine = Engine(model=model, tokenizer=tiny_tokenizer(), max_batch=3, prefill_chunk=8)
+        seen = []
+        engine.model.warm_kernels = lambda rows, batch: seen.append((rows, batch, threading.current_thread().name))
+        if started:
+            engine.start()
+        try:
+            engine.warmup()
+
+            def boom():
+                raise RuntimeError("on the loop")
+
+            with pytest.raises(RuntimeError, match="on the loop"):
+                engine._on_loop(boom)
+        finally:
+            engine.stop()
+        assert seen == [(8 + 2, 3, "engine" if started else threading.current_thread().name)]
+
+
 def test_too_long_requests_are_refused_not_truncated():
     engine = Engine(model=tiny_model("llama"), tokenizer=tiny_tokenizer(), max_seq_len=64)
     with pytest.raises(ValueError, match="exceeds the context of 64"):
