@@ -319,7 +319,8 @@ def test_warmup_builds_the_kernels_on_the_loop_thread_and_errors_reach_the_calle
     for started in (False, True):
         engine = Engine(model=model, tokenizer=tiny_tokenizer(), max_batch=3, prefill_chunk=8)
         seen = []
-        engine.model.warm_kernels = lambda rows, batch: seen.append((rows, batch, threading.current_thread().name))
+        engine.model.warm_kernels = lambda rows, batch, seen=seen: seen.append(
+            (rows, batch, threading.current_thread().name))
         if started:
             engine.start()
         try:
