@@ -849,7 +849,8 @@ def main(argv: list[str] | None = None) -> int:
                      max_body_bytes=args.max_body_bytes, request_timeout=args.request_timeout,
                      body_timeout=args.body_timeout, request_log=args.request_log, step_log=args.step_log)
     # Before the port opens (so /health says ready only after): the whole cache, and one short generation.
-    print(f"warm-up: {engine.warmup():.1f} s (KV cache for {engine.max_batch} rows, linear kernels for every chunk length, first calls)", flush=True)
+    print(f"warm-up: {engine.warmup():.1f} s (KV cache for {engine.max_batch} rows, linear kernels for every "
+          "chunk length, first calls)", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, http=NoDelayH11Protocol.with_head_timeout(args.body_timeout),
                 log_level="info")
     return 0
