@@ -642,7 +642,7 @@ class Engine:
         t0 = time.perf_counter()
         self._min_rows = self.max_batch
         # Each chunk length serving can produce (prompt chunks, the tails taken with them, decode batches):
-        # oneDNN's primitives are per thread count, so on the loop's thread when it runs.
+        # built on the loop's thread when it runs, with the thread count the requests' forwards use.
         longest = self.prefill_chunk + self._max_tail  # chunk_for: the largest chunk
         self._on_loop(lambda: self.model.warm_kernels(min(longest, self.max_seq_len), self.max_batch))
         if getattr(self.tokenizer, "chat_template", None):

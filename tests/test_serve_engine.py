@@ -311,7 +311,7 @@ def test_warmup_makes_every_row_and_caches_no_prefix(started):
 
 
 def test_warmup_builds_the_kernels_on_the_loop_thread_and_errors_reach_the_caller():
-    """The kernels are per thread count: warm_kernels runs on the engine's thread (here when not started),
+    """warm_kernels runs on the engine's thread (here when not started),
     for the largest chunk and every decode batch; a call that fails there raises in the caller."""
     import threading
 
