@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 from collections.abc import Callable
 
 # glibc's <malloc.h> parameter numbers for mallopt
@@ -26,6 +27,7 @@ M_MMAP_THRESHOLD = -3
 M_ARENA_MAX = -8
 
 
+@functools.cache  # find_library may run ldconfig: once per process
 def _glibc() -> ctypes.CDLL | None:
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

@@ -442,7 +442,7 @@ class DecoderModel(nn.Module):
 
         One layer's fused projections at each padded prefill length up to ``max_prefill_rows`` and each
         decode batch up to ``max_batch`` (the primitives are shared by every layer of one shape), and the
-        head at the decode batches (a prefill reads it at one row). Their memory is then resident before
+        fused head at the decode batches (a prefill's logits go through the model's own head). Their memory is then resident before
         the first request instead of arriving with it. Returns how many shapes ran (0 without fast weights).
         """
         if not self._fast:

@@ -61,19 +61,24 @@ class _Pool:
     Slabs of ``slab`` slots are reserved when no slot is free, up to ``capacity`` slots in all, and kept.
     """
 
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, capacity: int,
-                 slab: int) -> None:
-        self.shape, self.dtype, self.device = shape, dtype, device
-        self.capacity, self.slab = capacity, slab
-        self.block_bytes = 2 * math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    def __init__(self, cache: KVCache, block: int, max_bytes: int, slab: int) -> None:
+        self.shape = self.layout(cache, block)
+        self.dtype, self.device = cache.k.dtype, cache.k.device
+        self.block_bytes = 2 * math.prod(self.shape) * cache.k.element_size()
+        self.capacity, self.slab = max_bytes // self.block_bytes, slab
         self._k: list[torch.Tensor] = []
         self._v: list[torch.Tensor] = []
         self._free: list[int] = []
         self.reserved = 0  # slots in all slabs
 
+    @staticmethod
+    def layout(cache: KVCache, block: int) -> tuple[int, int, int, int]:
+        """One block's ``[layers, kv_heads, block, head_dim]`` in ``cache``."""
+        return cache.k.shape[0], cache.k.shape[2], block, cache.k.shape[4]
+
     def fits(self, cache: KVCache) -> bool:
-        return (cache.k.shape[0], cache.k.shape[2], self.shape[2], cache.k.shape[4]) == self.shape and \
-            cache.k.dtype == self.dtype and cache.k.device == self.device
+        return (self.layout(cache, self.shape[2]) == self.shape and cache.k.dtype == self.dtype
+                and cache.k.device == self.device)
 
     def take(self) -> int | None:
         """A free slot, reserving a slab if none is; None at capacity."""
@@ -139,9 +144,7 @@ class PrefixCache:
 
     def _pool_for(self, cache: KVCache) -> _Pool:
         if self._pool is None:
-            shape = (cache.k.shape[0], cache.k.shape[2], self.block, cache.k.shape[4])
-            per_block = 2 * math.prod(shape) * cache.k.element_size()
-            self._pool = _Pool(shape, cache.k.dtype, cache.k.device, self.max_bytes // per_block, self.slab_blocks)
+            self._pool = _Pool(cache, self.block, self.max_bytes, self.slab_blocks)
         elif not self._pool.fits(cache):
             raise ValueError("this prefix cache holds blocks of another cache layout (layers, KV heads, head "
                              "size, dtype or device); use one prefix cache per engine")
