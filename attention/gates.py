@@ -116,8 +116,11 @@ def _decoder(model):
     return getattr(model, "model", model)
 
 
+CONTEXTS = ("gated", "dense")
+
+
 def train_gates(model, samples: list, spec: HybridAttentionConfig, *, steps: int = 120, lr: float = 0.05,
-                l1: float = 0.05, seed: int = 0, progress: bool = True) -> GateResult:
+                l1: float = 0.05, seed: int = 0, progress: bool = True, context: str = "gated") -> GateResult:
     """Learn one gate per (layer, KV head) on the frozen ``model`` (gates start at 1: full attention).
 
     Args:
@@ -127,12 +130,19 @@ def train_gates(model, samples: list, spec: HybridAttentionConfig, *, steps: int
         steps: optimizer steps, one sample each (cycling through a seeded shuffle).
         lr: Adam learning rate on the gates (projected back into [0, 1] after each step).
         l1: weight of the mean gate value in the loss (the MSE is relative to the target's mean square).
+        context: ``"gated"`` (exact): every token after the streaming horizon runs under the gated mix at
+            every step, so a step costs the whole sample past ``sink + window``. ``"dense"``: the text before
+            the question keeps its full-attention keys/values and only the question and answer run gated;
+            a step then costs those few tokens whatever the sample's length (what makes 4K–8K samples
+            affordable on a CPU), at the price of ignoring how streaming changes the context's own states.
     The model's weights get no gradients; its attention implementation is restored afterwards.
     """
     from tqdm.auto import tqdm
 
     if steps < 1 or lr <= 0 or l1 < 0:
         raise HybridAttentionError(f"gate training needs steps >= 1, lr > 0, l1 >= 0; got {steps}, {lr}, {l1}")
+    if context not in CONTEXTS:
+        raise HybridAttentionError(f"unknown gate context {context!r}; use one of {', '.join(CONTEXTS)}")
     cfg = model.config
     layers = cfg.num_hidden_layers
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
@@ -146,7 +156,7 @@ def train_gates(model, samples: list, spec: HybridAttentionConfig, *, steps: int
     pressure = torch.zeros(layers, kv_heads)
     try:
         with _gated(model, interface):
-            prepared = _prepare(model, interface, samples, spec, device, progress)
+            prepared = _prepare(model, interface, samples, spec, device, progress, context)
             opt = torch.optim.Adam([gates], lr=lr)
             order = list(range(len(prepared)))
             rng = random.Random(seed)
@@ -173,8 +183,9 @@ def train_gates(model, samples: list, spec: HybridAttentionConfig, *, steps: int
 
 
 def _prepare(model, interface: _GatedInterface, samples: list, spec: HybridAttentionConfig, device,
-             progress: bool) -> list[dict]:
-    """Per sample: the gate-independent prefix's keys/values and the full-attention targets (no grad)."""
+             progress: bool, context: str = "gated") -> list[dict]:
+    """Per sample: the prefix's keys/values (gate-independent; with ``context="dense"`` everything before
+    the question) and the full-attention targets (no grad)."""
     from tqdm.auto import tqdm
 
     prepared = []
@@ -183,8 +194,8 @@ def _prepare(model, interface: _GatedInterface, samples: list, spec: HybridAtten
             n = len(s.ids)
             # Queries before sink + window see every earlier key in the streaming pattern too.
             horizon = spec.sink_tokens + resolve_window(spec, n)
-            start = min(horizon, s.question_start)
-            if start <= 0 or s.question_start >= n:
+            start = s.question_start if context == "dense" else min(horizon, s.question_start)
+            if horizon <= 0 or start <= 0 or s.question_start >= n:
                 raise HybridAttentionError("a gate-training sample has no question after the streaming horizon; "
                                            "use longer samples")
             ids = torch.tensor([s.ids], device=device)

@@ -81,7 +81,6 @@ def needle_samples(tokenizer, haystack: torch.Tensor, *, count: int, length: int
     rng = random.Random(seed)
     enc = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     q_ids = enc(QUESTION)
-    blocks, block_len = haystack.shape
     samples = []
     for i in range(count):
         key = "".join(rng.choice("0123456789") for _ in range(5))
@@ -97,11 +96,11 @@ def needle_samples(tokenizer, haystack: torch.Tensor, *, count: int, length: int
             raise HybridAttentionError("the tokenizer splits the needle's key differently in context; "
                                        "head scoring needs a tokenizer that keeps digits stable")
         fill = length - len(needle) - len(q_ids) - len(a_ids)
-        if fill < min_distance + min_start or fill > block_len:
-            raise HybridAttentionError(f"head scoring samples of {length} tokens need {min_distance + min_start} to "
-                                       f"{block_len} filler tokens; pick a length between "
-                                       f"{min_distance + min_start + 64} and the training block length")
-        text = haystack[i % blocks, :fill].tolist()
+        if fill < max(1, min_distance + min_start):
+            raise HybridAttentionError(f"head scoring samples of {length} tokens need at least "
+                                       f"{min_distance + min_start} filler tokens; pick a length of at least "
+                                       f"{min_distance + min_start + 64}")
+        text = _filler(haystack, i, fill)
         at = rng.randint(min_start, fill - min_distance)
         ids = text[:at] + needle + text[at:] + q_ids + a_ids
         samples.append(NeedleSample(ids, len(ids) - len(a_ids), [at + start + j for j in range(len(a_ids))],
@@ -126,7 +125,6 @@ def _multikey_samples(tokenizer, haystack: torch.Tensor, *, count: int, length: 
         raise HybridAttentionError(f"at most {len(NAMES)} keys per sample, got {keys}")
     rng = random.Random(seed)
     enc = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-    blocks, block_len = haystack.shape
     samples = []
     for i in range(count):
         names = rng.sample(NAMES, keys)
@@ -136,11 +134,11 @@ def _multikey_samples(tokenizer, haystack: torch.Tensor, *, count: int, length: 
         q_ids = enc(NAMED_QUESTION.format(name=names[asked]))
         a_ids, start = _answer_in(enc, needles[asked], values[asked])
         fill = length - sum(map(len, needles)) - len(q_ids) - len(a_ids)
-        if fill < min_distance + min_start or fill > block_len:
+        if fill < max(1, min_distance + min_start):
             raise HybridAttentionError(f"head scoring samples of {length} tokens with {keys} keys need "
-                                       f"{min_distance + min_start} to {block_len} filler tokens; pick a longer "
+                                       f"at least {min_distance + min_start} filler tokens; pick a longer "
                                        "length or fewer keys")
-        text = haystack[i % blocks, :fill].tolist()
+        text = _filler(haystack, i, fill)
         # Every needle ends at least min_distance before the question: cut points in the filler, sorted.
         cuts = sorted(rng.randint(min_start, fill - min_distance) for _ in names)
         ids, key_positions, prev = [], [], 0
@@ -153,6 +151,18 @@ def _multikey_samples(tokenizer, haystack: torch.Tensor, *, count: int, length: 
         ids += text[prev:] + q_ids + a_ids
         samples.append(NeedleSample(ids, len(ids) - len(a_ids), key_positions, len(ids) - len(a_ids) - len(q_ids)))
     return samples
+
+
+def _filler(haystack, i: int, fill: int) -> list[int]:
+    """``fill`` tokens of text for sample ``i``: block ``i`` (mod blocks) from its start, running on into
+    the next blocks (packed blocks are consecutive text) when one is shorter than ``fill``."""
+    blocks, block_len = haystack.shape
+    need = -(-fill // block_len)
+    if need > blocks:
+        raise HybridAttentionError(f"head scoring samples need {fill} filler tokens; the training text has "
+                                   f"{blocks * block_len}: use shorter samples or more text")
+    rows = [haystack[(i + r) % blocks] for r in range(need)]
+    return torch.cat([torch.as_tensor(r) for r in rows])[:fill].tolist()
 
 
 def _find(seq: list[int], sub: list[int]) -> int:
@@ -277,7 +287,7 @@ def spread_roles(spec: HybridAttentionConfig, layers: int, kv_heads: int, share:
 def find_head_roles(model, tokenizer, spec: HybridAttentionConfig, haystack: torch.Tensor, *, share: float,
                     method: str = "retrieval", samples: int = 12, length: int = 1536, seed: int = 0,
                     progress: bool = True, gate_steps: int = 120, gate_lr: float = 0.05, gate_l1: float = 0.05,
-                    gate_window: int | None = None) -> HybridAttentionConfig:
+                    gate_window: int | None = None, gate_context: str = "gated") -> HybridAttentionConfig:
     """Score the heads of the dense ``model`` on needle samples and return ``spec`` with roles.
 
     Args:
@@ -293,6 +303,8 @@ def find_head_roles(model, tokenizer, spec: HybridAttentionConfig, haystack: tor
             layers keep theirs). A smaller one puts more of each sample beyond the window at the same cost,
             so the gates also learn which heads need the tokens between it and the serving window; the
             roles apply to ``spec`` as given.
+        gate_context: ``attention.gates.train_gates``' ``context`` (``"dense"``: only the question and answer
+            run gated, so long samples cost little).
     """
     if method not in METHODS:
         raise HybridAttentionError(f"unknown head score {method!r}; use one of {', '.join(METHODS)}")
@@ -304,8 +316,8 @@ def find_head_roles(model, tokenizer, spec: HybridAttentionConfig, haystack: tor
     if method == "gates":
         trained = spec if gate_window is None else dataclasses.replace(spec, window=gate_window)
         result = learn_gates(model, tokenizer, trained, haystack, samples=samples, length=length, seed=seed,
-                             steps=gate_steps, lr=gate_lr, l1=gate_l1, progress=progress)
-        extra.update(steps=gate_steps, lr=gate_lr, l1=gate_l1, multikey=result.multikey,
+                             steps=gate_steps, lr=gate_lr, l1=gate_l1, progress=progress, context=gate_context)
+        extra.update(steps=gate_steps, lr=gate_lr, l1=gate_l1, multikey=result.multikey, context=gate_context,
                      final_mse=round(result.history[-1]["mse"], 6), window=trained.window)
         return choose_roles(spec, result.gates, share, method=method, tiebreak=result.pressure, extra=extra)
     min_start, min_distance = _needle_bounds(spec, length)
@@ -325,7 +337,7 @@ def _needle_bounds(spec: HybridAttentionConfig, length: int) -> tuple[int, int]:
 
 def learn_gates(model, tokenizer, spec: HybridAttentionConfig, haystack: torch.Tensor, *, samples: int = 12,
                 length: int = 1024, seed: int = 0, steps: int = 120, lr: float = 0.05, l1: float = 0.05,
-                progress: bool = True):
+                progress: bool = True, context: str = "gated"):
     """``attention.gates.train_gates`` on needle samples from ``haystack``: half single-key, half with 3
     named keys (the question asks for one; 2, or none, when ``length`` cannot hold 3), all beyond the
     streaming horizon. Returns its ``GateResult`` (``multikey``: the named keys used)."""
@@ -348,7 +360,8 @@ def learn_gates(model, tokenizer, spec: HybridAttentionConfig, haystack: torch.T
     if samples // 2 and not multikey:  # too short for several needles: single-key samples only
         data += needle_samples(tokenizer, rest, count=samples // 2, length=length, min_distance=min_distance,
                                min_start=min_start, seed=seed + 1)
-    result = train_gates(model, data, spec, steps=steps, lr=lr, l1=l1, seed=seed, progress=progress)
+    result = train_gates(model, data, spec, steps=steps, lr=lr, l1=l1, seed=seed, progress=progress,
+                         context=context)
     return dataclasses.replace(result, multikey=multikey)
 
 

@@ -92,6 +92,8 @@ def main() -> None:
     p.add_argument("--gate-steps", type=int, default=120)
     p.add_argument("--gate-lr", type=float, default=0.05)
     p.add_argument("--gate-l1", type=float, default=0.05)
+    p.add_argument("--gate-context", default="gated", choices=("gated", "dense"),
+                   help="dense: only the question and answer run gated (long samples cost little)")
     p.add_argument("--gate-spec", default="{}", help="JSON of HybridAttentionConfig keys that differ while the gates "
                    "train (e.g. a smaller window, so more of each sample lies beyond it); the arms use --spec")
     args = p.parse_args()
@@ -127,11 +129,12 @@ def main() -> None:
         t0 = time.perf_counter()
         gate_spec = dataclasses.replace(spec, **json.loads(args.gate_spec))
         result = learn_gates(model, tok, gate_spec, data.train, samples=args.gate_samples, length=args.gate_len,
-                             seed=args.seed, steps=args.gate_steps, lr=args.gate_lr, l1=args.gate_l1)
+                             seed=args.seed, steps=args.gate_steps, lr=args.gate_lr, l1=args.gate_l1,
+                             context=args.gate_context)
         gate_info = {"gates": result.gates.tolist(), "pressure": result.pressure.tolist(),
                      "seconds": time.perf_counter() - t0, "final_mse": result.history[-1]["mse"],
                      "settings": {k: getattr(args, k) for k in ("gate_samples", "gate_len", "gate_steps",
-                                                                "gate_lr", "gate_l1", "gate_spec")}}
+                                                                "gate_lr", "gate_l1", "gate_spec", "gate_context")}}
         print(f"gates learned in {gate_info['seconds']:.0f}s (final relative MSE {gate_info['final_mse']:.5f})")
         if args.gates:
             with open(args.gates, "w") as fh:

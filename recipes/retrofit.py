@@ -100,12 +100,17 @@ class RetrofitConfig:
                             "training) or mass (attention mass on the needle)")
     head_samples: int = field(12, ge=1, help="synthetic needle samples (from the training text) for head scoring")
     head_sample_len: int = field(1536, ge=16, help="tokens per head-scoring sample (capped at seq_len)")
-    gate_sample_len: int = field(1024, ge=16, help="head_score=gates: tokens per sample (capped at seq_len); a "
-                                 "step costs the tokens after sink_tokens + window")
+    gate_sample_len: int = field(1024, ge=16, help="head_score=gates: tokens per sample (capped at seq_len, or "
+                                 "at the model's context with gate_context=dense); a gated step costs the tokens "
+                                 "after sink_tokens + window")
     gate_steps: int = field(120, ge=1, help="head_score=gates: optimizer steps (one sample each)")
     gate_lr: float = field(0.05, gt=0, help="head_score=gates: Adam learning rate on the gates")
     gate_l1: float = field(0.05, ge=0, help="head_score=gates: weight of the mean gate (L1) next to the relative "
                            "hidden-state MSE")
+    gate_context: str = field("gated", choices=("gated", "dense"), help="head_score=gates: gated (exact: every "
+                              "token past sink_tokens + window runs gated each step) or dense (the text before the "
+                              "question keeps its full-attention states, only question + answer run gated: a step "
+                              "costs a few tokens, so gate_sample_len may go up to the model's context)")
     gate_window: int | None = field(None, ge=1, help="head_score=gates: the streaming window while the gates train "
                                     "(null: window). Smaller puts more of each sample beyond it at the same cost")
     # LoRA + extra trainable pieces
@@ -428,11 +433,15 @@ def choose_head_roles(cfg: RetrofitConfig, model, teacher, tokenizer, spec: Hybr
     from attention.heads import find_head_roles, plot_head_scores
 
     length = cfg.gate_sample_len if cfg.head_score == "gates" else cfg.head_sample_len
+    # Samples are capped at seq_len, except dense-context gates, whose cost does not grow with the length:
+    # theirs run on across training blocks up to the model's context.
+    dense_gates = cfg.head_score == "gates" and cfg.gate_context == "dense"
+    cap = (getattr(teacher.config, "max_position_embeddings", None) or cfg.seq_len) if dense_gates else cfg.seq_len
     try:
         spec = find_head_roles(teacher, tokenizer, spec, train_blocks, share=cfg.full_head_share,
-                               method=cfg.head_score, samples=cfg.head_samples, length=min(length, cfg.seq_len),
+                               method=cfg.head_score, samples=cfg.head_samples, length=min(length, cap),
                                seed=cfg.seed, progress=main, gate_steps=cfg.gate_steps, gate_lr=cfg.gate_lr,
-                               gate_l1=cfg.gate_l1, gate_window=cfg.gate_window)
+                               gate_l1=cfg.gate_l1, gate_window=cfg.gate_window, gate_context=cfg.gate_context)
     except HybridAttentionError as err:  # e.g. samples too short for the window: name the key to change
         raise ConfigError(f"head roles: {str(err).splitlines()[0]}") from None
     attention.retrofit(model, spec)  # the same model object under the LoRA wrapper: the new spec applies

@@ -140,6 +140,59 @@ def test_gate_training_moves_gates_with_finite_grads_and_leaves_the_model_alone(
         train_gates(model, data, TINY_SPEC, steps=0)
 
 
+def test_dense_context_gates_only_the_question_and_answer():
+    """context="dense": the loss equals a reference model in which every query before the question attends
+    fully and the question's and answer's queries run the gated mix (naive float64 attention); the step
+    runs only those tokens, and its gradient reaches the gates."""
+    from attention.integration import attention_swapped
+
+    model = tiny_model("llama", seed=1, layers=2, heads=4, kv_heads=2)
+    s = samples(1)[0]
+    ids = torch.tensor([s.ids])
+    gates = torch.tensor([[0.2, 0.9], [0.6, 0.0]], requires_grad=True)
+    qs = s.question_start
+
+    def reference(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        n = query.shape[2]
+        full = naive(query, key, value, query_key_mask(n, n, dense_spec(n)))
+        stream = naive(query, key, value, query_key_mask(n, n, TINY_SPEC))
+        a = gates[module.layer_idx].double().repeat_interleave(2).view(1, 4, 1, 1)
+        row = (torch.arange(n) >= qs).view(1, 1, n, 1)
+        out = torch.where(row, stream + a * (full - stream), full)
+        return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+    with attention_swapped(model, "gate_reference", reference):
+        want = _decoder(model)(input_ids=ids, use_cache=False).last_hidden_state[0, qs:]
+    iface = _GatedInterface(TINY_SPEC, gates)
+    with _gated(model, iface):
+        item = _prepare(model, iface, [s], TINY_SPEC, "cpu", progress=False, context="dense")[0]
+        assert item["start"] == qs and item["ids"].shape[1] == len(s.ids) - qs
+        loss = _gate_loss(model, iface, item)
+    want_loss = (want.float() - item["target"]).pow(2).mean() / item["scale"]
+    torch.testing.assert_close(loss, want_loss, atol=1e-6, rtol=1e-4)
+    got = torch.autograd.grad(loss, gates)[0]
+    ref = torch.autograd.grad(want_loss, gates)[0]
+    torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-3)
+    assert got.abs().sum() > 0
+    with pytest.raises(HybridAttentionError, match="unknown gate context 'exact'; use one of gated, dense"):
+        train_gates(model, [s], TINY_SPEC, steps=1, context="exact")
+
+
+def test_samples_longer_than_a_block_run_on_into_the_next():
+    from attention.heads import needle_samples
+
+    hay = torch.randint(3, 300, (3, 100), generator=torch.Generator().manual_seed(0))
+    stream = hay.reshape(-1).tolist()
+    (s,) = needle_samples(CharTokenizer(), hay, count=1, length=250, min_distance=40, min_start=8)
+    from attention.heads import NEEDLE
+
+    at = s.key_positions[0] - len(" Note: the secret number is")
+    text = s.ids[:at] + s.ids[at + len(NEEDLE.format(key="00000")):s.question_start]
+    assert len(s.ids) == 250 and len(text) > 100 and text == stream[:len(text)]  # blocks 0 and 1, in order
+    with pytest.raises(HybridAttentionError, match="training text has 300"):
+        needle_samples(CharTokenizer(), hay, count=1, length=500, min_distance=40, min_start=8)
+
+
 def test_multikey_samples_ask_for_one_named_key():
     for s in samples(3, keys=3, seed=4):
         assert len(s.ids) == 450 and s.answer_start - s.key_positions[-1] >= 40

@@ -164,12 +164,39 @@ def test_bad_input_exits_2_with_one_line(tmp_path, args, needle):
     (["full_head_share=1.5"], r"full_head_share must be in \[0, 1\]"),
     (["gate_steps=0"], "gate_steps must be >= 1"),
     (["gate_window=0"], "gate_window must be >= 1"),
+    (["gate_context=exact"], "gate_context must be one of gated, dense"),
     (["longctx_depths=[0.5, 1.5]"], r"longctx_depths must be in \[0, 1\]"),
 ])
 def test_config_errors_name_the_fix(argv, match):
     with pytest.raises(ConfigError, match=match) as err:
         parse_config(RetrofitConfig, [*TINY, *argv])
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("context, want", [("gated", 64), ("dense", 256)])
+def test_gate_samples_are_capped_at_seq_len_unless_dense_context(monkeypatch, tmp_path, context, want):
+    """Dense-context gates cost a few tokens a step whatever the length: their samples may run past
+    seq_len up to the model's context (here 256); exact (gated) ones stay within seq_len."""
+    import types
+
+    import attention.heads as heads
+    from recipes import retrofit
+
+    seen = {}
+
+    def spy(model, tokenizer, spec, haystack, **kw):
+        seen.update(kw)
+        return spec
+
+    monkeypatch.setattr(heads, "find_head_roles", spy)
+    monkeypatch.setattr(retrofit.attention, "retrofit", lambda model, spec: model)
+    monkeypatch.setattr(heads, "plot_head_scores", lambda *a, **k: None)
+    cfg = parse_config(RetrofitConfig, [*TINY, "seq_len=64", "gate_sample_len=1000", f"gate_context={context}",
+                                        f"output_dir={tmp_path}"])
+    teacher = types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=256))
+    spec = HybridAttentionConfig(sink_tokens=4, window=16, global_every=32)
+    assert retrofit.choose_head_roles(cfg, None, teacher, None, spec, None, main=False) is spec
+    assert seen["length"] == want and seen["gate_context"] == context
 
 
 def test_training_window_follows_the_served_policy():
