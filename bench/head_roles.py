@@ -15,7 +15,9 @@ Arms:
 * ``retrieval:S`` / ``mass:S``: the top share ``S`` of (layer, KV head) pairs by that score full;
 * ``gates:S``: the top share by DuoAttention-style gates learned on the frozen model
   (``attention.heads.learn_gates``, the retrofit's defaults unless ``--gate-*`` say otherwise;
-  ``--gate-spec '{"window": 256}'`` trains them under another pattern, as the retrofit's ``gate_window``);
+  ``--gate-spec '{"window": 256}'`` trains them under another pattern, as the retrofit's ``gate_window``;
+  ``--gate-context dense --gate-len 8192`` trains them on long samples with only the question and answer
+  gated, as the retrofit's ``gate_context``);
 * ``layers:S``: whole layers full (Gemma-style), the ``round(S * layers)`` layers whose KV heads
   score highest on average by retrieval hits (ties: attention mass).
 
