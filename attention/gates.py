@@ -195,7 +195,7 @@ def _prepare(model, interface: _GatedInterface, samples: list, spec: HybridAtten
             # Queries before sink + window see every earlier key in the streaming pattern too.
             horizon = spec.sink_tokens + resolve_window(spec, n)
             start = s.question_start if context == "dense" else min(horizon, s.question_start)
-            if horizon <= 0 or start <= 0 or s.question_start >= n:
+            if start <= 0 or s.question_start >= n:
                 raise HybridAttentionError("a gate-training sample has no question after the streaming horizon; "
                                            "use longer samples")
             ids = torch.tensor([s.ids], device=device)

@@ -42,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import attention  # noqa: E402
+from attention.gates import CONTEXTS  # noqa: E402
 from attention.heads import choose_roles, head_scores, learn_gates, needle_samples  # noqa: E402
 from attention.spec import HybridAttentionConfig  # noqa: E402
 from eval.longctx import build_sample, depths_for, score_sample  # noqa: E402
@@ -94,7 +95,7 @@ def main() -> None:
     p.add_argument("--gate-steps", type=int, default=120)
     p.add_argument("--gate-lr", type=float, default=0.05)
     p.add_argument("--gate-l1", type=float, default=0.05)
-    p.add_argument("--gate-context", default="gated", choices=("gated", "dense"),
+    p.add_argument("--gate-context", default="gated", choices=CONTEXTS,
                    help="dense: only the question and answer run gated (long samples cost little)")
     p.add_argument("--gate-spec", default="{}", help="JSON of HybridAttentionConfig keys that differ while the gates "
                    "train (e.g. a smaller window, so more of each sample lies beyond it); the arms use --spec")

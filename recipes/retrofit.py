@@ -40,6 +40,7 @@ from accelerate.utils import set_seed
 
 import attention
 from attention.errors import HybridAttentionError
+from attention.gates import CONTEXTS as GATE_CONTEXTS
 from attention.spec import HybridAttentionConfig
 from core.config import ConfigError, check_fields, field, run_cli
 from core.models import ModelSourceError, load_causal_lm
@@ -107,7 +108,7 @@ class RetrofitConfig:
     gate_lr: float = field(0.05, gt=0, help="head_score=gates: Adam learning rate on the gates")
     gate_l1: float = field(0.05, ge=0, help="head_score=gates: weight of the mean gate (L1) next to the relative "
                            "hidden-state MSE")
-    gate_context: str = field("gated", choices=("gated", "dense"), help="head_score=gates: gated (exact: every "
+    gate_context: str = field("gated", choices=GATE_CONTEXTS, help="head_score=gates: gated (exact: every "
                               "token past sink_tokens + window runs gated each step) or dense (the text before the "
                               "question keeps its full-attention states, only question + answer run gated: a step "
                               "costs a few tokens, so gate_sample_len may go up to the model's context)")
