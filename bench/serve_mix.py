@@ -266,6 +266,8 @@ def main() -> int:
     ap.add_argument("--prefill-chunk", type=int, default=None, help="server --prefill-chunk")
     ap.add_argument("--prefill-budget", type=int, default=None, help="server --prefill-budget")
     ap.add_argument("--prefill-step-ms", type=float, default=None, help="server --prefill-step-ms (0: fixed budget)")
+    ap.add_argument("--overtake-tokens", type=int, default=None,
+                    help="server --overtake-tokens (0: short prompts wait for the forward in flight)")
     ap.add_argument("--prefix-cache-mb", type=float, default=256)
     ap.add_argument("--max-seq-len", type=int, default=4096)
     ap.add_argument("--out", default=None, help="keep the request log and locust CSVs here")
@@ -299,6 +301,8 @@ def main() -> int:
         server_cmd += ["--prefill-budget", str(args.prefill_budget)]
     if args.prefill_step_ms is not None:
         server_cmd += ["--prefill-step-ms", str(args.prefill_step_ms)]
+    if args.overtake_tokens is not None:
+        server_cmd += ["--overtake-tokens", str(args.overtake_tokens)]
     server = subprocess.Popen(server_cmd, env=env, cwd=REPO, stdout=open(work / "server.log", "w"),
                               stderr=subprocess.STDOUT)
     try:
@@ -318,7 +322,8 @@ def main() -> int:
         children1 = resource.getrusage(resource.RUSAGE_CHILDREN)
         server_cpu1 = cpu_seconds(server.pid)
         watch.stop()
-        gc_stats = scrape(url, ("hd_serve_gc_full_collection_seconds_count", "hd_serve_gc_full_collection_seconds_sum"))
+        gc_stats = scrape(url, ("hd_serve_gc_full_collection_seconds_count", "hd_serve_gc_full_collection_seconds_sum",
+                                "hd_serve_overtakes"))
     finally:
         server.terminate()
         try:
@@ -332,6 +337,7 @@ def main() -> int:
     out["ttft_split"] = ttft_split(entries, served, forwards=forwards)
     out["server_full_gc"] = {"collections": int(gc_stats.get("hd_serve_gc_full_collection_seconds_count", -1)),
                              "seconds": round(gc_stats.get("hd_serve_gc_full_collection_seconds_sum", float("nan")), 4)}
+    out["overtakes"] = int(gc_stats.get("hd_serve_overtakes", -1))
     rss = watch.samples
     out["rss_start_mb"] = round(rss[0][1] / 2**20, 1) if rss else None
     out["rss_peak_mb"] = round(max(r for _, r in rss) / 2**20, 1) if rss else None
@@ -376,7 +382,8 @@ def main() -> int:
         print(f"{c:<8}{s['joined']:>4}" + "".join(f"{x:>14}" for x in cells))
     print(f"CPU cores busy on average: server {out['server_cores']}, load generator (locust) {out['client_cores']}")
     print(f"server full GC collections: {out['server_full_gc']['collections']} "
-          f"({out['server_full_gc']['seconds'] * 1000:.0f} ms in all)")
+          f"({out['server_full_gc']['seconds'] * 1000:.0f} ms in all); prompts that overtook a forward in flight: "
+          f"{out['overtakes']}")
     for x in split["slow_short"]:
         print(f"  slow short: TTFT {x['ttft_ms']:.0f} ms = tokenize {x['tokenize']:.0f} + wait {x['wait']:.0f} + prefill "
               f"{x['prefill']:.0f} ({x['prompt_tokens']} tokens, {x['cached_tokens']} cached) + hand-off "

@@ -141,6 +141,10 @@ class Engine:
             ``serve.server`` does): with GNU OpenMP, another thread's idle worker pool makes the loop's
             workers stop spinning between parallel regions (more threads than cores), and every small op
             then waits for a wake-up; measured on 2 cores, a 64-token prefill 55 ms → 95 ms.
+        overtake_tokens: a waiting prompt of at most this many tokens does not wait for the forward in
+            flight: it is admitted and prefilled between two of that forward's layers, and its first
+            token sent, before the forward goes on (:meth:`overtake`). Default: what one prefill forward
+            takes (``prefill_chunk`` plus its quarter tail); 0: off (prompts join between forwards).
     """
 
     def __init__(self, model_dir: str | Path | None = None, *, model=None, tokenizer=None,
@@ -149,7 +153,8 @@ class Engine:
                  compile: bool = False, dense: bool = False, fast_weights: bool | None = None,
                  prefill_budget: int | None = None, prefix_cache_bytes: int = 256 * 2**20,
                  prefix_block: int = 32, prefill_step_s: float | None = None, min_prefill_tokens: int = 128,
-                 chunk_by_cost: bool = True, threads: int | None = None) -> None:
+                 chunk_by_cost: bool = True, threads: int | None = None, overtake_tokens: int | None = None
+                 ) -> None:
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         if model is None:
@@ -191,6 +196,8 @@ class Engine:
         if threads is not None and threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         self.threads = threads
+        if overtake_tokens is not None and overtake_tokens < 0:
+            raise ValueError(f"overtake_tokens must be >= 0 (0: off), got {overtake_tokens}")
         self._prefill_s_per_token: float | None = None  # moving average of measured prefill chunks
         self.prefix_cache = PrefixCache(prefix_cache_bytes, prefix_block) if prefix_cache_bytes else None
         if self.prefix_cache is not None and self.spec is not None and self.spec.has_head_roles:
@@ -210,6 +217,10 @@ class Engine:
                                "the bounded cache before they are cached; only the start of long prompts is "
                                "cached (prefill_chunk <= %d caches all)", prefill_chunk, prefix_block, window,
                                window - prefix_block)
+        self.overtake_tokens = prefill_chunk + self._max_tail if overtake_tokens is None else overtake_tokens
+        self.overtakes = 0  # prompts prefilled inside another forward (overtake)
+        self._overtaking = False
+        self._overtake_s = 0.0  # seconds spent in overtaking prefills (taken out of the paused forward's timing)
         self.stop_ids = self._eos_ids(model)
         # on_forward(kind, start_s, end_s, tokens, request_ids): called after every forward ("prefill": one
         # request's chunk, tokens = its length; "decode": one token per id), perf_counter seconds; the
@@ -232,7 +243,8 @@ class Engine:
         self._tokens = torch.zeros(max_batch, dtype=torch.long, device=device)
         self._pos = torch.zeros(max_batch, dtype=torch.long, device=device)
         self._decode = self.model.decode_one_token
-        if compile and device.type == "cuda":
+        self._compiled = compile and device.type == "cuda"
+        if self._compiled:
             self._decode = torch.compile(self.model.decode_one_token, dynamic=True)
 
     # ---- setup helpers -----------------------------------------------------------------------------------
@@ -370,10 +382,11 @@ class Engine:
         elif len(req.out_ids) >= req.params.max_new_tokens:
             self._finish(req, "length")
 
-    def _admit(self, req: Request) -> None:
-        """Give ``req`` a free row and restore its cached prompt prefix; :meth:`_prefill` does the rest."""
+    def _admit(self, req: Request, row: int | None = None) -> None:
+        """Give ``req`` a free row (the first, or ``row``) and restore its cached prompt prefix; :meth:`_prefill`
+        does the rest."""
         cache = self._ensure_cache(self.num_active + 1)
-        row = self._rows.index(None)
+        row = self._rows.index(None) if row is None else row
         self._rows[row] = req
         req.row = row
         total = len(req.prompt_ids) + req.params.max_new_tokens
@@ -449,8 +462,9 @@ class Engine:
         old = self._prefill_s_per_token
         self._prefill_s_per_token = rate if old is None else 0.7 * old + 0.3 * rate
 
-    def _prefill_one(self, req: Request, budget: int) -> int:
-        """Prefill ``req`` within ``budget`` tokens (sampling its first token when done); the budget left."""
+    def _prefill_one(self, req: Request, budget: int, overtakable: bool = True) -> int:
+        """Prefill ``req`` within ``budget`` tokens (sampling its first token when done); the budget left.
+        ``overtakable``: a short prompt that arrives meanwhile may run between the layers (:meth:`overtake`)."""
         cache = self.cache
         n = len(req.prompt_ids)
         logits = None
@@ -461,9 +475,11 @@ class Engine:
             t0 = time.perf_counter()
             if req.prefill_start is None:
                 req.prefill_start = t0
-            logits = self.model.prefill(cache, req.row, ids, start, logits=start + t == n)
+            between = self._overtake_hook(0) if overtakable else None
+            nested = self._overtake_s
+            logits = self.model.prefill(cache, req.row, ids, start, logits=start + t == n, between=between)
             t1 = time.perf_counter()
-            self._note_prefill_time(t, t1 - t0)
+            self._note_prefill_time(t, t1 - t0 - (self._overtake_s - nested))
             if self.on_forward is not None:
                 self.on_forward("prefill", t0, t1, t, [req.id])
             req.prefilled += t
@@ -479,6 +495,51 @@ class Engine:
             self._tokens[req.row] = token
             self._pos[req.row] = req.pos + 1
         return budget
+
+    def _overtake_hook(self, first_row: int) -> Callable[[], None] | None:
+        """The ``between`` callback of a forward over rows ``< first_row`` (or of one row that is not free)."""
+        if not self.overtake_tokens or self._overtaking:
+            return None
+        return lambda: self.overtake(first_row)
+
+    def overtake(self, first_row: int = 0) -> Request | None:
+        """Between two layers of a forward in flight, prefill a short prompt that has just arrived.
+
+        A waiting request of at most ``overtake_tokens`` prompt tokens is given a free row ``>= first_row``
+        of the cache as it stands (never a row of the paused forward, never a grown cache), prefilled
+        whole and its first token sampled and sent; then the paused forward resumes. Its first token thus
+        costs its own prefill and not also the rest of the forward in flight (a decode step, or a long
+        prompt's chunk). The paused forward's rows are untouched: each request's cache row, position and
+        sampling state are its own, so every output is exactly what it would be without overtaking
+        (greedy or seeded). The overtaking prefill cannot itself be overtaken. Returns the request, or
+        None (nothing short waiting, no free row). Runs on the step loop's thread (the model's forwards).
+        """
+        if not self._waiting or self._overtaking:  # a deque's length: read without the lock
+            return None
+        cache = self.cache
+        if cache is None or self.num_active >= self.max_batch:
+            return None
+        free = next((i for i in range(first_row, min(cache.rows, len(self._rows))) if self._rows[i] is None), None)
+        if free is None:
+            return None
+        with self._lock:
+            req = next((r for r in self._waiting
+                        if not r.cancelled and len(r.prompt_ids) <= self.overtake_tokens), None)
+            if req is None:
+                return None
+            self._waiting.remove(req)
+        self._overtaking = True
+        t0 = time.perf_counter()
+        try:
+            self._admit(req, row=free)
+            self._prefill_one(req, len(req.prompt_ids), overtakable=False)
+        except Exception as e:  # this request's admission, prefill, first sample or callback: it alone fails
+            self._fail(req, e)
+        finally:
+            self._overtaking = False
+            self._overtake_s += time.perf_counter() - t0
+        self.overtakes += 1
+        return req
 
     def chunk_at(self, start: int) -> int:
         """Prompt tokens in a prefill forward that starts at position ``start``.
@@ -567,7 +628,8 @@ class Engine:
             for r in active:
                 row_slots[r.row] = cache.used_slots(r.pos + 1)
         t0 = time.perf_counter()
-        logits = self._decode(cache, self._tokens[:hi], self._pos[:hi], n_slots, row_slots)
+        between = None if self._compiled else self._overtake_hook(hi)  # (a compiled step takes no callback)
+        logits = self._decode(cache, self._tokens[:hi], self._pos[:hi], n_slots, row_slots, between)
         self._unshield(saved)
         if self.on_forward is not None:
             self.on_forward("decode", t0, time.perf_counter(), len(active), [r.id for r in active])

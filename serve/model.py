@@ -35,7 +35,7 @@ with fp32 activations it is a slow reference loop). Other torchao layouts run th
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -545,8 +545,8 @@ class DecoderModel(nn.Module):
         return o
 
     @torch.inference_mode()
-    def prefill(self, cache: KVCache, row: int, ids: torch.Tensor, start: int, logits: bool = True
-                ) -> torch.Tensor | None:
+    def prefill(self, cache: KVCache, row: int, ids: torch.Tensor, start: int, logits: bool = True,
+                between: Callable[[], None] | None = None) -> torch.Tensor | None:
         """Run one chunk of one row's prompt through the model and store its keys/values.
 
         Args:
@@ -554,11 +554,14 @@ class DecoderModel(nn.Module):
                 row already holds positions ``< start``.
             logits: compute the last position's logits (False for a chunk that does not end the
                 prompt: the head is a full read of the embedding matrix, skipped when unused).
+            between: called after every layer but the last (the engine's overtaking,
+                :meth:`serve.engine.Engine.overtake`); it may run forwards of other cache rows, never
+                of ``row``.
         Returns:
             ``[vocab]`` fp32 logits of the chunk's last position, or None without ``logits``.
         """
         if isinstance(cache, MixedKVCache):
-            return self._prefill_mixed(cache, row, ids, start, logits)
+            return self._prefill_mixed(cache, row, ids, start, logits, between)
         t = ids.shape[0]
         pos = torch.arange(start, start + t, device=ids.device)
         h = self.embed(ids)[None]  # [1, t, hidden]
@@ -588,12 +591,15 @@ class DecoderModel(nn.Module):
                                                    enable_gqa=self.n_kv != self.n_heads)
             cache.write_prefill(li, row, idx, slot, k[0], v[0])
             h = self._finish_prefill(li, layer, h, o)
+            if between is not None and li < len(self.layers) - 1:
+                between()
         cache.commit_prefill(row, pos, idx, slot)
         return self._logits(h[:, -1])[0] if logits else None
 
     @torch.inference_mode()
     def decode_one_token(self, cache: KVCache, tokens: torch.Tensor, pos: torch.Tensor, n_slots: int,
-                         row_slots: Sequence[int] | None = None) -> torch.Tensor:
+                         row_slots: Sequence[int] | None = None, between: Callable[[], None] | None = None
+                         ) -> torch.Tensor:
         """One decode step for cache rows ``0 .. batch - 1``.
 
         Args:
@@ -603,11 +609,13 @@ class DecoderModel(nn.Module):
                 they are uneven enough (:func:`attention_spans`), the attention runs per span of rows over
                 that span's own slots instead of every row over ``n_slots``: one long request then no longer
                 makes every row read a long cache (decode is bound by the bytes it reads). Same result.
+            between: called after every layer but the last; it may run forwards of cache rows ``>= batch``
+                only (:meth:`prefill`).
         Returns:
             ``[batch, vocab]`` fp32 logits.
         """
         if isinstance(cache, MixedKVCache):
-            return self._decode_mixed(cache, tokens, pos, n_slots)
+            return self._decode_mixed(cache, tokens, pos, n_slots, between)
         b = tokens.shape[0]
         rows = slice(0, b)
         h = self.embed(tokens)[:, None]  # [b, 1, hidden]
@@ -628,6 +636,8 @@ class DecoderModel(nn.Module):
                      for (a, e, n), m in zip(spans, masks)]
             o = parts[0] if len(parts) == 1 else torch.cat(parts)
             h = self._finish_layer(layer, h, o) if fast is None else self._finish_layer_fast(fast, layer, h, o)
+            if between is not None and li < len(self.layers) - 1:
+                between()
         h = self.norm(h)
         head = self.lm_head if self._fast_head is None else self._fast_head
         return head(h)[:, 0].float()
@@ -635,8 +645,8 @@ class DecoderModel(nn.Module):
     # ---- per-head roles: full heads over the dense cache, streaming heads over the bounded one ----------
 
     @torch.inference_mode()
-    def _prefill_mixed(self, cache: MixedKVCache, row: int, ids: torch.Tensor, start: int, logits: bool = True
-                       ) -> torch.Tensor | None:
+    def _prefill_mixed(self, cache: MixedKVCache, row: int, ids: torch.Tensor, start: int, logits: bool = True,
+                       between: Callable[[], None] | None = None) -> torch.Tensor | None:
         """:meth:`prefill` for a :class:`MixedKVCache` (same arguments and result)."""
         fc, sc = cache.full, cache.stream
         t = ids.shape[0]
@@ -682,13 +692,15 @@ class DecoderModel(nn.Module):
                                                     enable_gqa=roles.n_stream != qs.shape[1])
                 sc.write_prefill(0, row, idx_s, slot_s, ks[0], vs[0], heads=slice(c, d))
             h = self._finish_prefill(li, layer, h, roles.join(of, os))
+            if between is not None and li < len(self.layers) - 1:
+                between()
         fc.commit_prefill(row, pos, idx_f, slot_f)
         sc.commit_prefill(row, pos, idx_s, slot_s)
         return self._logits(h[:, -1])[0] if logits else None
 
     @torch.inference_mode()
-    def _decode_mixed(self, cache: MixedKVCache, tokens: torch.Tensor, pos: torch.Tensor, n_slots: int
-                      ) -> torch.Tensor:
+    def _decode_mixed(self, cache: MixedKVCache, tokens: torch.Tensor, pos: torch.Tensor, n_slots: int,
+                      between: Callable[[], None] | None = None) -> torch.Tensor:
         """:meth:`decode_one_token` for a :class:`MixedKVCache`; ``n_slots`` counts the full cache's slots."""
         fc, sc = cache.full, cache.stream
         b = tokens.shape[0]
@@ -721,6 +733,8 @@ class DecoderModel(nn.Module):
                                                     enable_gqa=roles.n_stream != qs.shape[1])
             o = roles.join(of, os)
             h = self._finish_layer(layer, h, o) if fast is None else self._finish_layer_fast(fast, layer, h, o)
+            if between is not None and li < len(self.layers) - 1:
+                between()
         h = self.norm(h)
         head = self.lm_head if self._fast_head is None else self._fast_head
         return head(h)[:, 0].float()

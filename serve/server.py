@@ -325,6 +325,8 @@ class AsyncEngine:
                 lambda: engine.cache.nbytes() if engine.cache is not None else 0)
         m.gauge("kv_cache_rows_used_ratio", "Fraction of KV cache rows holding a live request.",
                 lambda: engine.num_active / engine.max_batch)
+        m.gauge("overtakes", "Short prompts prefilled between the layers of another forward, since start.",
+                lambda: engine.overtakes)
         if engine.prefix_cache is not None:  # serve.prefix_cache: bytes / budget / hits / evictions
             for name, (help_, fn) in engine.prefix_cache.gauges().items():
                 m.gauge(name, help_, fn)
@@ -741,6 +743,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: 128)")
     p.add_argument("--prefill-budget", type=int, default=None,
                    help="prompt tokens prefilled per engine step, between decode steps (default: 512)")
+    p.add_argument("--overtake-tokens", type=int, default=None,
+                   help="a prompt of at most this many tokens is prefilled between the layers of the forward in "
+                        "flight instead of after it (default: one prefill forward, --prefill-chunk + a quarter; "
+                        "0: off)")
     p.add_argument("--prefill-step-ms", type=float, default=0,
                    help="while requests decode, size each step's prefill to about this many ms by the measured "
                         "prefill speed (CPU; default 0: always --prefill-budget tokens)")
@@ -800,6 +806,8 @@ def check_flags(args: argparse.Namespace) -> str | None:
         return f"--prefill-chunk must be >= 1 prompt tokens per forward, got {args.prefill_chunk}"
     if args.prefill_budget is not None and args.prefill_budget < 1:
         return f"--prefill-budget must be >= 1 prompt tokens per step, got {args.prefill_budget}"
+    if args.overtake_tokens is not None and args.overtake_tokens < 0:
+        return f"--overtake-tokens must be >= 0 prompt tokens (0: off), got {args.overtake_tokens}"
     if not (math.isfinite(args.prefill_step_ms) and args.prefill_step_ms >= 0):
         return f"--prefill-step-ms must be >= 0 (0: a fixed --prefill-budget), got {args.prefill_step_ms}"
     return None
@@ -833,7 +841,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = Engine(path, device=args.device, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
                         prefix_cache_bytes=int(args.prefix_cache_mb * 2**20), prefill_chunk=args.prefill_chunk,
                         prefill_budget=args.prefill_budget, prefill_step_s=args.prefill_step_ms / 1000 or None,
-                        threads=threads)
+                        threads=threads, overtake_tokens=args.overtake_tokens)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

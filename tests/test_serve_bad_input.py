@@ -376,6 +376,7 @@ def test_503_carries_retry_after(slow_server):
     (["--served-model-name", ""], "--served-model-name is empty"),
     (["--prefill-step-ms", "-5"], "--prefill-step-ms must be >= 0"),
     (["--prefill-chunk", "0"], "--prefill-chunk must be >= 1"),
+    (["--overtake-tokens", "-1"], "--overtake-tokens must be >= 0"),
     (["--threads", "0"], "--threads must be >= 1"),
     (["--malloc-arena-max", "-1"], "--malloc-arena-max must be >= 0"),
     (["--mmap-threshold-kb", "40000"], "--mmap-threshold-kb must be in [0, 32768]"),

@@ -172,11 +172,11 @@ def test_request_arriving_mid_step_overtakes_a_long_prefill_at_the_next_chunk(mo
     real_prefill = engine.model.prefill
     arrivals = []
 
-    def prefill(cache, row, ids, start, logits=True):
+    def prefill(cache, row, ids, start, logits=True, between=None):
         order.append((row, ids.shape[0]))
         if len(order) == 1:  # a short request arrives while the long prompt's first chunk runs
             arrivals.append(engine.submit([1, 2, 3], SamplingParams(max_new_tokens=3)))
-        return real_prefill(cache, row, ids, start, logits)
+        return real_prefill(cache, row, ids, start, logits, between)
 
     monkeypatch.setattr(engine.model, "prefill", prefill)
     long = engine.submit(list(range(3, 200)), SamplingParams(max_new_tokens=3))
@@ -203,9 +203,9 @@ def test_a_prompt_whose_rest_fits_in_a_chunk_finishes_in_this_step_past_the_budg
     order: list[tuple[int, int]] = []
     real_prefill = engine.model.prefill
 
-    def prefill(cache, row, ids, start, logits=True):
+    def prefill(cache, row, ids, start, logits=True, between=None):
         order.append((row, ids.shape[0]))
-        return real_prefill(cache, row, ids, start, logits)
+        return real_prefill(cache, row, ids, start, logits, between)
 
     monkeypatch.setattr(engine.model, "prefill", prefill)
     a = engine.submit(list(range(3, 33)), SamplingParams(max_new_tokens=3))  # 30 tokens: 16 + 14
@@ -251,9 +251,9 @@ def test_deeper_prefill_chunks_hold_fewer_tokens_of_equal_cost_and_skip_the_head
     calls: list[tuple[int, int, bool]] = []
     real_prefill = engine.model.prefill
 
-    def prefill(cache, row, ids, start, logits=True):
+    def prefill(cache, row, ids, start, logits=True, between=None):
         calls.append((start, ids.shape[0], logits))
-        out = real_prefill(cache, row, ids, start, logits)
+        out = real_prefill(cache, row, ids, start, logits, between)
         assert (out is None) == (not logits)
         return out
 
@@ -283,9 +283,9 @@ def test_a_remainder_within_a_quarter_chunk_is_prefilled_in_the_same_forward(mon
     calls: list[int] = []
     real_prefill = engine.model.prefill
 
-    def prefill(cache, row, ids, start, logits=True):
+    def prefill(cache, row, ids, start, logits=True, between=None):
         calls.append(ids.shape[0])
-        return real_prefill(cache, row, ids, start, logits)
+        return real_prefill(cache, row, ids, start, logits, between)
 
     monkeypatch.setattr(engine.model, "prefill", prefill)
     for n, expect in ((20, [20]), (21, [16, 5]), (36, [16, 20])):
@@ -317,10 +317,10 @@ def test_prefill_budget_is_sized_by_measured_time_while_others_decode(monkeypatc
     chunks: list[int] = []
     real_prefill = engine.model.prefill
 
-    def timed_prefill(cache, row, ids, start, logits=True):
+    def timed_prefill(cache, row, ids, start, logits=True, between=None):
         chunks.append(ids.shape[0])
         fake[0] += ids.shape[0] * 1e-3
-        return real_prefill(cache, row, ids, start, logits)
+        return real_prefill(cache, row, ids, start, logits, between)
 
     monkeypatch.setattr(engine.model, "prefill", timed_prefill)
     monkeypatch.setattr(eng.time, "perf_counter", lambda: fake[0])
