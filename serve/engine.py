@@ -462,9 +462,10 @@ class Engine:
         old = self._prefill_s_per_token
         self._prefill_s_per_token = rate if old is None else 0.7 * old + 0.3 * rate
 
-    def _prefill_one(self, req: Request, budget: int, overtakable: bool = True) -> int:
+    def _prefill_one(self, req: Request, budget: int) -> int:
         """Prefill ``req`` within ``budget`` tokens (sampling its first token when done); the budget left.
-        ``overtakable``: a short prompt that arrives meanwhile may run between the layers (:meth:`overtake`)."""
+        A short prompt that arrives meanwhile may run between the layers (:meth:`overtake`), unless this is
+        itself an overtaking prefill."""
         cache = self.cache
         n = len(req.prompt_ids)
         logits = None
@@ -475,7 +476,7 @@ class Engine:
             t0 = time.perf_counter()
             if req.prefill_start is None:
                 req.prefill_start = t0
-            between = self._overtake_hook(0) if overtakable else None
+            between = self._overtake_hook(0)
             nested = self._overtake_s
             logits = self.model.prefill(cache, req.row, ids, start, logits=start + t == n, between=between)
             t1 = time.perf_counter()
@@ -532,7 +533,7 @@ class Engine:
         t0 = time.perf_counter()
         try:
             self._admit(req, row=free)
-            self._prefill_one(req, len(req.prompt_ids), overtakable=False)
+            self._prefill_one(req, len(req.prompt_ids))  # _overtaking: not itself overtaken
         except Exception as e:  # this request's admission, prefill, first sample or callback: it alone fails
             self._fail(req, e)
         finally:
