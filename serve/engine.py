@@ -144,7 +144,8 @@ class Engine:
         overtake_tokens: a waiting prompt of at most this many tokens does not wait for the forward in
             flight: it is admitted and prefilled between two of that forward's layers, and its first
             token sent, before the forward goes on (:meth:`overtake`). Default: what one prefill forward
-            takes (``prefill_chunk`` plus its quarter tail); 0: off (prompts join between forwards).
+            takes (``prefill_chunk`` plus its quarter tail); 0: off (prompts join between forwards). The
+            prefill of a prompt that short is not itself overtaken: the one in flight finishes first.
     """
 
     def __init__(self, model_dir: str | Path | None = None, *, model=None, tokenizer=None,
@@ -221,6 +222,11 @@ class Engine:
         self.overtakes = 0  # prompts prefilled inside another forward (overtake)
         self._overtaking = False
         self._overtake_s = 0.0  # seconds spent in overtaking prefills (taken out of the paused forward's timing)
+        # Free rows inside the decode block in flight that an overtaking request took: (request, what the
+        # paused step would overwrite in its row, its first token), restored when the step ends; and every
+        # row of the block taken in this step (at most once: admission resets the row's position and window).
+        self._in_block: list[tuple[Request, list[tuple], int]] = []
+        self._block_taken: set[int] = set()
         self.stop_ids = self._eos_ids(model)
         # on_forward(kind, start_s, end_s, tokens, request_ids): called after every forward ("prefill": one
         # request's chunk, tokens = its length; "decode": one token per id), perf_counter seconds; the
@@ -476,7 +482,9 @@ class Engine:
             t0 = time.perf_counter()
             if req.prefill_start is None:
                 req.prefill_start = t0
-            between = self._overtake_hook(0)
+            # A prompt that could itself overtake is not overtaken: its prefill is about as long as the
+            # arrival's, and finishing it first keeps the slower of the two first tokens lower.
+            between = None if n <= self.overtake_tokens else self._overtake_hook(0)
             nested = self._overtake_s
             logits = self.model.prefill(cache, req.row, ids, start, logits=start + t == n, between=between)
             t1 = time.perf_counter()
@@ -506,21 +514,27 @@ class Engine:
     def overtake(self, first_row: int = 0) -> Request | None:
         """Between two layers of a forward in flight, prefill a short prompt that has just arrived.
 
-        A waiting request of at most ``overtake_tokens`` prompt tokens is given a free row ``>= first_row``
-        of the cache as it stands (never a row of the paused forward, never a grown cache), prefilled
-        whole and its first token sampled and sent; then the paused forward resumes. Its first token thus
-        costs its own prefill and not also the rest of the forward in flight (a decode step, or a long
-        prompt's chunk). The paused forward's rows are untouched: each request's cache row, position and
-        sampling state are its own, so every output is exactly what it would be without overtaking
-        (greedy or seeded). The overtaking prefill cannot itself be overtaken. Returns the request, or
-        None (nothing short waiting, no free row). Runs on the step loop's thread (the model's forwards).
+        A waiting request of at most ``overtake_tokens`` prompt tokens is given a free row of the cache as
+        it stands (never a grown cache), prefilled whole and its first token sampled and sent; then the
+        paused forward resumes. Its first token thus costs its own prefill and not also the rest of the
+        forward in flight (a decode step, or a long prompt's chunk). Rows ``>= first_row`` (outside the
+        paused forward) come first. A paused decode step runs over rows ``< first_row`` as one block,
+        free ones included, and its remaining layers write a throw-away token into each of them: a free
+        row there is taken only once per step, and what the step will overwrite in it is saved after the
+        prefill and put back when the step ends (:meth:`_decode_step`), as for a row still prefilling
+        (:meth:`_shield`). Every request's cache row, position and sampling state are its own, so every
+        output is exactly what it would be without overtaking (greedy or seeded). The overtaking prefill
+        cannot itself be overtaken. Returns the request, or None (nothing short waiting, no free row).
+        Runs on the step loop's thread (the model's forwards).
         """
         if not self._waiting or self._overtaking:  # a deque's length: read without the lock
             return None
         cache = self.cache
         if cache is None or self.num_active >= self.max_batch:
             return None
-        free = next((i for i in range(first_row, min(cache.rows, len(self._rows))) if self._rows[i] is None), None)
+        rows = min(cache.rows, len(self._rows))
+        free = next((i for i in [*range(first_row, rows), *range(min(first_row, rows))]
+                     if self._rows[i] is None and i not in self._block_taken), None)
         if free is None:
             return None
         with self._lock:
@@ -529,11 +543,19 @@ class Engine:
             if req is None:
                 return None
             self._waiting.remove(req)
+        # Inside the paused decode block: the slots its remaining layers write in this row, at the
+        # position and window the step started with (admission resets both).
+        paused_slots = None
+        if free < first_row:
+            paused_slots = self._decode_slots([free])
+            self._block_taken.add(free)
         self._overtaking = True
         t0 = time.perf_counter()
         try:
             self._admit(req, row=free)
             self._prefill_one(req, len(req.prompt_ids))  # _overtaking: not itself overtaken
+            if paused_slots is not None:
+                self._in_block.append((req, self._save_slots(paused_slots), int(self._tokens[free])))
         except Exception as e:  # this request's admission, prefill, first sample or callback: it alone fails
             self._fail(req, e)
         finally:
@@ -577,14 +599,22 @@ class Engine:
         plus their recorded positions). Saving those few slots and restoring them after the step is
         cheaper than gathering the decoding rows into a compact batch.
         """
-        saved = []
+        return self._save_slots(self._decode_slots(rows))
+
+    def _decode_slots(self, rows: list[int]) -> list[tuple[KVCache, int, torch.Tensor]]:
+        """The slots a decode step writes in each of ``rows`` (at ``self._pos[row]``), per cache part."""
+        out = []
         for cache in self._cache_parts():
             for r in rows:
                 pos = self._pos[r:r + 1]
-                slots = torch.cat([cache.persistent + pos % cache.window[r], cache._persistent_slot(pos)])
-                saved.append((cache, r, slots, cache.k[:, r][:, :, slots].clone(), cache.v[:, r][:, :, slots].clone(),
-                              cache.slot_pos[r].clone()))
-        return saved
+                out.append((cache, r, torch.cat([cache.persistent + pos % cache.window[r], cache._persistent_slot(pos)])))
+        return out
+
+    @staticmethod
+    def _save_slots(slots: list[tuple[KVCache, int, torch.Tensor]]) -> list[tuple]:
+        """Copies of those slots' keys and values and of the rows' recorded positions (:meth:`_unshield`)."""
+        return [(cache, r, s, cache.k[:, r][:, :, s].clone(), cache.v[:, r][:, :, s].clone(), cache.slot_pos[r].clone())
+                for cache, r, s in slots]
 
     def _cache_parts(self) -> list[KVCache]:
         """The slot caches behind ``self.cache`` (a MixedKVCache holds a full and a bounded one)."""
@@ -630,8 +660,13 @@ class Engine:
                 row_slots[r.row] = cache.used_slots(r.pos + 1)
         t0 = time.perf_counter()
         between = None if self._compiled else self._overtake_hook(hi)  # (a compiled step takes no callback)
-        logits = self._decode(cache, self._tokens[:hi], self._pos[:hi], n_slots, row_slots, between)
+        self._in_block, self._block_taken = [], set()
+        # Copies: an overtaking admission into a free row of this block changes its token and position.
+        logits = self._decode(cache, self._tokens[:hi].clone(), self._pos[:hi].clone(), n_slots, row_slots, between)
+        in_block, self._in_block, self._block_taken = self._in_block, [], set()
         self._unshield(saved)
+        for _, kept, _ in in_block:
+            self._unshield(kept)
         if self.on_forward is not None:
             self.on_forward("decode", t0, time.perf_counter(), len(active), [r.id for r in active])
         nxt = logits.argmax(-1)
@@ -644,6 +679,9 @@ class Engine:
                 except Exception as e:
                     self._fail(r, e)
         self._tokens[:hi].copy_(nxt)
+        for req, _, first in in_block:  # its first token, sampled by its own prefill, is its next input
+            if self._rows[req.row] is req:
+                self._tokens[req.row] = first
         tokens = nxt.tolist()
         for r in active:
             if r.done:

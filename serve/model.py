@@ -442,7 +442,7 @@ class DecoderModel(nn.Module):
 
         One layer's fused projections at each padded prefill length up to ``max_prefill_rows`` and each
         decode batch up to ``max_batch`` (the primitives are shared by every layer of one shape), and the
-        fused head at the decode batches (a prefill's logits go through the model's own head). Their memory is then resident before
+        fused head at the decode batches (a prefill's last-position logits are batch 1). Their memory is then resident before
         the first request instead of arriving with it. Returns how many shapes ran (0 without fast weights).
         """
         if not self._fast:
@@ -522,7 +522,16 @@ class DecoderModel(nn.Module):
         return self._finish_layer(layer, h, o)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(h)).float()
+        """A prefill's last position ``[1, hidden]`` -> ``[1, vocab]`` fp32 logits.
+
+        Through the fused head when prefill uses the fused copies: at one row the head is a matrix-vector
+        product bound by reading the whole vocabulary matrix, which oneDNN's packed layout does faster than
+        the plain weight (``bench/prefill.py``), and its batch-1 kernel is already built for decode.
+        """
+        h = self.norm(h)
+        if self._prefill_fast and self._fast_head is not None:
+            return self._fast_head(h[:, None])[:, 0].float()
+        return self.lm_head(h).float()
 
     @staticmethod
     def _dense_chunk_attention(flash, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, old_k: torch.Tensor,

@@ -108,13 +108,17 @@ def test_fast_weights_are_fused_copies_and_can_be_turned_off(monkeypatch, onednn
     torch.testing.assert_close(qkv.bias[-attn.v_proj.out_features:], attn.v_proj.bias, rtol=0, atol=0)
     assert dm._fast[0].o.bias is None
     assert dm.fast_weight_bytes() > 0
-    # Prefill goes through the fused copies too (a prompt-sized row count per call), not the modules.
+    # Prefill goes through the fused copies too (a prompt-sized row count per call), not the modules,
+    # and so do its last position's logits (the fused head at one row); same logits as the model's.
     rows_seen = []
     fused_call = serve.model._Fused.__call__
     monkeypatch.setattr(serve.model._Fused, "__call__", lambda self, x: (rows_seen.append(x.shape[-2]),
                                                                          fused_call(self, x))[1])
-    dm.prefill(dm.new_cache(1, 64, dense=True), 0, torch.arange(3, 13), 0)
-    assert len(rows_seen) == 4 * len(model.model.layers) and set(rows_seen) == {10}
+    ids = torch.arange(3, 13)
+    logits = dm.prefill(dm.new_cache(1, 64, dense=True), 0, ids, 0)
+    assert rows_seen == [10] * (4 * len(model.model.layers)) + [1]
+    with torch.no_grad():
+        torch.testing.assert_close(logits, model(ids[None]).logits[0, -1].float(), rtol=0, atol=1e-4)
     off = DecoderModel(model, fast_weights=False)
     assert off._fast == [] and off.fast_weight_bytes() == 0
 

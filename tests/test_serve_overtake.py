@@ -215,9 +215,8 @@ def test_an_overtaking_request_that_fails_fails_alone():
     assert long.finish_reason == "length" and long.out_ids == reference(ref, LONG, 8, "dense", None)
 
 
-def test_a_free_row_inside_the_paused_decode_is_not_taken():
-    """Row 1 is free but inside the decode block (rows 0-2): the decode writes its throw-away token
-    there and its sampled tokens over all three; the arrival must take row 3."""
+def test_a_free_row_outside_the_paused_decode_comes_first():
+    """Row 1 is free but inside the decode block (rows 0-2), row 3 outside it: the arrival takes row 3."""
     engine, ref, _ = make_engine("dense")
     a = engine.submit(LONG, SamplingParams(max_new_tokens=12))
     b = engine.submit(SHORT, SamplingParams(max_new_tokens=2))
@@ -232,3 +231,55 @@ def test_a_free_row_inside_the_paused_decode_is_not_taken():
         engine.step()
     for req, n in ((a, 12), (c, 12), (short, 8)):
         assert req.out_ids == reference(ref, req.prompt_ids, n, "dense", None)
+
+
+@pytest.mark.parametrize("kind", ["dense", "hybrid", "roles"])
+def test_a_free_row_inside_the_paused_decode_is_taken_exactly(kind):
+    """Rows 0, 2 and 3 decode, row 1 is free inside their block and no row is free outside it. The
+    arrival takes row 1 mid-step; the step's remaining layers write their throw-away token into that row
+    (at the position and window it had when the step began, inside the new prompt here) and its sampled
+    token over the new request's first: both are put back when the step ends, so every output equals a
+    full recompute. A second arrival in the same step finds no row: row 1 is taken once per step."""
+    engine, ref, spec = make_engine(kind)
+    a = engine.submit(LONG, SamplingParams(max_new_tokens=14))
+    b = engine.submit(SHORT, SamplingParams(max_new_tokens=2))
+    c = engine.submit(LONG[:30], SamplingParams(max_new_tokens=14))
+    d = engine.submit(LONG[:20], SamplingParams(max_new_tokens=14))
+    engine.step()
+    assert b.done and [r.row for r in (a, c, d)] == [0, 2, 3] and engine._rows[1] is None
+    stale = int(engine._pos[1])
+    prompt = [1] + list(range(300, 311))  # 12 tokens: covers the stale position the step writes at
+    assert stale < len(prompt) <= engine.overtake_tokens
+    box = arrive_at(engine, 1, prompt, 8)  # after the first of three layers
+    second = arrive_at(engine, 2, SHORT[:2], 3)  # the next check of the same step
+    engine.step()
+    short = box[0]
+    assert engine.overtakes == 1 and short.row == 1 and len(short.out_ids) == 1
+    assert second[0].row == -1  # no other free row in this step, and row 1 was not taken twice
+    while not all(r.done for r in (a, c, d, short, second[0])):
+        engine.step()
+    for req, n in ((a, 14), (c, 14), (d, 14), (short, 8), (second[0], 3)):
+        assert req.out_ids == reference(ref, req.prompt_ids, n, kind, spec)
+
+
+def test_a_short_prompts_own_prefill_is_not_overtaken():
+    """A prompt that could itself overtake finishes its prefill first (its forward offers no check
+    between layers: an arrival then waits for it, and the slower first token of the two is lower); a
+    longer prompt's chunks are still overtakable."""
+    engine, ref, _ = make_engine("dense")
+    offered: list[tuple[int, bool]] = []  # (prompt length, whether the prefill forward had a check)
+    real = engine.model.prefill
+
+    def prefill(cache, row, ids, start, logits=True, between=None):
+        offered.append((len(engine._rows[row].prompt_ids), between is not None))
+        return real(cache, row, ids, start, logits=logits, between=between)
+
+    engine.model.prefill = prefill
+    short_prompt = [1] + list(range(200, 218))  # 19 tokens: one forward, within overtake_tokens (20)
+    assert len(short_prompt) <= engine.overtake_tokens < len(LONG)
+    reqs = [engine.submit(p, SamplingParams(max_new_tokens=4)) for p in (short_prompt, LONG)]
+    while not all(r.done for r in reqs):
+        engine.step()
+    assert set(offered) == {(len(short_prompt), False), (len(LONG), True)}
+    for req in reqs:
+        assert req.out_ids == reference(ref, req.prompt_ids, 4, "dense", None)
