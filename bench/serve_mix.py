@@ -4,8 +4,8 @@
     python bench/serve_mix.py --soak 600          # a 10-minute soak: server RSS growth after warm-up
 
 Starts ``python -m serve.server`` in its own process (so its memory is its own), waits for ``/health``,
-runs ``locust --headless`` for the given time with ``--users`` users (the mix and the pauses are in
-bench/locustfile.py), then reports from every request's own record:
+runs ``locust --headless`` for the given time with ``--users`` users, started ``--spawn-rate`` per second
+(the mix and the pauses are in bench/locustfile.py), then reports from every request's own record:
 
 * P50 / P95 / P99 time to first token and inter-token latency per class (short / medium / long);
 * generated tokens/s (token events over the wall time), requests, error rate;
@@ -257,6 +257,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct", help="HF model dir or the demo name")
     ap.add_argument("--users", type=int, default=4)
+    ap.add_argument("--spawn-rate", type=float, default=1.0,
+                    help="users started per second (locust -r). A ramp: with all users started at once their first "
+                         "requests land within the same millisecond, a burst no real traffic of paused users has")
     ap.add_argument("--seconds", type=float, default=120.0, help="test length (ignored with --soak)")
     ap.add_argument("--soak", type=float, default=None, metavar="SECONDS", help="soak for this long and report "
                                                                                 "RSS growth after warm-up")
@@ -310,7 +313,7 @@ def main() -> int:
         watch = RssWatch(server.pid, url=url)
         watch.start()
         locust_cmd = ["locust", "-f", str(REPO / "bench" / "locustfile.py"), "--headless", "-u", str(args.users),
-                      "-r", str(args.users), "-t", f"{int(seconds)}s", "--host", url, "--csv", str(work / "locust"),
+                      "-r", f"{args.spawn_rate:g}", "-t", f"{int(seconds)}s", "--host", url, "--csv", str(work / "locust"),
                       "--only-summary", "--stop-timeout", "30", "--exit-code-on-error", "0"]
         t0 = time.perf_counter()
         server_cpu0 = cpu_seconds(server.pid)
@@ -354,7 +357,7 @@ def main() -> int:
     out["client_cores"] = round(client_cpu / elapsed, 3) if elapsed else None
     out["server_cores"] = (round((server_cpu1 - server_cpu0) / elapsed, 3)
                            if elapsed and server_cpu0 is not None and server_cpu1 is not None else None)
-    out.update(users=args.users, seconds=round(elapsed, 1), threads=args.threads, model=args.model,
+    out.update(users=args.users, spawn_rate=args.spawn_rate, seconds=round(elapsed, 1), threads=args.threads, model=args.model,
                max_batch=args.max_batch, prefill_step_ms=args.prefill_step_ms, logs=str(work))
     short_p95 = out["classes"]["short"]["ttft_p95_ms"]
     out["targets"] = {"short_ttft_p95_le_150ms": short_p95 is not None and short_p95 <= 150,

@@ -162,12 +162,19 @@ class KVCache(nn.Module):
 
     # ---- writes ------------------------------------------------------------------------------------------
 
-    def prefill_slots(self, row: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def prefill_slots(self, row: int, positions: torch.Tensor
+                      ) -> tuple[torch.Tensor | slice, torch.Tensor | slice]:
         """Where a prefill chunk of one row goes: ``(chunk_index, slot)`` pairs, each slot once.
 
         Only the last ``window`` positions of the chunk reach the ring (earlier ones would be overwritten
-        within the same chunk), and sinks/globals also go to their persistent slots.
+        within the same chunk), and sinks/globals also go to their persistent slots. A dense row holds
+        position ``p`` at slot ``p``: there both are slices, so the writes are plain copies rather than
+        a gather and a scatter per layer.
         """
+        if not self.bounded:
+            n = positions.shape[0]
+            start = int(positions[0]) if n else 0
+            return slice(0, n), slice(start, start + n)
         w = int(self.window[row])
         n = positions.shape[0]
         keep = torch.arange(max(0, n - w), n, device=positions.device)
@@ -178,13 +185,14 @@ class KVCache(nn.Module):
         slot = torch.cat([ring_slot, pslot[has_p]])
         return idx, slot
 
-    def write_prefill(self, layer: int, row: int, idx: torch.Tensor, slot: torch.Tensor,
+    def write_prefill(self, layer: int, row: int, idx: torch.Tensor | slice, slot: torch.Tensor | slice,
                       k: torch.Tensor, v: torch.Tensor, heads: slice = slice(None)) -> None:
         """Store a chunk's keys/values. ``k``, ``v``: ``[kv_heads, chunk, head_dim]`` (of the ``heads`` range)."""
         self.k[layer, row, heads][:, slot] = k[:, idx]
         self.v[layer, row, heads][:, slot] = v[:, idx]
 
-    def commit_prefill(self, row: int, positions: torch.Tensor, idx: torch.Tensor, slot: torch.Tensor) -> None:
+    def commit_prefill(self, row: int, positions: torch.Tensor, idx: torch.Tensor | slice,
+                       slot: torch.Tensor | slice) -> None:
         self.slot_pos[row, slot] = positions[idx]
 
     def decode_slots(self, rows: slice, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
