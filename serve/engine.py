@@ -661,8 +661,10 @@ class Engine:
         t0 = time.perf_counter()
         between = None if self._compiled else self._overtake_hook(hi)  # (a compiled step takes no callback)
         self._in_block, self._block_taken = [], set()
-        # Copies: an overtaking admission into a free row of this block changes its token and position.
-        logits = self._decode(cache, self._tokens[:hi].clone(), self._pos[:hi].clone(), n_slots, row_slots, between)
+        tokens, pos = self._tokens[:hi], self._pos[:hi]
+        if between is not None:  # an overtaking admission into a free row of this block changes both
+            tokens, pos = tokens.clone(), pos.clone()
+        logits = self._decode(cache, tokens, pos, n_slots, row_slots, between)
         in_block, self._in_block, self._block_taken = self._in_block, [], set()
         self._unshield(saved)
         for _, kept, _ in in_block:
