@@ -222,11 +222,7 @@ class Engine:
         self.overtakes = 0  # prompts prefilled inside another forward (overtake)
         self._overtaking = False
         self._overtake_s = 0.0  # seconds spent in overtaking prefills (taken out of the paused forward's timing)
-        # Free rows inside the decode block in flight that an overtaking request took: (request, what the
-        # paused step would overwrite in its row, its first token), restored when the step ends; and every
-        # row of the block taken in this step (at most once: admission resets the row's position and window).
-        self._in_block: list[tuple[Request, list[tuple], int]] = []
-        self._block_taken: set[int] = set()
+        self._in_block, self._block_taken = [], set()  # overtakes into the decode block in flight (_decode_step)
         self.stop_ids = self._eos_ids(model)
         # on_forward(kind, start_s, end_s, tokens, request_ids): called after every forward ("prefill": one
         # request's chunk, tokens = its length; "decode": one token per id), perf_counter seconds; the
@@ -660,7 +656,11 @@ class Engine:
                 row_slots[r.row] = cache.used_slots(r.pos + 1)
         t0 = time.perf_counter()
         between = None if self._compiled else self._overtake_hook(hi)  # (a compiled step takes no callback)
-        self._in_block, self._block_taken = [], set()
+        # Free rows of this block that overtaking requests take: (request, what this step would overwrite in
+        # its row, its first token), put back when the step ends; each row at most once per step (admission
+        # resets the row's position and window, which locate the slots this step writes).
+        self._in_block: list[tuple[Request, list[tuple], int]] = []
+        self._block_taken: set[int] = set()
         tokens, pos = self._tokens[:hi], self._pos[:hi]
         if between is not None:  # an overtaking admission into a free row of this block changes both
             tokens, pos = tokens.clone(), pos.clone()
