@@ -171,12 +171,11 @@ class KVCache(nn.Module):
         position ``p`` at slot ``p``: there both are slices, so the writes are plain copies rather than
         a gather and a scatter per layer.
         """
+        n = positions.shape[0]
         if not self.bounded:
-            n = positions.shape[0]
             start = int(positions[0]) if n else 0
             return slice(0, n), slice(start, start + n)
         w = int(self.window[row])
-        n = positions.shape[0]
         keep = torch.arange(max(0, n - w), n, device=positions.device)
         ring_slot = self.persistent + positions[keep] % w
         pslot = self._persistent_slot(positions)
