@@ -11,23 +11,22 @@ with the boolean hybrid mask (skipped where the [n, n] mask is too big), the blo
 kernel, and the same call with per-head roles (1 of 3 KV heads full); forward and forward+backward.
 Op timings are the best of interleaved repeats, so load from other processes hits every variant
 alike. Then whole-model prefill (last-token logits only, as a server does) dense vs hybrid vs mixed
-at 4K and 8K, the median of interleaved repeats (the best beside it). Mixed keeps the retrofit
-default's share of (layer, KV head) pairs full (``full_head_share`` of
-recipes/configs/retrofit_smollm2.yaml, or ``--full-share``), spread evenly over the layers, or the
-roles a retrofitted model chose (``--roles DIR``). Prints a table, then one JSON line.
+at 4K and 8K, the median of interleaved repeats (the best beside it). Mixed runs the default retrofit's
+pattern (recipes/configs/retrofit_smollm2.yaml: its window or ``window_policy``) with its
+``full_head_share`` (or ``--full-share``) of (layer, KV head) pairs full, spread evenly over the layers,
+or the whole spec a retrofitted model saved (``--roles DIR``; bench/patterns.py). Prints a table, then
+one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -37,8 +36,8 @@ import torch.nn.functional as F  # noqa: E402
 import attention  # noqa: E402
 from attention import HybridAttentionConfig, hybrid_attention  # noqa: E402
 from attention import kernel as kernel_mod  # noqa: E402
-from attention.heads import spread_roles  # noqa: E402
 from attention.masks import hybrid_mask  # noqa: E402
+from bench.patterns import mixed_spec  # noqa: E402
 
 SPEC = HybridAttentionConfig(sink_tokens=128, window=512, global_every=1024)
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
@@ -46,22 +45,6 @@ HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 # row keeps the retrofit default's share of all (layer, KV head) pairs full, spread evenly over the layers (which heads
 # does not change the cost, only how many).
 OP_MIXED = HybridAttentionConfig(sink_tokens=128, window=512, global_every=1024, full_heads={0: [1]})
-
-
-def mixed_spec(layers: int, kv_heads: int, share: float, roles: str | None = None) -> HybridAttentionConfig:
-    """SPEC with ``share`` of the pairs full (evenly spread), or with the full heads of model ``roles``."""
-    if roles:
-        raw = json.loads((Path(roles) / "config.json").read_text()).get(attention.CONFIG_KEY) or {}
-        return dataclasses.replace(SPEC, full_heads=raw.get("full_heads"), full_layers=raw.get("full_layers"))
-    return spread_roles(SPEC, layers, kv_heads, share)
-
-
-def default_share() -> float:
-    """``full_head_share`` of the default retrofit config (what a user of the demo gets)."""
-    import yaml
-
-    path = Path(__file__).resolve().parents[1] / "recipes" / "configs" / "retrofit_smollm2.yaml"
-    return float(yaml.safe_load(path.read_text())["full_head_share"])
 
 
 def median_of(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, tuple[float, float]]:
@@ -190,8 +173,7 @@ def main() -> int:
             print(f"{n:>6} {pas:>8} {c * 1e3:10.1f}ms {ms} {kt * 1e3:8.1f}ms {c / kt:9.2f}x {mx * 1e3:8.1f}ms "
                   f"{c / mx:9.2f}x", flush=True)
 
-    share = default_share() if a.full_share is None else a.full_share
-    mixed_sp = mixed_spec(30, KV_HEADS, share, a.roles)  # SmolLM2-135M: 30 layers
+    mixed_sp = mixed_spec(30, KV_HEADS, a.full_share, a.roles)  # SmolLM2-135M: 30 layers
     full = mixed_sp.full_head_count(30, KV_HEADS)
     pre_t = prefill_bench(prefill, max(2, a.repeats - 1), mixed_sp) if prefill else {}
     pre = {n: {k: v[0] for k, v in r.items()} for n, r in pre_t.items()}  # medians

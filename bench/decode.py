@@ -17,11 +17,11 @@ JSON keys:
 * ``speedup_8k``: engine hybrid bounded / HF dense at the 8K prompt, the number a user of a hybrid
   export sees; ``speedup_8k_dense`` is engine dense / HF and ``speedup_8k_bounded_vs_dense`` the cache alone.
 * ``kv_ratio_32k``: bounded / dense KV-cache bytes at 32K positions (``kv_ratio_8k`` likewise).
-* ``mixed_*``: the same for a third engine whose spec keeps the retrofit default's share of the
-  (layer, KV head) pairs full (``full_head_share`` of recipes/configs/retrofit_smollm2.yaml, or
-  ``--full-share``; or the roles a retrofitted model chose, ``--roles DIR``) (``MixedKVCache``: full
-  cache for those, bounded for the rest): ``mixed_speedup_8k`` vs HF, ``mixed_kv_ratio_32k`` and the
-  bytes per kind.
+* ``mixed_*``: the same for a third engine on the default retrofit's pattern (its window or
+  ``window_policy``) with its ``full_head_share`` of the (layer, KV head) pairs full (or ``--full-share``),
+  or on the whole spec a retrofitted model saved (``--roles DIR``; bench/patterns.py) (``MixedKVCache``:
+  full cache for those, bounded for the rest): ``mixed_speedup_8k`` vs HF, ``mixed_kv_ratio_32k``, the
+  bytes per kind and ``mixed_pattern``.
 
 ``--repeats N`` runs the arms of each case round-robin N times and reports the median tokens/s per
 arm (ratios are of medians); ``--engines`` picks the arms (HF is always the reference).
@@ -40,29 +40,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from attention.heads import spread_roles  # noqa: E402
 from attention.spec import HybridAttentionConfig  # noqa: E402
+from bench.patterns import mixed_spec  # noqa: E402
 from serve.engine import Engine  # noqa: E402
 from serve.sampling import SamplingParams  # noqa: E402
 
 SPEC = HybridAttentionConfig(sink_tokens=128, window=512, global_every=1024, max_globals=16)
-
-
-def mixed_spec(layers: int, kv_heads: int, share: float, roles: str | None = None) -> HybridAttentionConfig:
-    """SPEC with ``share`` of the pairs full (evenly spread), or with the full heads of model ``roles``."""
-    if roles:
-        raw = json.loads((Path(roles) / "config.json").read_text()).get("hybrid_attention") or {}
-        return HybridAttentionConfig(**{**SPEC.to_dict(), "full_heads": raw.get("full_heads"),
-                                        "full_layers": raw.get("full_layers")})
-    return spread_roles(SPEC, layers, kv_heads, share)
-
-
-def default_share() -> float:
-    """``full_head_share`` of the default retrofit config (what a user of the demo gets)."""
-    import yaml
-
-    path = Path(__file__).resolve().parents[1] / "recipes" / "configs" / "retrofit_smollm2.yaml"
-    return float(yaml.safe_load(path.read_text())["full_head_share"])
 
 
 def hf_decode(model, prompts: torch.Tensor, new: int) -> tuple[float, float]:
@@ -133,7 +116,6 @@ def main() -> None:
     unknown = sorted(set(engines) - {"dense", "hybrid", "mixed"})
     if unknown:
         ap.error(f"--engines: unknown arm(s) {', '.join(unknown)}; use a subset of hf,dense,hybrid,mixed")
-    share = default_share() if args.full_share is None else args.full_share
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     new = args.new_tokens or (32 if args.quick else 128)
@@ -150,7 +132,8 @@ def main() -> None:
     max_len = long_len + new
     dense = Engine(model=model, tokenizer=tok, max_batch=8, max_seq_len=max_len, dense=True)
     hybrid = Engine(model=model, tokenizer=tok, max_batch=8, max_seq_len=max_len)
-    mixed_sp = mixed_spec(model.config.num_hidden_layers, model.config.num_key_value_heads, share, args.roles)
+    mixed_sp = mixed_spec(model.config.num_hidden_layers, model.config.num_key_value_heads, args.full_share,
+                          args.roles)
     model.config.hybrid_attention = mixed_sp.to_dict()  # the engine reads the spec once, at construction
     mixed = Engine(model=model, tokenizer=tok, max_batch=8, max_seq_len=max_len)
     model.config.hybrid_attention = SPEC.to_dict()
@@ -194,7 +177,8 @@ def main() -> None:
     mixed_kv = {n: mixed.model.new_cache(1, n).nbytes_by_kind() for n in (8192, 32768)}
     print(f"\nSmolLM2-135M fp32, {torch.get_num_threads()} threads, {new} new tokens, decode tokens/s "
           f"(TTFT in parentheses), median of {args.repeats} interleaved; hybrid = {SPEC.to_json()}; mixed: "
-          f"{mixed_sp.full_head_count(model.config.num_hidden_layers, model.config.num_key_value_heads)} KV heads full")
+          f"{mixed_sp.full_head_count(model.config.num_hidden_layers, model.config.num_key_value_heads)} KV heads full, "
+          f"window {mixed_sp.window_policy or mixed_sp.window}")
     print(f"{'case':<14}{'HF generate':>22}{'engine dense':>22}{'engine hybrid':>22}{'engine mixed':>22}")
     for name, hf, en, hy, mx in rows:
         print(f"{name:<14}" + "".join(f"{t:>12.1f} ({f:6.2f}s)" for f, t in (hf, en, hy, mx)))
@@ -221,8 +205,8 @@ def main() -> None:
         "kv_ratio_32k": round(kv[32768][1] / kv[32768][0], 5),
         "mixed_kv_ratio_32k": round(sum(mixed_kv[32768].values()) / kv[32768][0], 5),
         "mixed_kv_bytes_32k": mixed_kv[32768],
-        "mixed_full_share": share if not args.roles else None,
         "mixed_full_heads": mixed_sp.full_head_count(model.config.num_hidden_layers, model.config.num_key_value_heads),
+        "mixed_pattern": {k: v for k, v in mixed_sp.to_dict().items() if k not in ("full_heads", "head_scores")},
         "repeats": args.repeats,
         "long_prompt": long_len,
         "new_tokens": new,
