@@ -134,6 +134,7 @@ def main() -> None:
     hybrid = Engine(model=model, tokenizer=tok, max_batch=8, max_seq_len=max_len)
     mixed_sp = mixed_spec(model.config.num_hidden_layers, model.config.num_key_value_heads, args.full_share,
                           args.roles)
+    mixed_full = mixed_sp.full_head_count(model.config.num_hidden_layers, model.config.num_key_value_heads)
     model.config.hybrid_attention = mixed_sp.to_dict()  # the engine reads the spec once, at construction
     mixed = Engine(model=model, tokenizer=tok, max_batch=8, max_seq_len=max_len)
     model.config.hybrid_attention = SPEC.to_dict()
@@ -177,7 +178,7 @@ def main() -> None:
     mixed_kv = {n: mixed.model.new_cache(1, n).nbytes_by_kind() for n in (8192, 32768)}
     print(f"\nSmolLM2-135M fp32, {torch.get_num_threads()} threads, {new} new tokens, decode tokens/s "
           f"(TTFT in parentheses), median of {args.repeats} interleaved; hybrid = {SPEC.to_json()}; mixed: "
-          f"{mixed_sp.full_head_count(model.config.num_hidden_layers, model.config.num_key_value_heads)} KV heads full, "
+          f"{mixed_full} KV heads full, "
           f"window {mixed_sp.window_policy or mixed_sp.window}")
     print(f"{'case':<14}{'HF generate':>22}{'engine dense':>22}{'engine hybrid':>22}{'engine mixed':>22}")
     for name, hf, en, hy, mx in rows:
@@ -205,7 +206,7 @@ def main() -> None:
         "kv_ratio_32k": round(kv[32768][1] / kv[32768][0], 5),
         "mixed_kv_ratio_32k": round(sum(mixed_kv[32768].values()) / kv[32768][0], 5),
         "mixed_kv_bytes_32k": mixed_kv[32768],
-        "mixed_full_heads": mixed_sp.full_head_count(model.config.num_hidden_layers, model.config.num_key_value_heads),
+        "mixed_full_heads": mixed_full,
         "mixed_pattern": {k: v for k, v in mixed_sp.to_dict().items() if k not in ("full_heads", "head_scores")},
         "repeats": args.repeats,
         "long_prompt": long_len,
