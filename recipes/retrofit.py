@@ -88,12 +88,12 @@ class RetrofitConfig:
     max_globals: int | None = field(None, ge=0,
                                     help="keep at most this many global keys (bounds the decode KV cache)")
     global_rows: bool = field(False, help="global tokens also attend to every earlier key (unbounded cache)")
-    window_policy: list[Any] | None = field(None, help="[[max_len, window], ..., [null, window]]: the window per "
+    window_policy: list[Any] | None = field(default_factory=lambda: [[4096, 512], [None, 2048]], help="[[max_len, window], ..., [null, window]]: the window per "
                                             "input length; training samples one entry per step")
     # per-KV-head roles (attention.heads, attention.gates): the top share of heads by learned gate (or
     # needle-retrieval score) keep full attention, the rest stream; chosen on the dense model before LoRA,
     # saved in the spec, plotted to heads.png
-    full_head_share: float = field(0.25, ge=0, le=1, help="fraction of (layer, KV head) pairs that keep full "
+    full_head_share: float = field(0.444, ge=0, le=1, help="fraction of (layer, KV head) pairs that keep full "
                                    "attention (retrieval heads); 0 = every head streams")
     head_score: str = field("gates", choices=("retrieval", "mass", "gates"), help="how heads are ranked: gates "
                             "(DuoAttention: one gate per KV head learned on the frozen model; keeps pass-key "
@@ -137,10 +137,10 @@ class RetrofitConfig:
                                    "batch)")
     eval_seq_lens: list[int] = field(default_factory=lambda: [4096], help="extra held-out lengths evaluated at start and end "
                                      "(e.g. [4096]); seq_len is always evaluated", ge=2)
-    longctx_lengths: list[int] = field(default_factory=lambda: [2048, 4096], ge=64, help="pass-key retrieval "
+    longctx_lengths: list[int] = field(default_factory=lambda: [2048, 4096, 8192], ge=64, help="pass-key retrieval "
                                        "(eval.longctx) of the final model and the dense one at these lengths; "
                                        "[] skips it")
-    longctx_trials: int = field(2, ge=1, help="pass-key samples per length × depth cell at the end of the run")
+    longctx_trials: int = field(3, ge=1, help="pass-key samples per length × depth cell at the end of the run")
     longctx_depths: list[float] = field(default_factory=lambda: [0.1, 0.3, 0.5, 0.7, 0.9], ge=0, le=1,
                                         help="needle depths of that check: interior ones, since a needle at 0 "
                                         "sits in the sink tokens and one at 1 in the window, where every head "

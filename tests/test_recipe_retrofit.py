@@ -218,7 +218,9 @@ def test_smollm2_config_is_the_default():
 
     cfg = parse_config(RetrofitConfig, ["--config", "recipes/configs/retrofit_smollm2.yaml"])
     assert dataclasses.asdict(cfg) == dataclasses.asdict(RetrofitConfig())
-    assert cfg.spec() == HybridAttentionConfig(sink_tokens=128, window=512, global_every=1024)
+    assert cfg.spec() == HybridAttentionConfig(sink_tokens=128, window=512, global_every=1024,
+                                               window_policy=[[4096, 512], [None, 2048]])
+    assert round(cfg.full_head_share * 90) == 40  # SmolLM2-135M: 30 layers x 3 KV heads
 
 
 def test_checkpoint_recompute_uses_the_step_window():
