@@ -185,7 +185,8 @@ class Engine:
         if max_batch < 1:  # no cache row: every request would wait forever
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.prefill_chunk = prefill_chunk
-        self._attn_ratio, self._ctx_cap = self._chunk_cost_model() if chunk_by_cost else (0.0, None)
+        self._attn_ratio, self._ctx_cap, self._full_share = (self._chunk_cost_model() if chunk_by_cost
+                                                            else (0.0, None, 1.0))
         self.prefill_budget = prefill_budget or max(512, prefill_chunk)
         if self.prefill_budget < 1:
             raise ValueError(f"prefill_budget must be >= 1, got {prefill_budget}")
@@ -251,22 +252,25 @@ class Engine:
 
     # ---- setup helpers -----------------------------------------------------------------------------------
 
-    def _chunk_cost_model(self) -> tuple[float, int | None]:
-        """``(ratio, context cap)`` for :meth:`chunk_at`: attention multiply-adds per token per key over
-        the projections' per token, all layers; the cap is a hybrid model's bounded cache (sinks +
-        window + a global per 1024 positions of an 8K prompt: an upper bound), None when dense or when
-        some heads keep the full context."""
+    def _chunk_cost_model(self) -> tuple[float, int | None, float]:
+        """``(ratio, context cap, full share)`` for :meth:`chunk_at`: attention multiply-adds per token per
+        key over the projections' per token, all layers; the cap is what a streaming head of a hybrid model
+        keeps (sinks + its largest window + a global per 1024 positions of an 8K prompt: an upper bound),
+        None when dense; the share is the fraction of (layer, KV head) pairs that keep the full context
+        (1 when dense, 0 without head roles)."""
         m = self.model
         proj = sum(mod.weight.numel() for layer in m.layers for mod in layer.modules()
                    if isinstance(mod, torch.nn.Linear))
         if not proj:
-            return 0.0, None
+            return 0.0, None, 1.0
         ratio = 2.0 * m.n_heads * m.head_dim * len(m.layers) / proj
         spec = None if self.dense else self.model.spec
-        cap = None
-        if spec is not None and not spec.has_head_roles:
-            cap = spec.sink_tokens + spec.window + (8192 // spec.global_every if spec.global_every else 0)
-        return ratio, cap
+        if spec is None:
+            return ratio, None, 1.0
+        window = max([spec.window] + [w for _, w in spec.window_policy or []])
+        cap = spec.sink_tokens + window + (8192 // spec.global_every if spec.global_every else 0)
+        pairs = len(m.layers) * m.n_kv
+        return ratio, cap, spec.full_head_count(len(m.layers), m.n_kv) / pairs
 
     def _eos_ids(self, model) -> set[int]:
         ids: set[int] = set()
@@ -567,13 +571,15 @@ class Engine:
         the same multiply-adds: per token, the layers' projections (``P`` weights) plus attention over
         the context before it (``2 * heads * head_dim`` per key, per layer), so a chunk at position
         ``p`` holds ``prefill_chunk / (1 + ratio * p)`` tokens, ``ratio = 2 * heads * head_dim * layers
-        / P`` (the context is capped by the bounded cache of a hybrid model). A chunk is what a newly
+        / P`` (the context: the position for a full head, capped by the bounded cache for a streaming
+        one, averaged over the (layer, KV head) pairs of a hybrid model). A chunk is what a newly
         arrived prompt may wait for, so this bounds that wait at any depth (``chunk_by_cost=False``:
         always ``prefill_chunk``). At least 16 tokens (or ``prefill_chunk`` if smaller).
         """
         if not self._attn_ratio:
             return self.prefill_chunk
-        ctx = start if self._ctx_cap is None else min(start, self._ctx_cap)
+        bounded = start if self._ctx_cap is None else min(start, self._ctx_cap)
+        ctx = self._full_share * start + (1.0 - self._full_share) * bounded
         return max(min(16, self.prefill_chunk), int(self.prefill_chunk / (1.0 + self._attn_ratio * ctx)))
 
     def chunk_for(self, start: int, n: int) -> int:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+import attention
 from attention.spec import HybridAttentionConfig
 from core.tiny import tiny_model, tiny_tokenizer
 from serve.engine import Engine
@@ -266,6 +269,47 @@ def test_deeper_prefill_chunks_hold_fewer_tokens_of_equal_cost_and_skip_the_head
     assert all(t == engine.chunk_for(s, 300) for s, t, _ in calls)
     assert [lg for _, _, lg in calls] == [False] * (len(calls) - 1) + [True]
     assert req.out_ids == model.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)[0, 300:].tolist()
+
+
+def test_chunk_cost_counts_full_heads_at_the_position_and_streaming_heads_at_their_cap():
+    """chunk_at for a hybrid model: a streaming head's context stops at sinks + its largest window (the
+    policy's, not only ``window``) + globals; full heads (roles) see the whole position, weighted by
+    their share of the (layer, KV head) pairs; the output stays exact."""
+    def engine(spec, chunk=1024):
+        model = no_eos(tiny_model("llama", seed=23, layers=4))  # 4 layers x 2 KV heads
+        if spec is not None:
+            model.config.hybrid_attention = spec.to_dict()
+        return model, Engine(model=model, tokenizer=tiny_tokenizer(), prefill_chunk=chunk, prefix_cache_bytes=0)
+
+    model, dense = engine(None)
+    cfg = model.config
+    proj = sum(m.weight.numel() for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear))
+    ratio = 2 * cfg.hidden_size * cfg.num_hidden_layers / proj  # heads x head_dim = hidden
+
+    def by_hand(ctx):
+        return max(16, int(1024 / (1 + ratio * ctx)))
+
+    policy = HybridAttentionConfig(sink_tokens=4, window=16, global_every=64, window_policy=[[256, 16], [None, 48]])
+    cap = 4 + 48 + 8192 // 64
+    _, streaming = engine(policy)
+    roles = dataclasses.replace(policy, full_heads={0: [0, 1], 2: [1]})  # 3 of 8 pairs full
+    _, mixed = engine(roles)
+    for pos in (0, 40, 100, 1000, 3000):
+        assert dense.chunk_at(pos) == by_hand(pos)
+        assert streaming.chunk_at(pos) == by_hand(min(pos, cap))
+        assert mixed.chunk_at(pos) == by_hand(3 / 8 * pos + 5 / 8 * min(pos, cap))
+    assert dense.chunk_at(3000) < mixed.chunk_at(3000) < streaming.chunk_at(3000)
+    # Chunks of 64 down to ~30 tokens along a 400-token prompt through the mixed cache: the same greedy
+    # text as a full recompute of a retrofitted copy (full heads causal, the rest under the window 48).
+    _, mixed = engine(roles, chunk=64)
+    assert mixed.chunk_at(300) < mixed.chunk_at(0) == 64
+    ref = attention.retrofit(no_eos(tiny_model("llama", seed=23, layers=4)), roles)
+    prompt = [3 + (i * 11) % 250 for i in range(400)]
+    ids = list(prompt)
+    for _ in range(3):
+        with torch.no_grad(), attention.use_backend("sdpa"):
+            ids.append(int(ref(torch.tensor([ids])).logits[0, -1].argmax()))
+    assert mixed.generate([prompt], SamplingParams(max_new_tokens=3))[0].token_ids == ids[400:]
 
 
 @pytest.mark.parametrize("hybrid", [False, True])
