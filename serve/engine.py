@@ -185,8 +185,7 @@ class Engine:
         if max_batch < 1:  # no cache row: every request would wait forever
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.prefill_chunk = prefill_chunk
-        self._attn_ratio, self._ctx_cap, self._full_share = (self._chunk_cost_model() if chunk_by_cost
-                                                            else (0.0, None, 1.0))
+        self._attn_ratio, self._ctx_cap, self._full_share = self._chunk_cost_model(chunk_by_cost)
         self.prefill_budget = prefill_budget or max(512, prefill_chunk)
         if self.prefill_budget < 1:
             raise ValueError(f"prefill_budget must be >= 1, got {prefill_budget}")
@@ -252,12 +251,14 @@ class Engine:
 
     # ---- setup helpers -----------------------------------------------------------------------------------
 
-    def _chunk_cost_model(self) -> tuple[float, int | None, float]:
+    def _chunk_cost_model(self, by_cost: bool = True) -> tuple[float, int | None, float]:
         """``(ratio, context cap, full share)`` for :meth:`chunk_at`: attention multiply-adds per token per
         key over the projections' per token, all layers; the cap is what a streaming head of a hybrid model
         keeps (sinks + its largest window + a global per 1024 positions of an 8K prompt: an upper bound),
         None when dense; the share is the fraction of (layer, KV head) pairs that keep the full context
-        (1 when dense, 0 without head roles)."""
+        (1 when dense, 0 without head roles). ``by_cost=False``: ratio 0 (every chunk ``prefill_chunk``)."""
+        if not by_cost:
+            return 0.0, None, 1.0
         m = self.model
         proj = sum(mod.weight.numel() for layer in m.layers for mod in layer.modules()
                    if isinstance(mod, torch.nn.Linear))
