@@ -331,7 +331,7 @@ def find_head_roles(model, tokenizer, spec: HybridAttentionConfig, haystack: tor
 def _needle_bounds(spec: HybridAttentionConfig, length: int) -> tuple[int, int]:
     """``(min_start, min_distance)``: outside the sinks and the largest window the spec can use, when the
     sample is long enough."""
-    window = max([spec.window] + [w for _, w in spec.window_policy or []])
+    window = max(spec.windows)
     return min(spec.sink_tokens, length // 4), min(window + 16, length // 2)
 
 

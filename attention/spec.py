@@ -127,6 +127,11 @@ class HybridAttentionConfig:
         """The same pattern with every head streaming (no roles)."""
         return dataclasses.replace(self, full_heads=None, full_layers=None, head_scores=None)
 
+    @property
+    def windows(self) -> list[int]:
+        """Every window the spec can use: ``window`` and those of ``window_policy``."""
+        return [self.window] + [w for _, w in self.window_policy or []]
+
     def window_for(self, seq_len: int) -> int:
         """The window to use for an input of ``seq_len`` tokens (the policy's, else ``window``)."""
         if not self.window_policy:

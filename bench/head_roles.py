@@ -116,7 +116,7 @@ def main() -> None:
     elif any(a.split(":")[0] in ("retrieval", "mass", "layers") for a in arms):
         # Head scores as the retrofit computes them (recipes/retrofit.py choose_head_roles, its defaults).
         data = build_data(tok, dataset="builtin:stdlib-docs", seq_len=2048, eval_blocks=3, min_train_blocks=1)
-        window = max([spec.window] + [w for _, w in spec.window_policy or []])
+        window = max(spec.windows)
         needles = needle_samples(tok, data.train, count=args.head_samples, length=args.head_len,
                                  min_distance=min(window + 16, args.head_len // 2),
                                  min_start=min(spec.sink_tokens, args.head_len // 4), seed=args.seed)

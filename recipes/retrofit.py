@@ -88,8 +88,9 @@ class RetrofitConfig:
     max_globals: int | None = field(None, ge=0,
                                     help="keep at most this many global keys (bounds the decode KV cache)")
     global_rows: bool = field(False, help="global tokens also attend to every earlier key (unbounded cache)")
-    window_policy: list[Any] | None = field(default_factory=lambda: [[4096, 512], [None, 2048]], help="[[max_len, window], ..., [null, window]]: the window per "
-                                            "input length; training samples one entry per step")
+    window_policy: list[Any] | None = field(default_factory=lambda: [[4096, 512], [None, 2048]],
+                                            help="[[max_len, window], ..., [null, window]]: the window per "
+                                            "input length; training samples one entry per step; null: `window`")
     # per-KV-head roles (attention.heads, attention.gates): the top share of heads by learned gate (or
     # needle-retrieval score) keep full attention, the rest stream; chosen on the dense model before LoRA,
     # saved in the spec, plotted to heads.png

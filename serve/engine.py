@@ -211,7 +211,7 @@ class Engine:
         # window - block, so that every prompt block is still in the ring when it is captured.
         self._max_tail = prefill_chunk // 4
         if self.prefix_cache is not None and self.spec is not None:
-            window = min([self.spec.window] + [w for _, w in (self.spec.window_policy or [])])
+            window = min(self.spec.windows)
             self._max_tail = max(0, min(self._max_tail, window - prefix_block - prefill_chunk))
             if prefill_chunk + prefix_block > window:  # serve.prefix_cache: "Bounded (hybrid) caches"
                 logger.warning("prefix cache: with prefill_chunk %d + block %d > window %d, prompt blocks can leave "
@@ -268,8 +268,7 @@ class Engine:
         spec = None if self.dense else self.model.spec
         if spec is None:
             return ratio, None, 1.0
-        window = max([spec.window] + [w for _, w in spec.window_policy or []])
-        cap = spec.sink_tokens + window + (8192 // spec.global_every if spec.global_every else 0)
+        cap = spec.sink_tokens + max(spec.windows) + (8192 // spec.global_every if spec.global_every else 0)
         pairs = len(m.layers) * m.n_kv
         return ratio, cap, spec.full_head_count(len(m.layers), m.n_kv) / pairs
 

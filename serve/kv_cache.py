@@ -69,8 +69,7 @@ class KVCache(nn.Module):
             else:
                 self.first_global, n_globals = 0, 0
             # The ring holds the largest window the policy can pick for this engine's lengths.
-            windows = [spec.window] + [w for _, w in (spec.window_policy or [])]
-            ring = min(max(windows), max_seq_len)
+            ring = min(max(spec.windows), max_seq_len)
         self.n_globals = n_globals
         self.persistent = self.sinks + n_globals
         self.ring = ring
