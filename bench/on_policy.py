@@ -150,7 +150,7 @@ def run_arm(name: str, fraction: float, args, teacher, student0, tokenizer, data
     model = DistillModel(student, teacher, loss_cfg)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, betas=(0.9, 0.95))
     settings = OnPolicySettings(fraction=fraction, max_new_tokens=args.gen, temperature=args.gen_temperature,
-                                prompt_tokens=args.prompt, seed=args.seed, kd_kind=args.on_kind)
+                                prompt_tokens=args.prompt, seed=args.seed, kd_kind=args.on_kind, rows=args.gen_rows)
     policy = OnPolicy(settings, model, model, tokenizer, args.batch)
     order = torch.randperm(data.train.shape[0], generator=torch.Generator().manual_seed(args.seed))
     clock = _clock(args.clock)
@@ -213,6 +213,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--on-start", type=float, default=0.0, help="warm start: share of the budget trained "
                     "off-policy before the mix (with --fraction of on-policy micro-batches) begins")
     ap.add_argument("--gen", type=int, default=64, help="tokens generated per on-policy prompt")
+    ap.add_argument("--gen-rows", type=int, default=0, help="prompts rolled out per on-policy micro-batch (the "
+                    "recipe's gen_batch_size; 0: --batch)")
     ap.add_argument("--gen-temperature", type=float, default=1.0, help="sampling temperature of the rollouts")
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens (prefix of each block)")
     ap.add_argument("--batch", type=int, default=4, help="rows per micro-batch")
@@ -272,7 +274,7 @@ def main() -> None:
     print(f"demo pair: student {args.student or 'teacher layers 0-3,24-29'} ({n_params:.0f}M), blocks of {seq} "
           f"tokens ({data.train.shape[0]} train / {min(args.eval_blocks, data.eval.shape[0])} held-out for ppl, "
           f"{len(eval_prompts)} held-out prompts x {args.eval_samples} continuations for the reverse KL), "
-          f"micro-batch {args.batch}, lr {args.lr:g} ({args.schedule}), {args.budget:.0f}s ({args.clock}) per arm, kd_kind={args.kind} "
+          f"micro-batch {args.batch} ({args.gen_rows or args.batch} rolled out), lr {args.lr:g} ({args.schedule}), {args.budget:.0f}s ({args.clock}) per arm, kd_kind={args.kind} "
           f"(on-policy: {args.on_kind or args.kind}), threads={args.threads}, load average {os.getloadavg()[0]:.1f}",
           flush=True)
     loads = [os.getloadavg()[0]]
@@ -316,7 +318,8 @@ def compare(off_log: str, mix_log: str) -> None:
                          f"{'they differ in ' + ', '.join(differ) if differ else 'an arm is missing'}")
     args = argparse.Namespace(budget=mix["budget_s"], gen=mix["gen_tokens"], **{
         k: mix[k] for k in ("clock", "student", "seed", "lr", "schedule", "fraction", "on_start", "kind", "on_kind", "beta",
-                            "gen_temperature", "threads", "eval_prompts", "eval_samples", "eval_seed")})
+                            "gen_temperature", "threads", "eval_prompts", "eval_samples", "eval_seed")},
+        gen_rows=mix.get("gen_rows", 0))
     report(args, off["init"], off["off_policy"], mix["on_policy"], off["load_avg"] + mix["load_avg"])
 
 
@@ -331,7 +334,8 @@ def report(args, init: dict, off: dict, mix: dict | None, loads: list[float]) ->
               f"{r['rollout_tok_s']:>13.1f} {r['gen_time_share']:>9.2f}")
     out = {"budget_s": args.budget, "clock": args.clock, "student": args.student, "seed": args.seed, "lr": args.lr, "schedule": args.schedule,
            "fraction": args.fraction, "on_start": args.on_start, "kind": args.kind, "on_kind": args.on_kind or args.kind, "beta": args.beta,
-           "gen_tokens": args.gen, "gen_temperature": args.gen_temperature, "threads": args.threads,
+           "gen_tokens": args.gen, "gen_rows": args.gen_rows, "gen_temperature": args.gen_temperature,
+           "threads": args.threads,
            "eval_prompts": args.eval_prompts, "eval_samples": args.eval_samples, "eval_seed": args.eval_seed,
            "load_avg": loads, "init": init, "off_policy": off, "on_policy": mix}
     if off is not None and mix is not None:
@@ -345,7 +349,8 @@ def report(args, init: dict, off: dict, mix: dict | None, loads: list[float]) ->
         cost_wall = mix["on_step_wall_s"] / mix["off_step_wall_s"] if both else math.nan
         print(f"\non-policy mix vs off-policy: own-continuation reverse KL {rkl_change:+.1%} (eval SE {rkl_se:.1%}; "
               f"target <= -10%), held-out ppl {ppl_change:+.1%} (target <= +5%)")
-        print(f"step cost at {args.gen} generated tokens (medians, {mix['on_steps']} on / {mix['off_steps']} off "
+        rows = f", {args.gen_rows} rollout rows" if args.gen_rows else ""
+        print(f"step cost at {args.gen} generated tokens{rows} (medians, {mix['on_steps']} on / {mix['off_steps']} off "
               f"steps interleaved): on-policy {mix['on_step_s']:.2f}s vs off-policy {mix['off_step_s']:.2f}s = "
               f"{cost:.2f}x {args.clock} ({cost_wall:.2f}x wall; target <= 2x); load average "
               f"{', '.join(f'{x:.1f}' for x in loads)}")

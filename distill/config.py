@@ -113,6 +113,8 @@ class DistillConfig:
                                    "gen_prompts=chat, the longest user-turn prompt used")
     gen_kd_kind: str | None = field(None, choices=KD_KINDS, help="on-policy: divergence on the rollouts (default: "
                                     "kd_kind); reverse_kl is what GKD / MiniLLM use on the student's own samples")
+    gen_batch_size: int = field(0, ge=0, help="on-policy: prompts rolled out per on-policy micro-batch (0: "
+                                "micro_batch_size); fewer make an on-policy step cheaper, so it costs fewer data steps")
     gen_prompts: str = field("prefix", choices=("prefix", "chat"), help="on-policy prompts: prefix (the start of "
                              "each training block) | chat (the first user turn of each chat record in dataset)")
     # eval, logging, outputs
@@ -156,7 +158,8 @@ class DistillConfig:
         except ValueError as err:
             raise ConfigError(str(err)) from None
         on_policy.settings_from(self).check(self.seq_len, kd_weight=self.kd_weight,
-                                            cached_teacher=bool(self.teacher_cache))
+                                            cached_teacher=bool(self.teacher_cache),
+                                            micro_batch_size=self.micro_batch_size)
 
     def losses(self) -> LossConfig:
         return LossConfig(

@@ -59,8 +59,10 @@ class OnPolicySettings:
     prompts: str = "prefix"
     seed: int = 0
     kd_kind: str | None = None  # divergence on the rollouts (None: the loss config's kd_kind)
+    rows: int = 0  # prompts rolled out per on-policy micro-batch (0: the micro-batch size)
 
-    def check(self, seq_len: int, *, kd_weight: float, cached_teacher: bool) -> None:
+    def check(self, seq_len: int, *, kd_weight: float, cached_teacher: bool, micro_batch_size: int | None = None
+              ) -> None:
         """Everything that can be checked before a model loads; one-line errors."""
         if not 0.0 <= self.fraction <= 1.0:
             raise OnPolicyError(f"on_policy_fraction must be in [0, 1] (the share of on-policy micro-batches), "
@@ -73,6 +75,9 @@ class OnPolicySettings:
             raise OnPolicyError(f"gen_temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if self.prompts not in PROMPT_SOURCES:
             raise OnPolicyError(f"gen_prompts '{self.prompts}' is unknown; use one of {', '.join(PROMPT_SOURCES)}")
+        if self.rows < 0 or (micro_batch_size is not None and self.rows > micro_batch_size):
+            raise OnPolicyError(f"gen_batch_size must be in [0, micro_batch_size={micro_batch_size}] (0: the "
+                                f"micro-batch size), got {self.rows}")
         if self.prompt_tokens + self.max_new_tokens > seq_len:
             raise OnPolicyError(f"gen_prompt_tokens ({self.prompt_tokens}) + gen_max_new_tokens ({self.max_new_tokens}) "
                                 f"exceeds seq_len {seq_len}; lower them or raise seq_len")
@@ -230,6 +235,8 @@ class OnPolicy:
             swapped for the divergence-only one during on-policy forwards).
         tokenizer: the student's tokenizer.
         micro_batch_size, rank: rows per micro-batch and this process's rank (seeds differ per rank).
+            An on-policy micro-batch rolls out ``settings.rows`` of them (all when 0): fewer rows make it
+            cheaper while it still makes one update toward the student's own samples.
         prompts: fixed prompt pool (chat user turns); None = prefixes of each micro-batch's blocks.
     """
 
@@ -240,7 +247,8 @@ class OnPolicy:
         self.rank = rank
         self.pool = prompts
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self.rollouts = Rollouts(unwrapped.student, tokenizer, micro_batch_size,
+        self.rows = settings.rows or micro_batch_size
+        self.rollouts = Rollouts(unwrapped.student, tokenizer, self.rows,
                                  settings.prompt_tokens + settings.max_new_tokens, sharded=sharded)
         cfg = unwrapped.loss_config
         # The divergence (and hidden/attention matching, which is valid on any shared text) only.
@@ -256,9 +264,9 @@ class OnPolicy:
     def prompts_for(self, blocks: torch.Tensor, step: int, micro: int) -> list[list[int]]:
         """Prompts of one micro-batch: its blocks' prefixes, or pool entries chosen by a seeded draw."""
         if self.pool is None:
-            return prefix_prompts(blocks, self.s.prompt_tokens)
+            return prefix_prompts(blocks[: self.rows], self.s.prompt_tokens)
         g = torch.Generator().manual_seed(rollout_seed(self.s.seed, step, micro, self.rank, 10**6))
-        pick = torch.randint(len(self.pool), (blocks.shape[0],), generator=g).tolist()
+        pick = torch.randint(len(self.pool), (min(self.rows, blocks.shape[0]),), generator=g).tolist()
         return [self.pool[i] for i in pick]
 
     def params_for(self, n: int, step: int, micro: int) -> list[SamplingParams]:
@@ -296,7 +304,7 @@ def settings_from(cfg) -> OnPolicySettings:
     """:class:`OnPolicySettings` from a recipe config's ``on_policy_fraction`` / ``gen_*`` fields."""
     return OnPolicySettings(fraction=cfg.on_policy_fraction, max_new_tokens=cfg.gen_max_new_tokens,
                             temperature=cfg.gen_temperature, prompt_tokens=cfg.gen_prompt_tokens,
-                            prompts=cfg.gen_prompts, seed=cfg.seed, kd_kind=cfg.gen_kd_kind)
+                            prompts=cfg.gen_prompts, seed=cfg.seed, kd_kind=cfg.gen_kd_kind, rows=cfg.gen_batch_size)
 
 
 def build(cfg, accelerator, model, tokenizer) -> OnPolicy | None:

@@ -37,9 +37,9 @@ def _pair(kind="reverse_kl", temperature=1.0, beta=0.5):
     return teacher, student, DistillModel(student, teacher, cfg)
 
 
-def _policy(model, fraction=1.0, temperature=1.0, max_new=6, prompt=4, batch=3, seed=0, kd_kind=None):
+def _policy(model, fraction=1.0, temperature=1.0, max_new=6, prompt=4, batch=3, seed=0, kd_kind=None, rows=0):
     s = OnPolicySettings(fraction=fraction, max_new_tokens=max_new, temperature=temperature, prompt_tokens=prompt,
-                         seed=seed, kd_kind=kd_kind)
+                         seed=seed, kd_kind=kd_kind, rows=rows)
     return OnPolicy(s, model, model, tiny_tokenizer(), batch)
 
 
@@ -112,6 +112,22 @@ def test_on_policy_step_equals_hand_computed_loss(kind, temperature, beta, on_ki
         assert torch.allclose(a.grad, b.grad.float(), rtol=1e-3, atol=1e-6), name
 
 
+def test_fewer_rollout_rows_roll_out_the_first_blocks_of_the_micro_batch():
+    """gen_batch_size=2 of a 3-row micro-batch: the first two blocks' prompts, the same loss as a 2-row batch."""
+    teacher, student, model = _pair("reverse_kl")
+    blocks = torch.randint(3, 320, (3, 16), generator=torch.Generator().manual_seed(3))
+    reference = copy.deepcopy(student)
+    out = _policy(model, rows=2).forward(blocks, step=1, micro=0, device=torch.device("cpu"))
+    twin = DistillModel(reference, teacher, model.loss_config)
+    whole = _policy(twin, batch=2).forward(blocks[:2], step=1, micro=0, device=torch.device("cpu"))
+    assert out.tokens == whole.tokens > 0
+    assert out.loss.item() == pytest.approx(whole.loss.item(), rel=1e-6)
+    prompts = [row[:4].tolist() for row in blocks[:2]]
+    engine = Engine(model=copy.deepcopy(reference).eval(), tokenizer=tiny_tokenizer(), max_batch=2, max_seq_len=10)
+    completions = [c.token_ids for c in engine.generate(prompts, _policy(twin).params_for(2, 1, 0))]
+    assert out.tokens == sum(len(c) for c in completions)  # two rows rolled out, not three
+
+
 def test_rollouts_during_training_follow_the_live_weights():
     """After optimizer steps the training engine's rollouts equal a fresh engine's on a copy of the weights."""
     _, student, model = _pair("forward_kl")
@@ -174,6 +190,8 @@ def test_settings_errors_are_one_line_and_early():
         (dict(on_policy_fraction=0.5, seq_len=64, gen_prompt_tokens=32, gen_max_new_tokens=64), "exceeds seq_len 64"),
         (dict(on_policy_fraction=0.5, teacher_cache="x", hidden_weight=0, attn_weight=0), "live teacher"),
         (dict(on_policy_fraction=0.5, kd_weight=0), "kd_weight > 0"),
+        (dict(on_policy_fraction=0.5, micro_batch_size=2, gen_batch_size=3), "gen_batch_size must be in [0, "
+         "micro_batch_size=2]"),
         (dict(on_policy_fraction=0.5, gen_prompts="files"), "gen_prompts must be one of prefix, chat, got 'files'"),
         (dict(on_policy_fraction=0.5, gen_kd_kind="l2"), "gen_kd_kind must be one of forward_kl"),
     ]
