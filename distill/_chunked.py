@@ -20,6 +20,9 @@ Closed-form gradients w.r.t. the (temperature-scaled) student logits ``z``, with
   ``m`` cancels against the ``p_s / m`` part of the second term)
 * skew KL(p_t || m), ``m = beta * p_t + (1 - beta) * p_s`` (DistiLLM): ``g = -(1 - beta) * p_t / m``,
   so ``p_s * (g - <p_s, g>)``
+* skew reverse KL(p_s || m), ``m = beta * p_s + (1 - beta) * p_t`` (DistiLLM's SRKL):
+  ``g = log(p_s / m) - beta * p_s / m`` (the constant 1 cancels), so ``p_s * (g - <p_s, g>)``; the log
+  ratio is at most ``log(1 / beta)``, where reverse KL's is unbounded on tokens the teacher rules out
 * TVD 0.5 * sum|p_t - p_s|: ``p_s * (g - <p_s, g>)`` with ``g = 0.5 * sign(p_s - p_t)`` (sign(0) = 0,
   the same subgradient autograd uses for ``abs``)
 """
@@ -31,7 +34,7 @@ import math
 import torch
 from torch import Tensor
 
-KINDS = ("forward_kl", "reverse_kl", "jsd", "tvd", "skew_kl")
+KINDS = ("forward_kl", "reverse_kl", "jsd", "tvd", "skew_kl", "skew_reverse_kl")
 
 
 def divergence_and_grad(zs: Tensor, zt: Tensor, kind: str, beta: float, need_grad: bool
@@ -48,6 +51,11 @@ def divergence_and_grad(zs: Tensor, zt: Tensor, kind: str, beta: float, need_gra
         kind = "reverse_kl"
     elif kind == "skew_kl" and beta == 0.0:
         kind = "forward_kl"
+    elif kind == "skew_reverse_kl" and beta == 0.0:
+        kind = "reverse_kl"
+    if kind in ("skew_kl", "skew_reverse_kl") and beta == 1.0:  # m is the first distribution: zero divergence
+        loss = zs.new_zeros(zs.shape[0])
+        return loss, (zs.zero_() if need_grad else None)
     # In-place log-softmax: the raw logits are not needed again, so their buffers are reused.
     log_pt = zt.sub_(torch.logsumexp(zt, dim=-1, keepdim=True))
     # A teacher may mask out vocabulary entries with -inf; clamping keeps 0 * log 0 at 0, not NaN.
@@ -80,17 +88,20 @@ def divergence_and_grad(zs: Tensor, zt: Tensor, kind: str, beta: float, need_gra
         if need_grad:
             grad = f.sub_(kl_s[:, None]).mul_(ps).mul_(1.0 - beta)
     elif kind == "skew_kl":
-        if beta == 1.0:  # m = p_t: zero divergence, zero gradient
-            loss = zs.new_zeros(zs.shape[0])
-            if need_grad:
-                grad = zs.zero_()
-            return loss, grad
         log_m = torch.logaddexp(log_pt + math.log(beta), log_ps + math.log1p(-beta))
         pt = log_pt.exp()
         loss = (pt * (log_pt - log_m)).sum(-1)
         if need_grad:
             g = log_pt.sub_(log_m).exp_().mul_(-(1.0 - beta))  # -(1 - beta) * p_t / m
             ps = log_ps.exp_()
+            grad = g.sub_((ps * g).sum(-1, keepdim=True)).mul_(ps)
+    elif kind == "skew_reverse_kl":
+        log_m = torch.logaddexp(log_ps + math.log(beta), log_pt.add_(math.log1p(-beta)))
+        f = log_ps.sub(log_m)  # log(p_s / m) <= log(1 / beta)
+        ps = log_ps.exp_()
+        loss = (ps * f).sum(-1)
+        if need_grad:
+            g = f.sub_(torch.exp(f).mul_(beta))  # log(p_s / m) - beta * p_s / m
             grad = g.sub_((ps * g).sum(-1, keepdim=True)).mul_(ps)
     elif kind == "tvd":
         ps = log_ps.exp_()

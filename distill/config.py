@@ -84,8 +84,9 @@ class DistillConfig:
     kd_weight: float = field(1.0, ge=0, help="logits KD term weight")
     kd_kind: str = field("forward_kl", choices=KD_KINDS, help=f"divergence: {', '.join(KD_KINDS)}")
     temperature: float = field(1.0, gt=0, help="KD temperature T (the term is scaled by T²)")
-    beta: float = field(0.5, ge=0, le=1, help="JSD interpolation (0 = forward KL, 1 = reverse KL); skew_kl: the "
-                        "teacher's share alpha of the mixture (DistiLLM: 0.1)")
+    beta: float = field(0.5, ge=0, le=1, help="JSD interpolation (0 = forward KL, 1 = reverse KL); skew_kl / "
+                        "skew_reverse_kl: the share alpha of the divergence's first distribution in the mixture "
+                        "(DistiLLM: 0.1)")
     kd_chunk_size: int | None = field(1024, ge=1,
                                       help="tokens per chunk of the fused KD loss; empty = full logits")
     ce_weight: float = field(1.0, ge=0, help="cross-entropy on the data term weight")

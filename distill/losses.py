@@ -105,6 +105,8 @@ def _divergence(zs: Tensor, zt: Tensor, kind: str, beta: float) -> Tensor:
         kind = "reverse_kl"
     if kind == "skew_kl" and beta == 0.0:
         kind = "forward_kl"
+    if kind == "skew_reverse_kl" and beta == 0.0:
+        kind = "reverse_kl"
     if kind == "forward_kl":
         return (log_pt.exp() * (log_pt - log_ps)).sum(-1)
     if kind == "skew_kl":
@@ -113,6 +115,12 @@ def _divergence(zs: Tensor, zt: Tensor, kind: str, beta: float) -> Tensor:
         # KL(p_t || m), m = beta * p_t + (1 - beta) * p_s, in log space.
         log_m = torch.logaddexp(log_pt + math.log(beta), log_ps + math.log1p(-beta))
         return (log_pt.exp() * (log_pt - log_m)).sum(-1)
+    if kind == "skew_reverse_kl":
+        if beta == 1.0:  # m = p_s: the divergence is 0
+            return (log_ps * 0.0).sum(-1)
+        # KL(p_s || m), m = beta * p_s + (1 - beta) * p_t, in log space.
+        log_m = torch.logaddexp(log_ps + math.log(beta), log_pt + math.log1p(-beta))
+        return (log_ps.exp() * (log_ps - log_m)).sum(-1)
     if kind == "reverse_kl":
         return (log_ps.exp() * (log_ps - log_pt)).sum(-1)
     if kind == "jsd":
@@ -146,9 +154,13 @@ def kd_loss(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor | None 
             * ``tvd``: total variation ``0.5 * sum |p_t - p_s|``.
             * ``skew_kl``: DistiLLM's skew KL ``KL(p_t || beta * p_t + (1 - beta) * p_s)``; ``beta``
               is the teacher's share of the mixture (DistiLLM uses 0.1); ``beta = 0`` is forward KL.
+            * ``skew_reverse_kl``: DistiLLM's skew reverse KL ``KL(p_s || beta * p_s + (1 - beta) * p_t)``;
+              ``beta`` is the student's share (0.1 in DistiLLM): the log ratio is bounded by
+              ``log(1 / beta)`` where the teacher rules a token out; ``beta = 0`` is reverse KL.
         temperature: T > 0 softens both distributions; the loss is multiplied by T^2 so gradient
             magnitudes stay comparable across temperatures.
-        beta: JSD interpolation weight / skew KL teacher share in [0, 1] (ignored by the other kinds).
+        beta: JSD interpolation weight / skew KL's share of the first distribution in [0, 1] (ignored by the
+            other kinds).
 
     Returns:
         fp32 (fp64 for fp64 inputs) scalar: mean over counted tokens of ``T^2 * divergence``; 0 (with a graph) when no

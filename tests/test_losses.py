@@ -42,6 +42,8 @@ def naive_divergence(s: torch.Tensor, t: torch.Tensor, kind: str, beta: float) -
         return beta * kl(pt, m) + (1 - beta) * kl(ps, m)
     if kind == "skew_kl":  # DistiLLM: KL(p || beta p + (1 - beta) q), textbook form on probabilities
         return kl(pt, beta * pt + (1 - beta) * ps)
+    if kind == "skew_reverse_kl":  # DistiLLM: KL(q || beta q + (1 - beta) p)
+        return kl(ps, beta * ps + (1 - beta) * pt)
     return 0.5 * (pt - ps).abs().sum()
 
 
@@ -79,7 +81,7 @@ def make_logits(batch=2, seq=5, vocab=11, seed=0, dtype=torch.float64, scale=3.0
 
 
 KIND_BETAS = ([(k, 0.5) for k in ("forward_kl", "reverse_kl", "tvd")] + [("jsd", b) for b in (0.0, 0.1, 0.5, 0.9, 1.0)]
-              + [("skew_kl", b) for b in (0.0, 0.1, 0.5, 1.0)])
+              + [("skew_kl", b) for b in (0.0, 0.1, 0.5, 1.0)] + [("skew_reverse_kl", b) for b in (0.0, 0.1, 0.5, 1.0)])
 
 
 # --------------------------------------------------------------------------- kd_loss

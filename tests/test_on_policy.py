@@ -76,6 +76,9 @@ def _hand_loss(student, teacher, prompts, completions, kind, temperature, beta):
                 d = (q * (log_q - log_p)).sum()
             elif kind == "forward_kl":
                 d = (p_ * (log_p - log_q)).sum()
+            elif kind == "skew_reverse_kl":  # KL(q || beta q + (1 - beta) p)
+                m = beta * q + (1 - beta) * p_
+                d = (q * (log_q - m.log())).sum()
             else:  # skew_kl: KL(p || beta p + (1 - beta) q)
                 m = beta * p_ + (1 - beta) * q
                 d = (p_ * (log_p - m.log())).sum()
@@ -85,6 +88,7 @@ def _hand_loss(student, teacher, prompts, completions, kind, temperature, beta):
 
 @pytest.mark.parametrize("kind,temperature,beta,on_kind", [("reverse_kl", 1.0, 0.5, None), ("forward_kl", 2.0, 0.5, None),
                                                            ("skew_kl", 1.0, 0.1, None),
+                                                           ("forward_kl", 1.0, 0.1, "skew_reverse_kl"),
                                                            ("forward_kl", 1.0, 0.5, "reverse_kl")])
 def test_on_policy_step_equals_hand_computed_loss(kind, temperature, beta, on_kind):
     """``on_kind`` (the recipe's gen_kd_kind): the rollouts' divergence replaces kd_kind on them only."""
