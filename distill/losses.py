@@ -109,18 +109,13 @@ def _divergence(zs: Tensor, zt: Tensor, kind: str, beta: float) -> Tensor:
         kind = "reverse_kl"
     if kind == "forward_kl":
         return (log_pt.exp() * (log_pt - log_ps)).sum(-1)
-    if kind == "skew_kl":
-        if beta == 1.0:  # m = p_t: the divergence is 0 (log1p(-1) would be -inf)
+    if kind in ("skew_kl", "skew_reverse_kl"):
+        if beta == 1.0:  # m is the first distribution: the divergence is 0 (log1p(-1) would be -inf)
             return (log_ps * 0.0).sum(-1)
-        # KL(p_t || m), m = beta * p_t + (1 - beta) * p_s, in log space.
-        log_m = torch.logaddexp(log_pt + math.log(beta), log_ps + math.log1p(-beta))
-        return (log_pt.exp() * (log_pt - log_m)).sum(-1)
-    if kind == "skew_reverse_kl":
-        if beta == 1.0:  # m = p_s: the divergence is 0
-            return (log_ps * 0.0).sum(-1)
-        # KL(p_s || m), m = beta * p_s + (1 - beta) * p_t, in log space.
-        log_m = torch.logaddexp(log_ps + math.log(beta), log_pt + math.log1p(-beta))
-        return (log_ps.exp() * (log_ps - log_m)).sum(-1)
+        # KL(a || m), m = beta * a + (1 - beta) * b, in log space; a = p_t for skew_kl, p_s for the reverse.
+        log_a, log_b = (log_pt, log_ps) if kind == "skew_kl" else (log_ps, log_pt)
+        log_m = torch.logaddexp(log_a + math.log(beta), log_b + math.log1p(-beta))
+        return (log_a.exp() * (log_a - log_m)).sum(-1)
     if kind == "reverse_kl":
         return (log_ps.exp() * (log_ps - log_pt)).sum(-1)
     if kind == "jsd":

@@ -61,8 +61,7 @@ class OnPolicySettings:
     kd_kind: str | None = None  # divergence on the rollouts (None: the loss config's kd_kind)
     rows: int = 0  # prompts rolled out per on-policy micro-batch (0: the micro-batch size)
 
-    def check(self, seq_len: int, *, kd_weight: float, cached_teacher: bool, micro_batch_size: int | None = None
-              ) -> None:
+    def check(self, seq_len: int, *, kd_weight: float, cached_teacher: bool, micro_batch_size: int) -> None:
         """Everything that can be checked before a model loads; one-line errors."""
         if not 0.0 <= self.fraction <= 1.0:
             raise OnPolicyError(f"on_policy_fraction must be in [0, 1] (the share of on-policy micro-batches), "
@@ -75,7 +74,7 @@ class OnPolicySettings:
             raise OnPolicyError(f"gen_temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if self.prompts not in PROMPT_SOURCES:
             raise OnPolicyError(f"gen_prompts '{self.prompts}' is unknown; use one of {', '.join(PROMPT_SOURCES)}")
-        if self.rows < 0 or (micro_batch_size is not None and self.rows > micro_batch_size):
+        if not 0 <= self.rows <= micro_batch_size:
             raise OnPolicyError(f"gen_batch_size must be in [0, micro_batch_size={micro_batch_size}] (0: the "
                                 f"micro-batch size), got {self.rows}")
         if self.prompt_tokens + self.max_new_tokens > seq_len:
