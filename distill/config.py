@@ -116,6 +116,9 @@ class DistillConfig:
                                     "kd_kind); reverse_kl is what GKD / MiniLLM use on the student's own samples")
     gen_batch_size: int = field(0, ge=0, help="on-policy: prompts rolled out per on-policy micro-batch (0: "
                                 "micro_batch_size); fewer make an on-policy step cheaper, so it costs fewer data steps")
+    gen_rollout_rows: int = field(0, ge=0, help="on-policy: rows decoded per engine call (0: gen_batch_size); a "
+                                  "multiple of gen_batch_size up to micro_batch_size, the surplus queued for the next "
+                                  "on-policy micro-batches (cheaper per row, slightly stale)")
     gen_prompts: str = field("prefix", choices=("prefix", "chat"), help="on-policy prompts: prefix (the start of "
                              "each training block) | chat (the first user turn of each chat record in dataset)")
     # eval, logging, outputs

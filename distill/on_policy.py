@@ -60,6 +60,7 @@ class OnPolicySettings:
     seed: int = 0
     kd_kind: str | None = None  # divergence on the rollouts (None: the loss config's kd_kind)
     rows: int = 0  # prompts rolled out per on-policy micro-batch (0: the micro-batch size)
+    rollout_rows: int = 0  # rows decoded per engine call, the surplus queued for later micro-batches (0: rows)
 
     def check(self, seq_len: int, *, kd_weight: float, cached_teacher: bool, micro_batch_size: int) -> None:
         """Everything that can be checked before a model loads; one-line errors."""
@@ -77,6 +78,10 @@ class OnPolicySettings:
         if not 0 <= self.rows <= micro_batch_size:
             raise OnPolicyError(f"gen_batch_size must be in [0, micro_batch_size={micro_batch_size}] (0: the "
                                 f"micro-batch size), got {self.rows}")
+        rows = self.rows or micro_batch_size
+        if self.rollout_rows and (self.rollout_rows % rows or self.rollout_rows > micro_batch_size):
+            raise OnPolicyError(f"gen_rollout_rows must be 0 or a multiple of gen_batch_size ({rows}) no larger than "
+                                f"micro_batch_size={micro_batch_size}, got {self.rollout_rows}")
         if self.prompt_tokens + self.max_new_tokens > seq_len:
             raise OnPolicyError(f"gen_prompt_tokens ({self.prompt_tokens}) + gen_max_new_tokens ({self.max_new_tokens}) "
                                 f"exceeds seq_len {seq_len}; lower them or raise seq_len")
@@ -236,6 +241,11 @@ class OnPolicy:
         micro_batch_size, rank: rows per micro-batch and this process's rank (seeds differ per rank).
             An on-policy micro-batch rolls out ``settings.rows`` of them (all when 0): fewer rows make it
             cheaper while it still makes one update toward the student's own samples.
+            ``settings.rollout_rows`` (a multiple of that, at most the micro-batch) are decoded in one
+            engine call and queued: the next on-policy micro-batches train on the queued rows without
+            decoding, which is cheaper per row (batched decode is memory-bound on one row) but
+            slightly stale (sampled by weights up to ``rollout_rows / rows - 1`` on-policy
+            micro-batches old). The queue is not checkpointed: a resumed run rolls out afresh.
         prompts: fixed prompt pool (chat user turns); None = prefixes of each micro-batch's blocks.
     """
 
@@ -247,7 +257,9 @@ class OnPolicy:
         self.pool = prompts
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.rows = settings.rows or micro_batch_size
-        self.rollouts = Rollouts(unwrapped.student, tokenizer, self.rows,
+        self.rollout_rows = settings.rollout_rows or self.rows
+        self.queue: list[tuple[list[int], list[int]]] = []  # (prompt, continuation) rolled out ahead of use
+        self.rollouts = Rollouts(unwrapped.student, tokenizer, self.rollout_rows,
                                  settings.prompt_tokens + settings.max_new_tokens, sharded=sharded)
         cfg = unwrapped.loss_config
         # The divergence (and hidden/attention matching, which is valid on any shared text) only.
@@ -256,16 +268,17 @@ class OnPolicy:
         self.gen_seconds = 0.0
         self.gen_tokens = 0
         self.micro_batches = 0
+        self.engine_calls = 0  # fewer than micro_batches when rollout rows are queued
 
     def wants(self, step: int, micro: int, grad_accum: int) -> bool:
         return self.s.fraction > 0 and is_on_policy(step, micro, grad_accum, self.s.fraction)
 
     def prompts_for(self, blocks: torch.Tensor, step: int, micro: int) -> list[list[int]]:
-        """Prompts of one micro-batch: its blocks' prefixes, or pool entries chosen by a seeded draw."""
+        """Prompts of one rollout: its blocks' prefixes, or pool entries chosen by a seeded draw."""
         if self.pool is None:
-            return prefix_prompts(blocks[: self.rows], self.s.prompt_tokens)
+            return prefix_prompts(blocks[: self.rollout_rows], self.s.prompt_tokens)
         g = torch.Generator().manual_seed(rollout_seed(self.s.seed, step, micro, self.rank, 10**6))
-        pick = torch.randint(len(self.pool), (min(self.rows, blocks.shape[0]),), generator=g).tolist()
+        pick = torch.randint(len(self.pool), (min(self.rollout_rows, blocks.shape[0]),), generator=g).tolist()
         return [self.pool[i] for i in pick]
 
     def params_for(self, n: int, step: int, micro: int) -> list[SamplingParams]:
@@ -273,14 +286,21 @@ class OnPolicy:
                                seed=rollout_seed(self.s.seed, step, micro, self.rank, r)) for r in range(n)]
 
     def generate(self, blocks: torch.Tensor, step: int, micro: int) -> dict[str, torch.Tensor]:
-        """Roll out one micro-batch; returns the :func:`rollout_batch` tensors (on CPU)."""
-        prompts = self.prompts_for(blocks, step, micro)
-        t0 = time.perf_counter()
-        completions = self.rollouts.generate(prompts, self.params_for(len(prompts), step, micro), step)
-        self.gen_seconds += time.perf_counter() - t0
-        self.gen_tokens += sum(len(c) for c in completions)
+        """One on-policy micro-batch's rows (rolled out now, or queued by an earlier rollout).
+
+        Returns the :func:`rollout_batch` tensors (on CPU).
+        """
+        if not self.queue:
+            prompts = self.prompts_for(blocks, step, micro)
+            t0 = time.perf_counter()
+            completions = self.rollouts.generate(prompts, self.params_for(len(prompts), step, micro), step)
+            self.gen_seconds += time.perf_counter() - t0
+            self.gen_tokens += sum(len(c) for c in completions)
+            self.engine_calls += 1
+            self.queue = list(zip(prompts, completions))
+        take, self.queue = self.queue[: self.rows], self.queue[self.rows:]
         self.micro_batches += 1
-        return rollout_batch(prompts, completions, self.pad_id)
+        return rollout_batch([p for p, _ in take], [c for _, c in take], self.pad_id)
 
     def forward(self, blocks: torch.Tensor, step: int, micro: int, device: torch.device):
         """Rollouts, then one teacher–student forward on them with the divergence-only losses."""
@@ -293,17 +313,19 @@ class OnPolicy:
             self.unwrapped.loss_config = saved
 
     def stats(self, elapsed: float) -> dict[str, float]:
-        """Rollout tokens/s and the share of ``elapsed`` training seconds spent generating (this rank)."""
+        """Rollout tokens/s, the share of ``elapsed`` training seconds spent generating, and counts (this rank)."""
         return {"rollout_tok_s": self.gen_tokens / max(self.gen_seconds, 1e-9),
                 "gen_time_share": self.gen_seconds / max(elapsed, 1e-9),
-                "rollout_tokens": float(self.gen_tokens)}
+                "rollout_tokens": float(self.gen_tokens), "rollout_calls": float(self.engine_calls),
+                "on_policy_micro_batches": float(self.micro_batches)}
 
 
 def settings_from(cfg) -> OnPolicySettings:
     """:class:`OnPolicySettings` from a recipe config's ``on_policy_fraction`` / ``gen_*`` fields."""
     return OnPolicySettings(fraction=cfg.on_policy_fraction, max_new_tokens=cfg.gen_max_new_tokens,
                             temperature=cfg.gen_temperature, prompt_tokens=cfg.gen_prompt_tokens,
-                            prompts=cfg.gen_prompts, seed=cfg.seed, kd_kind=cfg.gen_kd_kind, rows=cfg.gen_batch_size)
+                            prompts=cfg.gen_prompts, seed=cfg.seed, kd_kind=cfg.gen_kd_kind, rows=cfg.gen_batch_size,
+                            rollout_rows=cfg.gen_rollout_rows)
 
 
 def build(cfg, accelerator, model, tokenizer) -> OnPolicy | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -37,9 +38,10 @@ def _pair(kind="reverse_kl", temperature=1.0, beta=0.5):
     return teacher, student, DistillModel(student, teacher, cfg)
 
 
-def _policy(model, fraction=1.0, temperature=1.0, max_new=6, prompt=4, batch=3, seed=0, kd_kind=None, rows=0):
+def _policy(model, fraction=1.0, temperature=1.0, max_new=6, prompt=4, batch=3, seed=0, kd_kind=None, rows=0,
+            rollout_rows=0):
     s = OnPolicySettings(fraction=fraction, max_new_tokens=max_new, temperature=temperature, prompt_tokens=prompt,
-                         seed=seed, kd_kind=kd_kind, rows=rows)
+                         seed=seed, kd_kind=kd_kind, rows=rows, rollout_rows=rollout_rows)
     return OnPolicy(s, model, model, tiny_tokenizer(), batch)
 
 
@@ -132,6 +134,36 @@ def test_fewer_rollout_rows_roll_out_the_first_blocks_of_the_micro_batch():
     assert out.tokens == sum(len(c) for c in completions)  # two rows rolled out, not three
 
 
+def test_queued_rollout_rows_feed_the_next_on_policy_micro_batches():
+    """gen_rollout_rows=3 with one row per micro-batch: one engine call serves three micro-batches, row by row."""
+    _, student, model = _pair("reverse_kl")
+    policy = _policy(model, rows=1, rollout_rows=3, temperature=0.9)
+    first = torch.randint(3, 320, (3, 16), generator=torch.Generator().manual_seed(4))
+    later = torch.randint(3, 320, (3, 16), generator=torch.Generator().manual_seed(5))
+    prompts = [row[:4].tolist() for row in first]
+    before = copy.deepcopy(student).eval()  # the weights the queued rows were sampled with
+    engine = Engine(model=before, tokenizer=tiny_tokenizer(), max_batch=3, max_seq_len=10)
+    expected = rollout_batch(prompts, [c.token_ids for c in engine.generate(prompts, policy.params_for(3, 0, 0))], 0)
+    opt = torch.optim.AdamW(student.parameters(), lr=0.05)
+    for step in range(3):  # micro-batches 1 and 2 train on queued rows although the weights changed (stale by design)
+        batch = policy.generate(first if step == 0 else later, step, 0)
+        longest = int(expected["attention_mask"][step].sum())
+        assert torch.equal(batch["input_ids"][0, :longest], expected["input_ids"][step, :longest])
+        assert batch["input_ids"].shape[0] == 1 and int(batch["attention_mask"].sum()) == longest
+        assert torch.equal(batch["labels"][0, :longest], expected["labels"][step, :longest])
+        model(**batch).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert policy.gen_tokens == sum(int((expected["labels"][r] != -100).sum()) for r in range(3))  # one decode call
+    assert policy.queue == []
+    fourth = policy.generate(later, 3, 0)  # the queue is empty: a fresh rollout from the current weights
+    fresh = Engine(model=copy.deepcopy(student).eval(), tokenizer=tiny_tokenizer(), max_batch=3, max_seq_len=10)
+    again = [row[:4].tolist() for row in later]
+    alone = rollout_batch(again[:1], [fresh.generate(again, policy.params_for(3, 3, 0))[0].token_ids], 0)
+    assert torch.equal(fourth["input_ids"], alone["input_ids"])
+    assert len(policy.queue) == 2 and policy.stats(1.0)["rollout_calls"] == 2 and policy.micro_batches == 4
+
+
 def test_rollouts_during_training_follow_the_live_weights():
     """After optimizer steps the training engine's rollouts equal a fresh engine's on a copy of the weights."""
     _, student, model = _pair("forward_kl")
@@ -196,11 +228,14 @@ def test_settings_errors_are_one_line_and_early():
         (dict(on_policy_fraction=0.5, kd_weight=0), "kd_weight > 0"),
         (dict(on_policy_fraction=0.5, micro_batch_size=2, gen_batch_size=3), "gen_batch_size must be in [0, "
          "micro_batch_size=2]"),
+        (dict(on_policy_fraction=0.5, micro_batch_size=4, gen_batch_size=2, gen_rollout_rows=3),
+         "gen_rollout_rows must be 0 or a multiple of gen_batch_size (2) no larger than micro_batch_size=4"),
+        (dict(on_policy_fraction=0.5, micro_batch_size=4, gen_batch_size=2, gen_rollout_rows=6), "got 6"),
         (dict(on_policy_fraction=0.5, gen_prompts="files"), "gen_prompts must be one of prefix, chat, got 'files'"),
         (dict(on_policy_fraction=0.5, gen_kd_kind="l2"), "gen_kd_kind must be one of forward_kl"),
     ]
     for kwargs, match in cases:
-        with pytest.raises(ConfigError, match=match.replace("[", r"\[").replace("]", r"\]")) as err:
+        with pytest.raises(ConfigError, match=re.escape(match)) as err:
             DistillConfig(**kwargs)
         assert "\n" not in str(err.value)
     DistillConfig(on_policy_fraction=0.5)  # the defaults fit in the default seq_len
@@ -257,9 +292,12 @@ def test_recipe_on_policy_under_two_process_ddp(tmp_path):
     _launch("cpu_ddp_2proc.yaml", [str(ROOT / "recipes" / "distill.py"), "--config", "recipes/configs/tiny.yaml",
                                    f"output_dir={out}", "max_steps=2", "save_every=0", "eval_every=0",
                                    "compare_ce_only=false", "on_policy_fraction=0.5", "grad_accum=2",
-                                   "gen_max_new_tokens=8", "gen_prompt_tokens=8"], cpu_ddp=True, timeout=600)
+                                   "gen_max_new_tokens=8", "gen_prompt_tokens=8", "gen_batch_size=1",
+                                   "gen_rollout_rows=2"], cpu_ddp=True, timeout=600)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["num_processes"] == 2 and summary["on_policy"]["rollout_tokens"] > 0
+    # Two on-policy micro-batches of one row each, served by one two-row rollout on every rank.
+    assert summary["on_policy"]["on_policy_micro_batches"] == 2 and summary["on_policy"]["rollout_calls"] == 1
     assert (out / "final" / "model.safetensors").exists()
 
 
