@@ -16,7 +16,9 @@ cosine`` gives the recipe's warmup + cosine decay over the budget):
 * **on-policy mix**: a share ``--fraction`` of micro-batches are the student's own continuations
   of the blocks' first ``--prompt`` tokens (``--gen`` new tokens, through
   :class:`distill.on_policy.OnPolicy`, i.e. serve's engine over the live weights; divergence only,
-  ``--on-kind``), optionally after a warm start of ``--on-start`` of the budget off-policy.
+  ``--on-kind``), optionally after a warm start of ``--on-start`` of the budget off-policy. ``--gen-rows``
+  rolls out fewer rows than the micro-batch, ``--rollout-rows`` decodes several micro-batches' rows at once
+  and queues them, ``--prompt-loss`` also trains KD + CE on the prompt text (the recipe's gen_* knobs).
 
 Measured after each arm, on held-out data the training never saw:
 

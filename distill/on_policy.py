@@ -9,7 +9,9 @@ prefixes it produces itself. On a share ``fraction`` of the micro-batches, :clas
    seeded per row),
 3. runs the usual teacher–student forward on prompt + continuation — the teacher scores every
    rollout in one forward — with the loss counted on the generated tokens only and only the
-   divergence terms on (CE on the student's own samples would just reinforce them).
+   divergence terms on (CE on the student's own samples would just reinforce them). Optionally
+   (``prompt_loss``) the same forward also trains the data terms on the prompt, when it is dataset
+   text, so an on-policy micro-batch does not give up all of its data.
 
 Weights: the engine is built once over the live student's modules, so prefill reads the very
 parameters the optimizer updates. Decode on CPU runs from the engine's fused copies of the
