@@ -324,10 +324,11 @@ def test_recipe_on_policy_under_two_process_ddp(tmp_path):
                                    f"output_dir={out}", "max_steps=2", "save_every=0", "eval_every=0",
                                    "compare_ce_only=false", "on_policy_fraction=0.5", "grad_accum=2",
                                    "gen_max_new_tokens=8", "gen_prompt_tokens=8", "gen_batch_size=1",
-                                   "gen_rollout_rows=2"], cpu_ddp=True, timeout=600)
+                                   "gen_rollout_rows=2", "gen_prompt_loss=1"], cpu_ddp=True, timeout=600)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["num_processes"] == 2 and summary["on_policy"]["rollout_tokens"] > 0
-    # Two on-policy micro-batches of one row each, served by one two-row rollout on every rank.
+    # Two on-policy micro-batches of one row each, served by one two-row rollout on every rank (the prompt's
+    # data terms ride along through DDP's forward).
     assert summary["on_policy"]["on_policy_micro_batches"] == 2 and summary["on_policy"]["rollout_calls"] == 1
     assert (out / "final" / "model.safetensors").exists()
 
