@@ -18,7 +18,7 @@ cosine`` gives the recipe's warmup + cosine decay over the budget):
   :class:`distill.on_policy.OnPolicy`, i.e. serve's engine over the live weights; divergence only,
   ``--on-kind``), optionally after a warm start of ``--on-start`` of the budget off-policy. ``--gen-rows``
   rolls out fewer rows than the micro-batch, ``--rollout-rows`` decodes several micro-batches' rows at once
-  and queues them, ``--prompt-loss`` also trains KD + CE on the prompt text (the recipe's gen_* knobs).
+  and queues them (the recipe's gen_batch_size and gen_rollout_rows).
 
 Measured after each arm, on held-out data the training never saw:
 
@@ -153,7 +153,7 @@ def run_arm(name: str, fraction: float, args, teacher, student0, tokenizer, data
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, betas=(0.9, 0.95))
     settings = OnPolicySettings(fraction=fraction, max_new_tokens=args.gen, temperature=args.gen_temperature,
                                 prompt_tokens=args.prompt, seed=args.seed, kd_kind=args.on_kind, rows=args.gen_rows,
-                                rollout_rows=args.rollout_rows, prompt_loss=args.prompt_loss)
+                                rollout_rows=args.rollout_rows)
     policy = OnPolicy(settings, model, model, tokenizer, args.batch)
     order = torch.randperm(data.train.shape[0], generator=torch.Generator().manual_seed(args.seed))
     clock = _clock(args.clock)
@@ -222,8 +222,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "recipe's gen_batch_size; 0: --batch)")
     ap.add_argument("--rollout-rows", type=int, default=0, help="rows decoded per engine call, the surplus queued for "
                     "the next on-policy micro-batches (the recipe's gen_rollout_rows; 0: --gen-rows)")
-    ap.add_argument("--prompt-loss", type=float, default=0.0, help="weight of the data terms (KD + CE) on the prompt "
-                    "text of on-policy micro-batches (the recipe's gen_prompt_loss; 0: generated tokens only)")
     ap.add_argument("--gen-temperature", type=float, default=1.0, help="sampling temperature of the rollouts")
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens (prefix of each block)")
     ap.add_argument("--batch", type=int, default=4, help="rows per micro-batch")
@@ -330,8 +328,7 @@ def compare(off_log: str, mix_log: str) -> None:
     args = argparse.Namespace(budget=mix["budget_s"], gen=mix["gen_tokens"], **{
         k: mix[k] for k in ("clock", "student", "seed", "lr", "schedule", "fraction", "on_start", "kind", "on_kind", "beta",
                             "gen_temperature", "threads", "eval_prompts", "eval_samples", "eval_seed")},
-        gen_rows=mix.get("gen_rows", 0), rollout_rows=mix.get("rollout_rows", 0),
-        prompt_loss=mix.get("prompt_loss", 0.0))
+        gen_rows=mix.get("gen_rows", 0), rollout_rows=mix.get("rollout_rows", 0))
     report(args, off["init"], off["off_policy"], mix["on_policy"], off["load_avg"] + mix["load_avg"])
 
 
@@ -346,8 +343,7 @@ def report(args, init: dict, off: dict, mix: dict | None, loads: list[float]) ->
               f"{r['rollout_tok_s']:>13.1f} {r['gen_time_share']:>9.2f}")
     out = {"budget_s": args.budget, "clock": args.clock, "student": args.student, "seed": args.seed, "lr": args.lr, "schedule": args.schedule,
            "fraction": args.fraction, "on_start": args.on_start, "kind": args.kind, "on_kind": args.on_kind or args.kind, "beta": args.beta,
-           "gen_tokens": args.gen, "gen_rows": args.gen_rows, "rollout_rows": args.rollout_rows,
-           "prompt_loss": args.prompt_loss, "gen_temperature": args.gen_temperature,
+           "gen_tokens": args.gen, "gen_rows": args.gen_rows, "rollout_rows": args.rollout_rows, "gen_temperature": args.gen_temperature,
            "threads": args.threads,
            "eval_prompts": args.eval_prompts, "eval_samples": args.eval_samples, "eval_seed": args.eval_seed,
            "load_avg": loads, "init": init, "off_policy": off, "on_policy": mix}
@@ -367,7 +363,6 @@ def report(args, init: dict, off: dict, mix: dict | None, loads: list[float]) ->
               f"target <= -10%), held-out ppl {ppl_change:+.1%} (target <= +5%)")
         rows = f", {args.gen_rows} rollout rows" if args.gen_rows else ""
         rows += f" (decoded {args.rollout_rows} at a time)" if args.rollout_rows else ""
-        rows += f", data terms x{args.prompt_loss:g} on the prompts" if args.prompt_loss else ""
         print(f"step cost at {args.gen} generated tokens{rows} (medians, {mix['on_steps']} on / {mix['off_steps']} off "
               f"steps interleaved): on-policy {mix['on_step_s']:.2f}s vs off-policy {mix['off_step_s']:.2f}s = "
               f"{cost:.2f}x {args.clock} ({cost_wall:.2f}x wall; means {cost_mean:.2f}x {args.clock}; target <= 2x); "

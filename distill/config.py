@@ -119,10 +119,6 @@ class DistillConfig:
     gen_rollout_rows: int = field(0, ge=0, help="on-policy: rows decoded per engine call (0: gen_batch_size); a "
                                   "multiple of gen_batch_size up to micro_batch_size, the surplus queued for the next "
                                   "on-policy micro-batches (cheaper per row, slightly stale)")
-    gen_prompt_loss: float = field(0.0, ge=0, help="on-policy with gen_prompts=prefix: weight of the data terms "
-                                   "(kd + ce + focal) on the prompt text, which is dataset text already in the "
-                                   "forward (0: loss on the generated tokens only); every prompt token counts, so "
-                                   "keep 0 for completion-only chat data")
     gen_prompts: str = field("prefix", choices=("prefix", "chat"), help="on-policy prompts: prefix (the start of "
                              "each training block) | chat (the first user turn of each chat record in dataset)")
     # eval, logging, outputs

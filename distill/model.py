@@ -276,8 +276,7 @@ class DistillModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None,
                 teacher_topk: CachedTargets | tuple[torch.Tensor, torch.Tensor] | None = None,
-                loss_mask: torch.Tensor | None = None,
-                extra: tuple[LossConfig, torch.Tensor] | None = None) -> DistillOutput:
+                loss_mask: torch.Tensor | None = None) -> DistillOutput:
         """One teacher–student step.
 
         Args:
@@ -293,11 +292,6 @@ class DistillModel(nn.Module):
                 chat data: the assistant's tokens). KD, CE, focal and hidden terms count only at the
                 positions that predict a target; the other tokens stay in the input as context. The
                 attention-map term keeps every real token (its keys are the context).
-            extra: ``(config, labels)``: a second set of targets on the same forward, with their own
-                logits terms (KD, CE, focal of ``config``; ``labels`` ``[batch, seq]`` as above, ``-100``
-                outside it). Its weighted terms, averaged over its own targets, are added to the total
-                (on-policy micro-batches: the data terms on the prompt text, the divergence on the
-                rollout). Not with cached teacher targets.
         """
         cfg = self.loss_config
         if labels is None:
@@ -335,29 +329,8 @@ class DistillModel(nn.Module):
         else:
             total = cfg.kd_weight * kd + cfg.ce_weight * ce
         total = total + cfg.focal_weight * focal + cfg.hidden_weight * hidden + cfg.attn_weight * attn
-        tokens = int(valid.sum())
-        if extra is not None:
-            extra_total, extra_tokens = self._extra_terms(h_s, h_t, attention_mask, *extra)
-            total, tokens = total + extra_total, tokens + extra_tokens
-        return DistillOutput(loss=total, kd=kd, ce=ce, focal=focal, hidden=hidden, attn=attn, tokens=tokens)
-
-    def _extra_terms(self, h_s: torch.Tensor, h_t: torch.Tensor | None, attention_mask: torch.Tensor | None,
-                     config: LossConfig, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """The weighted logits terms of ``config`` on the targets in ``labels`` ``[batch, seq]`` (see ``forward``)."""
-        if self.cached_teacher or (config.needs_teacher and h_t is None):
-            raise DistillSetupError("extra targets need the live teacher's states of the same forward")
-        target = labels[:, 1:]
-        valid = target != -100
-        if attention_mask is not None:
-            valid = valid & attention_mask[:, :-1].bool()
-        saved, self.loss_config = self.loss_config, config
-        try:
-            kd, fused, fused_ce = self._kd(h_s, h_t, target, valid, None)
-            ce, focal = self._ce_focal(h_s, target, valid, skip_ce=fused is not None)
-        finally:
-            self.loss_config = saved
-        total = config.kd_weight * fused if fused is not None else config.kd_weight * kd + config.ce_weight * ce
-        return total + config.focal_weight * focal, int(valid.sum())
+        return DistillOutput(loss=total, kd=kd, ce=ce, focal=focal, hidden=hidden, attn=attn,
+                             tokens=int(valid.sum()))
 
     # ---- the pieces of a step -----------------------------------------------------------------
     @property

@@ -9,9 +9,7 @@ prefixes it produces itself. On a share ``fraction`` of the micro-batches, :clas
    seeded per row),
 3. runs the usual teacher–student forward on prompt + continuation — the teacher scores every
    rollout in one forward — with the loss counted on the generated tokens only and only the
-   divergence terms on (CE on the student's own samples would just reinforce them). Optionally
-   (``prompt_loss``) the same forward also trains the data terms on the prompt, when it is dataset
-   text, so an on-policy micro-batch does not give up all of its data.
+   divergence terms on (CE on the student's own samples would just reinforce them).
 
 Weights: the engine is built once over the live student's modules, so prefill reads the very
 parameters the optimizer updates. Decode on CPU runs from the engine's fused copies of the
@@ -63,7 +61,6 @@ class OnPolicySettings:
     kd_kind: str | None = None  # divergence on the rollouts (None: the loss config's kd_kind)
     rows: int = 0  # prompts rolled out per on-policy micro-batch (0: the micro-batch size)
     rollout_rows: int = 0  # rows decoded per engine call, the surplus queued for later micro-batches (0: rows)
-    prompt_loss: float = 0.0  # weight of the data terms on the prompt text of prefix prompts (0: off)
 
     def check(self, seq_len: int, *, kd_weight: float, cached_teacher: bool, micro_batch_size: int) -> None:
         """Everything that can be checked before a model loads; one-line errors."""
@@ -85,9 +82,6 @@ class OnPolicySettings:
         if self.rollout_rows and (self.rollout_rows % rows or self.rollout_rows > micro_batch_size):
             raise OnPolicyError(f"gen_rollout_rows must be 0 or a multiple of gen_batch_size ({rows}) no larger than "
                                 f"micro_batch_size={micro_batch_size}, got {self.rollout_rows}")
-        if self.prompt_loss < 0 or (self.prompt_loss > 0 and self.prompts != "prefix"):
-            raise OnPolicyError(f"gen_prompt_loss must be >= 0 and needs gen_prompts=prefix (the prompts are then dataset "
-                                f"text), got {self.prompt_loss} with gen_prompts={self.prompts}")
         if self.prompt_tokens + self.max_new_tokens > seq_len:
             raise OnPolicyError(f"gen_prompt_tokens ({self.prompt_tokens}) + gen_max_new_tokens ({self.max_new_tokens}) "
                                 f"exceeds seq_len {seq_len}; lower them or raise seq_len")
@@ -271,11 +265,6 @@ class OnPolicy:
         # The divergence (and hidden/attention matching, which is valid on any shared text) only.
         self.loss_config = dataclasses.replace(cfg, ce_weight=0.0, focal_weight=0.0,
                                                kd_kind=settings.kd_kind or cfg.kd_kind)
-        # The prompt text of prefix prompts is training data already in the forward: its data terms (the
-        # recipe's KD + CE + focal, scaled by prompt_loss) cost one more head pass over the prompt only.
-        w = settings.prompt_loss
-        self.prompt_config = dataclasses.replace(cfg, kd_weight=w * cfg.kd_weight, ce_weight=w * cfg.ce_weight,
-                                                 focal_weight=w * cfg.focal_weight) if w > 0 else None
         self.gen_seconds = 0.0
         self.gen_tokens = 0
         self.micro_batches = 0
@@ -314,17 +303,8 @@ class OnPolicy:
         return rollout_batch([p for p, _ in take], [c for _, c in take], self.pad_id)
 
     def forward(self, blocks: torch.Tensor, step: int, micro: int, device: torch.device):
-        """Rollouts, then one teacher–student forward on them with the divergence-only losses.
-
-        With ``prompt_loss`` the same forward also counts the recipe's data terms on the prompt tokens
-        (their own mean, added with weight ``prompt_loss``; the first generated token stays on-policy).
-        """
+        """Rollouts, then one teacher–student forward on them with the divergence-only losses."""
         batch = {k: v.to(device) for k, v in self.generate(blocks, step, micro).items()}
-        if self.prompt_config is not None:
-            data_labels = torch.full_like(batch["input_ids"], -100)
-            n = self.s.prompt_tokens  # every prefix prompt has exactly this many tokens
-            data_labels[:, :n] = batch["input_ids"][:, :n]
-            batch["extra"] = (self.prompt_config, data_labels)
         saved = self.unwrapped.loss_config
         self.unwrapped.loss_config = self.loss_config
         try:
@@ -345,7 +325,7 @@ def settings_from(cfg) -> OnPolicySettings:
     return OnPolicySettings(fraction=cfg.on_policy_fraction, max_new_tokens=cfg.gen_max_new_tokens,
                             temperature=cfg.gen_temperature, prompt_tokens=cfg.gen_prompt_tokens,
                             prompts=cfg.gen_prompts, seed=cfg.seed, kd_kind=cfg.gen_kd_kind, rows=cfg.gen_batch_size,
-                            rollout_rows=cfg.gen_rollout_rows, prompt_loss=cfg.gen_prompt_loss)
+                            rollout_rows=cfg.gen_rollout_rows)
 
 
 def build(cfg, accelerator, model, tokenizer) -> OnPolicy | None:
