@@ -167,11 +167,11 @@ def run_arm(name: str, fraction: float, args, teacher, student0, tokenizer, data
             pick = order[: args.batch]
         blocks = data.train[pick]
         t0, w0 = clock(), time.perf_counter()
-        for group in opt.param_groups:
-            group["lr"] = args.lr * lr_multiplier(args, step, (t0 - t_start) / args.budget)
         if first_on is None and clock() - t_start >= args.on_start * args.budget:
             first_on = step
         on = first_on is not None and policy.wants(step - first_on, 0, 1)
+        for group in opt.param_groups:  # both kinds of step clip to norm 1: a smaller rollout update needs its lr
+            group["lr"] = args.lr * lr_multiplier(args, step, (t0 - t_start) / args.budget) * (args.on_lr if on else 1)
         out = policy.forward(blocks, step, 0, torch.device("cpu")) if on else model(input_ids=blocks)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
@@ -222,6 +222,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "recipe's gen_batch_size; 0: --batch)")
     ap.add_argument("--rollout-rows", type=int, default=0, help="rows decoded per engine call, the surplus queued for "
                     "the next on-policy micro-batches (the recipe's gen_rollout_rows; 0: --gen-rows)")
+    ap.add_argument("--on-lr", type=float, default=1.0, help="lr multiplier of the on-policy steps (exploration; "
+                    "every step's gradient is clipped to norm 1, so a loss weight would not shrink them)")
     ap.add_argument("--gen-temperature", type=float, default=1.0, help="sampling temperature of the rollouts")
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens (prefix of each block)")
     ap.add_argument("--batch", type=int, default=4, help="rows per micro-batch")
@@ -328,7 +330,8 @@ def compare(off_log: str, mix_log: str) -> None:
     args = argparse.Namespace(budget=mix["budget_s"], gen=mix["gen_tokens"], **{
         k: mix[k] for k in ("clock", "student", "seed", "lr", "schedule", "fraction", "on_start", "kind", "on_kind", "beta",
                             "gen_temperature", "threads", "eval_prompts", "eval_samples", "eval_seed")},
-        gen_rows=mix.get("gen_rows", 0), rollout_rows=mix.get("rollout_rows", 0))
+        gen_rows=mix.get("gen_rows", 0), rollout_rows=mix.get("rollout_rows", 0),
+        on_lr=mix.get("on_lr", 1.0))
     report(args, off["init"], off["off_policy"], mix["on_policy"], off["load_avg"] + mix["load_avg"])
 
 
@@ -343,7 +346,7 @@ def report(args, init: dict, off: dict, mix: dict | None, loads: list[float]) ->
               f"{r['rollout_tok_s']:>13.1f} {r['gen_time_share']:>9.2f}")
     out = {"budget_s": args.budget, "clock": args.clock, "student": args.student, "seed": args.seed, "lr": args.lr, "schedule": args.schedule,
            "fraction": args.fraction, "on_start": args.on_start, "kind": args.kind, "on_kind": args.on_kind or args.kind, "beta": args.beta,
-           "gen_tokens": args.gen, "gen_rows": args.gen_rows, "rollout_rows": args.rollout_rows, "gen_temperature": args.gen_temperature,
+           "gen_tokens": args.gen, "gen_rows": args.gen_rows, "rollout_rows": args.rollout_rows, "on_lr": args.on_lr, "gen_temperature": args.gen_temperature,
            "threads": args.threads,
            "eval_prompts": args.eval_prompts, "eval_samples": args.eval_samples, "eval_seed": args.eval_seed,
            "load_avg": loads, "init": init, "off_policy": off, "on_policy": mix}
