@@ -369,8 +369,7 @@ def report(args, init: dict, off: dict, mix: dict | None, loads: list[float]) ->
         print(f"step cost at {args.gen} generated tokens{rows} (medians, {mix['on_steps']} on / {mix['off_steps']} off "
               f"steps interleaved): on-policy {mix['on_step_s']:.2f}s vs off-policy {mix['off_step_s']:.2f}s = "
               f"{cost:.2f}x {args.clock} ({cost_wall:.2f}x wall; means {cost_mean:.2f}x {args.clock}; target <= 2x); "
-              f"load average "
-              f"{', '.join(f'{x:.1f}' for x in loads)}")
+              f"load average {', '.join(f'{x:.1f}' for x in loads)}")
         out.update({"own_rkl_change": rkl_change, "own_rkl_change_se": rkl_se, "ppl_change": ppl_change,
                     "step_cost_ratio": cost, "step_cost_ratio_wall": cost_wall, "step_cost_ratio_mean": cost_mean,
                     "target_rkl_met": rkl_change <= -0.10, "target_ppl_met": ppl_change <= 0.05,
