@@ -55,7 +55,9 @@ def make_accelerator(cfg: Any, project_dir: Path) -> Accelerator:
 
     ``mixed_precision=auto`` is bf16 on GPUs that support it and fp32 on CPU, where bf16 matmuls are
     several times slower. Without GPUs, distributed runs (DDP, DeepSpeed) need the gloo backend, or
-    accelerate miscounts processes.
+    accelerate miscounts processes. The LR schedule is stepped by :func:`train_step`, once per optimizer
+    step: accelerate's own stepping advances it ``num_processes`` times per step (it assumes a
+    dataloader split across ranks, so a 2-process run would warm up and decay twice as fast).
     """
     mixed = cfg.mixed_precision
     if mixed == "auto":
@@ -65,7 +67,8 @@ def make_accelerator(cfg: Any, project_dir: Path) -> Accelerator:
     handlers = [InitProcessGroupKwargs(backend="gloo")] if distributed and not torch.cuda.is_available() else []
     log_with = None if cfg.tracker == "none" else cfg.tracker
     accelerator = Accelerator(gradient_accumulation_steps=cfg.grad_accum, mixed_precision=mixed, log_with=log_with,
-                              project_dir=str(project_dir), kwargs_handlers=handlers)
+                              project_dir=str(project_dir), kwargs_handlers=handlers,
+                              step_scheduler_with_optimizer=False)
     if launched_apart and accelerator.num_processes == 1:
         raise ConfigError("several processes were launched but accelerate runs them apart; on CPU add "
                           "ACCELERATE_USE_CPU=true (see launch/README.md)")
@@ -162,7 +165,8 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer, sche
             if accelerator.sync_gradients and max_grad_norm > 0:
                 accelerator.clip_grad_norm_(params, max_grad_norm)
             optimizer.step()
-            scheduler.step()
+            if accelerator.sync_gradients:  # one schedule step per optimizer step, whatever the world size
+                scheduler.step()
             optimizer.zero_grad(set_to_none=True)
         terms = output.terms()
         if keep is not None:

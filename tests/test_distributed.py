@@ -199,6 +199,21 @@ def _check_final(final: Path) -> None:
     assert logits.shape[-1] == model.config.vocab_size and torch.isfinite(logits).all()
 
 
+def _check_schedule(out: Path) -> None:
+    """One LR-schedule step per optimizer step, whatever the world size (not one per rank)."""
+    import yaml
+
+    from distill.training import warmup_cosine
+
+    cfg = yaml.safe_load((out / "config.yaml").read_text())
+    last = max((out / "checkpoints").iterdir(), key=lambda p: int(p.name.split("-")[1]))
+    history = json.loads((last / "trainer_state.json").read_text())["history"]
+    f = warmup_cosine(cfg["warmup_steps"], cfg["max_steps"], cfg["min_lr_ratio"])
+    assert [h["step"] for h in history] == list(range(1, cfg["max_steps"] + 1))
+    # the lr logged after step s is the one step s + 1 trains with: lr * f(s)
+    assert [h["lr"] for h in history] == pytest.approx([cfg["lr"] * f(h["step"]) for h in history])
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_probe_cpu_ddp_two_processes(tmp_path):
@@ -243,6 +258,7 @@ def _run_recipe(config: str, out: Path, cpu_ddp: bool, *extra: str) -> dict:
     _launch(config, [str(RECIPE), "--config", str(TINY), f"output_dir={out}", "max_steps=3", "save_every=2",
                      "seed=0", *extra], cpu_ddp=cpu_ddp)
     _check_final(out / "final")
+    _check_schedule(out)
     assert (out / "checkpoints" / "step-2").is_dir()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["num_processes"] == 2
@@ -281,6 +297,7 @@ def test_retrofit_cpu_ddp_two_processes(tmp_path):
                                    "max_steps=3", "save_every=2", "eval_blocks=2", "eval_seq_lens=[]"],
             cpu_ddp=True)
     _check_final(out / "final")
+    _check_schedule(out)
     assert attention.is_hybrid(attention.load(out / "final"))
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-3"]  # keep_checkpoints=1
     assert (out / "checkpoints" / "step-3" / "COMPLETE").is_file()
