@@ -84,6 +84,30 @@ def mixed_precision_dtype(accelerator: Any) -> torch.dtype | None:
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(getattr(accelerator, "mixed_precision", "no")))
 
 
+def configure_deepspeed(accelerator: Any, micro_batch_size: int, max_grad_norm: float) -> None:
+    """Give DeepSpeed the recipe's micro batch and clipping before ``accelerator.prepare``; no-op without it.
+
+    No dataloader goes through ``prepare``, so DeepSpeed cannot infer the micro batch. Under DeepSpeed
+    ``accelerator.clip_grad_norm_`` does nothing (the engine clips inside its step, at the config's
+    ``gradient_clipping``, which the launch YAML fixes): without this a recipe's ``max_grad_norm`` would be
+    silently replaced by the YAML's value. 0 turns clipping off, as in the recipes.
+    """
+    plugin = _deepspeed_plugin(accelerator)
+    if plugin is None:
+        return
+    plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch_size
+    plugin.deepspeed_config["gradient_clipping"] = float(max_grad_norm)
+
+
+def deepspeed_settings(model: Any) -> dict[str, Any] | None:
+    """What a prepared DeepSpeed engine trains with (``None`` for any other model), for the run summary."""
+    if type(model).__name__ != "DeepSpeedEngine":
+        return None
+    return {"zero_stage": model.zero_optimization_stage(), "gradient_clipping": model.gradient_clipping(),
+            "gradient_accumulation_steps": model.gradient_accumulation_steps(),
+            "train_micro_batch_size_per_gpu": model.train_micro_batch_size_per_gpu()}
+
+
 def teacher_deepspeed_config(accelerator: Any) -> dict[str, Any]:
     """A DeepSpeed config for a frozen, ZeRO-3-partitioned inference copy of the teacher.
 

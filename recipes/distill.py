@@ -29,7 +29,7 @@ from core.config import ConfigError, run_cli
 from distill import on_policy
 from distill.config import RESUME_SAFE, DistillConfig
 from distill.data import build_data, steps_for_tokens
-from distill.distributed import is_zero3, prepare_teacher
+from distill.distributed import configure_deepspeed, deepspeed_settings, is_zero3, prepare_teacher
 from distill.model import DistillModel, LossConfig
 from distill.sources import load_pair
 from distill.teacher_cache import TeacherCache, check_meta, read_meta
@@ -105,9 +105,7 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: 
                          temperature=cfg.temperature) if cfg.teacher_cache else None
     model = DistillModel(student, None if cache else teacher, loss_cfg, tokenizer_size=len(tokenizer),
                          cached_teacher=cache is not None)
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is not None:  # no dataloader goes through prepare(), so DeepSpeed learns the batch here
-        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.micro_batch_size
+    configure_deepspeed(accelerator, cfg.micro_batch_size, cfg.max_grad_norm)  # micro batch, clipping; no-op without
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -172,6 +170,8 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: 
     del full_state
     summary = build_summary(cfg, accelerator, run, tokens_per_step=global_batch * cfg.seq_len)
     summary["data"] = data.summary(order, cfg.max_steps)  # per source: weight, blocks, epochs
+    if (engine := deepspeed_settings(model)) is not None:  # what the engine trained with (stage, clipping, ...)
+        summary["deepspeed"] = engine
     if policy is not None:
         summary["on_policy"] = policy.stats(run.loop_seconds)
     run.write_records(summary, title=f"{cfg.teacher} → student ({Path(cfg.output_dir).name})")

@@ -269,7 +269,8 @@ def _run_recipe(config: str, out: Path, cpu_ddp: bool, *extra: str) -> dict:
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_recipe_cpu_ddp_two_processes(tmp_path):
-    _run_recipe("cpu_ddp_2proc.yaml", tmp_path / "run", cpu_ddp=True)
+    summary = _run_recipe("cpu_ddp_2proc.yaml", tmp_path / "run", cpu_ddp=True)
+    assert "deepspeed" not in summary
 
 
 @needs_recipe
@@ -278,8 +279,11 @@ def test_recipe_cpu_ddp_two_processes(tmp_path):
 def test_recipe_deepspeed_zero3_two_processes(tmp_path):
     """ZeRO-3 with half the micro-batches on-policy: the engine decodes from a replica of the sharded student."""
     summary = _run_recipe("deepspeed_zero3.yaml", tmp_path / "run", False, "on_policy_fraction=0.5",
-                          "gen_prompt_tokens=8", "gen_max_new_tokens=8")
+                          "gen_prompt_tokens=8", "gen_max_new_tokens=8", "max_grad_norm=0.5")
     assert summary["on_policy"]["rollout_tokens"] > 0
+    # The engine clips at the recipe's max_grad_norm, not at the launch YAML's gradient_clipping (1.0).
+    assert summary["deepspeed"] == {"zero_stage": 3, "gradient_clipping": 0.5, "gradient_accumulation_steps": 1,
+                                    "train_micro_batch_size_per_gpu": 2}
 
 
 RETROFIT = ROOT / "recipes" / "retrofit.py"
