@@ -75,17 +75,20 @@ def make_accelerator(cfg: Any, project_dir: Path) -> Accelerator:
     return accelerator
 
 
-def start_run(config_cls: type, argv: list[str] | None = None, *, resume_safe: Iterable[str] = ()
-              ) -> tuple[Any, Accelerator, Path]:
+def start_run(config_cls: type, argv: list[str] | None = None, *, resume_safe: Iterable[str] = (),
+              without_deepspeed: str | None = None) -> tuple[Any, Accelerator, Path]:
     """``(cfg, accelerator, output_dir)``: the config parsed and checked, the run folder claimed.
 
     Every process checks the folder before anything loads (:func:`core.rundir.check_output_dir`);
     the main process then claims it: an old run is removed only if ``overwrite`` allows it and the
     folder carries our marker, so a mistyped ``output_dir`` never loses files we did not write. A
     resume is checked here too: a config that differs from the checkpoint's outside ``resume_safe``
-    is refused before any model or data loads.
+    is refused before any model or data loads. ``without_deepspeed``: the error for a recipe that does
+    not run under DeepSpeed, raised before the folder is touched when a DeepSpeed config launched it.
     """
     cfg = parse_config(config_cls, argv)
+    if without_deepspeed and os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":
+        raise ConfigError(without_deepspeed)
     out = rundir.check_output_dir(cfg.output_dir, cfg.overwrite, cfg.resume)
     if cfg.resume is not None:
         # A token budget sets max_steps at run time, so the saved max_steps is derived: compare max_tokens.

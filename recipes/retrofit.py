@@ -554,7 +554,9 @@ def print_summary(summary: dict, out: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     # peft still calls a transformers property deprecated in v5; the warning says nothing to the user.
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-    cfg, accelerator, out = start_run(RetrofitConfig, argv, resume_safe=RESUME_SAFE)
+    cfg, accelerator, out = start_run(RetrofitConfig, argv, resume_safe=RESUME_SAFE, without_deepspeed=(
+        "retrofit.py trains small LoRA adapters with DDP, not DeepSpeed: launch it with launch/gpu_ddp.yaml "
+        "(CPU: launch/cpu_ddp_2proc.yaml)"))
     summary = training_function(cfg, accelerator)
     finish_run(cfg, accelerator, out, summary, print_summary)
 

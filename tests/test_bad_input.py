@@ -266,6 +266,13 @@ def test_bad_input_after_the_models_load_fails_cleanly(case, world, capsys):
     _check(case, world, capsys, one_line=False)  # library warnings may precede the error line
 
 
+def test_retrofit_launched_with_deepspeed_fails_before_the_run_folder(world, capsys, no_model_loads, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # what `accelerate launch --config_file <deepspeed>` sets
+    _check(("retrofit-deepspeed", "retrofit", [*R, "output_dir={missing}"], 2,
+            "retrofit.py trains small LoRA adapters with DDP, not DeepSpeed: launch it with launch/gpu_ddp.yaml"),
+           world, capsys)
+
+
 def test_the_table_covers_the_classes():
     assert len(CASES) + len(LOADING) >= 30
     assert {c[1] for c in CASES} == set(CLIS)
