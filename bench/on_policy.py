@@ -346,7 +346,8 @@ def report(args, init: dict, off: dict, mix: dict | None, loads: list[float]) ->
               f"{r['rollout_tok_s']:>13.1f} {r['gen_time_share']:>9.2f}")
     out = {"budget_s": args.budget, "clock": args.clock, "student": args.student, "seed": args.seed, "lr": args.lr, "schedule": args.schedule,
            "fraction": args.fraction, "on_start": args.on_start, "kind": args.kind, "on_kind": args.on_kind or args.kind, "beta": args.beta,
-           "gen_tokens": args.gen, "gen_rows": args.gen_rows, "rollout_rows": args.rollout_rows, "on_lr": args.on_lr, "gen_temperature": args.gen_temperature,
+           "gen_tokens": args.gen, "gen_rows": args.gen_rows, "rollout_rows": args.rollout_rows,
+           "on_lr": args.on_lr, "gen_temperature": args.gen_temperature,
            "threads": args.threads,
            "eval_prompts": args.eval_prompts, "eval_samples": args.eval_samples, "eval_seed": args.eval_seed,
            "load_avg": loads, "init": init, "off_policy": off, "on_policy": mix}

@@ -99,9 +99,9 @@ def configure_deepspeed(accelerator: Any, micro_batch_size: int, max_grad_norm: 
     plugin.deepspeed_config["gradient_clipping"] = float(max_grad_norm)
 
 
-def deepspeed_settings(model: Any) -> dict[str, Any] | None:
-    """What a prepared DeepSpeed engine trains with (``None`` for any other model), for the run summary."""
-    if type(model).__name__ != "DeepSpeedEngine":
+def deepspeed_settings(accelerator: Any, model: Any) -> dict[str, Any] | None:
+    """What the engine ``accelerator.prepare`` made of ``model`` trains with (``None`` without DeepSpeed)."""
+    if not is_deepspeed(accelerator):
         return None
     return {"zero_stage": model.zero_optimization_stage(), "gradient_clipping": model.gradient_clipping(),
             "gradient_accumulation_steps": model.gradient_accumulation_steps(),

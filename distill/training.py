@@ -50,6 +50,11 @@ PRECISIONS = ("no", "bf16", "fp16", "auto")
 # Run setup and teardown
 # --------------------------------------------------------------------------------------------
 
+def launched_with_deepspeed() -> bool:
+    """``accelerate launch`` with a DeepSpeed config (it exports this before any ``Accelerator`` exists)."""
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true"
+
+
 def make_accelerator(cfg: Any, project_dir: Path) -> Accelerator:
     """An ``Accelerator`` from a recipe config (``mixed_precision``, ``grad_accum``, ``tracker``).
 
@@ -63,7 +68,7 @@ def make_accelerator(cfg: Any, project_dir: Path) -> Accelerator:
     if mixed == "auto":
         mixed = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
     launched_apart = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    distributed = launched_apart or os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true"
+    distributed = launched_apart or launched_with_deepspeed()
     handlers = [InitProcessGroupKwargs(backend="gloo")] if distributed and not torch.cuda.is_available() else []
     log_with = None if cfg.tracker == "none" else cfg.tracker
     accelerator = Accelerator(gradient_accumulation_steps=cfg.grad_accum, mixed_precision=mixed, log_with=log_with,
@@ -87,7 +92,7 @@ def start_run(config_cls: type, argv: list[str] | None = None, *, resume_safe: I
     not run under DeepSpeed, raised before the folder is touched when a DeepSpeed config launched it.
     """
     cfg = parse_config(config_cls, argv)
-    if without_deepspeed and os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":
+    if without_deepspeed and launched_with_deepspeed():
         raise ConfigError(without_deepspeed)
     out = rundir.check_output_dir(cfg.output_dir, cfg.overwrite, cfg.resume)
     if cfg.resume is not None:

@@ -170,7 +170,7 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: 
     del full_state
     summary = build_summary(cfg, accelerator, run, tokens_per_step=global_batch * cfg.seq_len)
     summary["data"] = data.summary(order, cfg.max_steps)  # per source: weight, blocks, epochs
-    if (engine := deepspeed_settings(model)) is not None:  # what the engine trained with (stage, clipping, ...)
+    if (engine := deepspeed_settings(accelerator, model)) is not None:  # what the engine trained with (stage, clipping, ...)
         summary["deepspeed"] = engine
     if policy is not None:
         summary["on_policy"] = policy.stats(run.loop_seconds)
