@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -387,6 +388,28 @@ def test_heldout_loss_on_chat_counts_assistant_tokens_only(tmp_path, tok):
     everything = evaluate_lm(model, D.eval_batches(data.eval, 3))[0]
     assert everything.tokens == data.eval.numel() - data.eval.shape[0] > n
     assert everything.loss != pytest.approx(stats.loss, rel=1e-3)
+
+
+@pytest.mark.parametrize("n,world,batch", [(5, 2, 2), (7, 4, 1), (3, 4, 2), (9, 2, 4), (8, 2, 2)])
+def test_eval_batches_give_every_rank_the_same_number_of_forwards(n, world, batch):
+    """ZeRO-3 forwards are collective: a rank one batch short hangs the others (5 blocks, 2 ranks, batch 2 did).
+
+    Summed over ranks the stats equal one process's over all blocks: fillers run the forward and score nothing.
+    """
+    from eval.metrics import LMStats, evaluate_lm
+
+    blocks = torch.randint(0, 64, (n, 12), generator=torch.Generator().manual_seed(n))
+    mask = torch.rand(n, 12, generator=torch.Generator().manual_seed(1)) < 0.7
+    ranks = [list(D.eval_batches(blocks, batch, r, world, mask=mask)) for r in range(world)]
+    assert len({len(b) for b in ranks}) == 1 and len(ranks[0]) == math.ceil(math.ceil(n / world) / batch)
+    model = tiny_model(vocab=64)
+    total = LMStats()
+    for r in range(world):
+        s = evaluate_lm(model, ranks[r])[0]
+        total.nll_sum, total.tokens = total.nll_sum + s.nll_sum, total.tokens + s.tokens
+    whole = evaluate_lm(model, D.eval_batches(blocks, n, mask=mask))[0]
+    assert total.tokens == whole.tokens == int((mask[:, 1:]).sum())
+    assert total.nll_sum == pytest.approx(whole.nll_sum, rel=1e-5)
 
 
 def test_completion_only_mask_reaches_every_loss_term(tmp_path, tok):

@@ -277,9 +277,13 @@ def test_recipe_cpu_ddp_two_processes(tmp_path):
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_recipe_deepspeed_zero3_two_processes(tmp_path):
-    """ZeRO-3 with half the micro-batches on-policy: the engine decodes from a replica of the sharded student."""
+    """ZeRO-3 with half the micro-batches on-policy: the engine decodes from a replica of the sharded student.
+
+    Five held-out blocks give one rank two eval batches and the other one: it hung before the filler batches.
+    """
     summary = _run_recipe("deepspeed_zero3.yaml", tmp_path / "run", False, "on_policy_fraction=0.5",
-                          "gen_prompt_tokens=8", "gen_max_new_tokens=8", "max_grad_norm=0.5")
+                          "gen_prompt_tokens=8", "gen_max_new_tokens=8", "max_grad_norm=0.5",
+                          "eval_blocks=5")  # 3 + 2 blocks, batches of 2: the ranks' evals must still match
     assert summary["on_policy"]["rollout_tokens"] > 0
     # The engine clips at the recipe's max_grad_norm, not at the launch YAML's gradient_clipping (1.0).
     assert summary["deepspeed"] == {"zero_stage": 3, "gradient_clipping": 0.5, "gradient_accumulation_steps": 1,

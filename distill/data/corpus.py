@@ -272,10 +272,20 @@ def _open_or_prepare(spec: SourceSpec, tokenizer, settings: PackSettings, data_c
 
 def eval_batches(blocks: torch.Tensor, batch_size: int, rank: int = 0, world: int = 1,
                  mask: torch.Tensor | None = None) -> Iterator[dict]:
-    """Held-out batches for this process (blocks strided across processes); ``loss_mask`` when given."""
+    """Held-out batches for this process (blocks ``[n, seq]`` strided across processes); ``loss_mask`` when given.
+
+    Every rank gets the same number of batches, ``ceil(ceil(n / world) / batch_size)``: under ZeRO-3 each forward
+    gathers the sharded weights with all ranks, so a rank that stopped one batch early would leave the others
+    waiting forever. A rank whose share runs out first pads with filler batches (one block, ``loss_mask`` all
+    False) that run the forward and score nothing.
+    """
     mine = blocks[rank::world]
     mine_mask = mask[rank::world] if mask is not None else None
-    for i in range(0, mine.shape[0], batch_size):
+    fullest = -(-blocks.shape[0] // world)
+    for i in range(0, fullest, batch_size):
+        if i >= mine.shape[0]:
+            yield {"input_ids": blocks[:1], "loss_mask": torch.zeros_like(blocks[:1], dtype=torch.bool)}
+            continue
         batch = {"input_ids": mine[i: i + batch_size]}
         if mine_mask is not None:
             batch["loss_mask"] = mine_mask[i: i + batch_size]
