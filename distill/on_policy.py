@@ -245,7 +245,8 @@ class OnPolicy:
             engine call and queued: the next on-policy micro-batches train on the queued rows without
             decoding, which is cheaper per row (batched decode is memory-bound on one row) but
             slightly stale (sampled by weights up to ``rollout_rows / rows - 1`` on-policy
-            micro-batches old). The queue is not checkpointed: a resumed run rolls out afresh.
+            micro-batches old). The queue is checkpointed per rank (:meth:`state_dict`), so a
+            resumed run trains on the rows it would have had.
         prompts: fixed prompt pool (chat user turns); None = prefixes of each micro-batch's blocks.
     """
 
@@ -311,6 +312,17 @@ class OnPolicy:
             return self.model(**batch)
         finally:
             self.unwrapped.loss_config = saved
+
+    def state_dict(self) -> dict:
+        """This rank's queued rollout rows, what a resumed run needs to train as if never stopped.
+
+        The counters of :meth:`stats` are not in it: like ``tokens_per_s`` they cover this process's own loop.
+        """
+        return {"queue": [[p, c] for p, c in self.queue]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` (an empty dict, from a checkpoint without it, keeps a fresh start)."""
+        self.queue = [(list(p), list(c)) for p, c in state.get("queue", [])]
 
     def stats(self, elapsed: float) -> dict[str, float]:
         """Rollout tokens/s, the share of ``elapsed`` training seconds spent generating, and counts (this rank)."""

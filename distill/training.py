@@ -251,6 +251,7 @@ class Run:
         self._t_wall = time.perf_counter()
         self.rss = PeakRSS()  # peak memory per phase: setup, train, eval_save, after
         self.loop_tokens = 0
+        self.resumed_from: Path | None = None
 
     # ---- start -----------------------------------------------------------------------------
     def resume(self) -> TrainerState:
@@ -266,9 +267,18 @@ class Run:
                                        "an older step-N folder") from None
         self.state = TrainerState(step=saved["step"], history=saved["history"], evals=saved["evals"],
                                   init=saved["init"])
+        self.resumed_from = path
         if self.main:
             print(f"resumed from {path} at step {self.state.step}")
         return self.state
+
+    def rank_state(self) -> dict[str, Any]:
+        """This rank's own state saved with the checkpoint resumed from ({} when none: a fresh run, an older
+        checkpoint, or another world size)."""
+        if self.resumed_from is None:
+            return {}
+        path = self.resumed_from / f"rank{self.accelerator.process_index}_state.json"
+        return json.loads(path.read_text()) if path.is_file() else {}
 
     def begin(self) -> None:
         """Clear a killed run's temp folders, write the resolved config, start the trackers."""
@@ -333,16 +343,20 @@ class Run:
     def last(self, step: int) -> bool:
         return step + 1 == self.cfg.max_steps
 
-    def save_checkpoint(self, step: int, write_extra: Callable[[Path], None]) -> None:
+    def save_checkpoint(self, step: int, write_extra: Callable[[Path], None],
+                        rank_state: Callable[[], dict[str, Any]] | None = None) -> None:
         """Checkpoint after ``step`` steps: every rank writes its shard, then the main renames it whole.
 
-        ``write_extra(folder)`` (main process only) adds what export needs to rebuild the model.
+        ``write_extra(folder)`` (main process only) adds what export needs to rebuild the model;
+        ``rank_state()`` (every rank, JSON) what differs per rank, read back by :meth:`rank_state`.
         """
         tmp = ckpt.tmp_dir(self.out, step)
         if self.main:  # every rank writes into it (DeepSpeed shards, RNG states): it must exist first
             tmp.mkdir(parents=True, exist_ok=True)
         self.accelerator.wait_for_everyone()
         self.accelerator.save_state(str(tmp), safe_serialization=True)
+        if rank_state is not None:
+            atomic_write_text(tmp / f"rank{self.accelerator.process_index}_state.json", json.dumps(rank_state()))
         self.accelerator.wait_for_everyone()  # every rank's shard is on disk before the rename
         if self.main:
             write_extra(tmp)

@@ -120,6 +120,8 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: 
 
     # ---- resume, then held-out metrics at init -------------------------------------------
     state = run.resume()
+    if policy is not None:  # rollout rows queued at the checkpoint, on this rank
+        policy.load_state_dict(run.rank_state())
     run.begin()
     if not state.init:
         state.init = initial_metrics(cfg, accelerator, run, unwrapped.student, teacher, data.eval, cache, known_init,
@@ -159,7 +161,7 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: 
             run.write(f"step {step + 1}: held-out perplexity {s.perplexity:.2f}, "
                       f"top-1 agreement {s.top1_agreement:.3f}")
         if run.due(step, cfg.save_every) or run.last(step):
-            run.save_checkpoint(step + 1, write_student_files)
+            run.save_checkpoint(step + 1, write_student_files, policy.state_dict if policy is not None else None)
         run.maybe_exit(step)
 
     # ---- save ---------------------------------------------------------------------------

@@ -108,6 +108,29 @@ def test_resume_after_kill_equals_uninterrupted(tmp_path):
 
 
 @pytest.mark.slow
+def test_on_policy_resume_trains_on_the_rows_queued_at_the_checkpoint(tmp_path):
+    """One rollout serves two on-policy steps (1 and 3); the checkpoint after step 2 holds the row step 3 needs.
+
+    Rolled out afresh on resume (as before the queue was checkpointed), step 3 trains on another row and the
+    final weights differ.
+    """
+    common = [*TINY, "max_steps=6", "save_every=2", "eval_every=0", "compare_ce_only=false",
+              "on_policy_fraction=0.5", "gen_batch_size=1", "gen_rollout_rows=2", "gen_max_new_tokens=8",
+              "gen_prompt_tokens=8"]
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    run([*common, f"output_dir={full}"])
+    assert run([*common, f"output_dir={killed}", "debug_exit_at_step=3"], check=False).returncode == 137
+    queued = json.loads((killed / "checkpoints" / "step-2" / "rank0_state.json").read_text())["queue"]
+    assert len(queued) == 1 and len(queued[0][0]) == 8 and 0 < len(queued[0][1]) <= 8  # [prompt, continuation]
+    run([*common, f"output_dir={killed}", "resume=latest"])
+    a, b = (json.loads((p / "summary.json").read_text()) for p in (full, killed))
+    assert b["final_loss"] == pytest.approx(a["final_loss"], rel=1e-6, abs=1e-7)
+    wa, wb = final_weights(full), final_weights(killed)
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
 def test_grad_accum_equals_big_batch(tmp_path):
     common = [*TINY, "max_steps=2", "eval_every=0", "save_every=0", "attn_num_queries=64", "seq_len=32"]
     a, b = tmp_path / "a", tmp_path / "b"
