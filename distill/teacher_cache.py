@@ -30,11 +30,14 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from core.config import ConfigError
+from distill.data import Blocks
+from distill.data.corpus import FileArray
 from distill.losses import sampled_kd_loss, topk_kd_loss
 
 META = "meta.json"
@@ -45,9 +48,16 @@ class TeacherCacheError(ConfigError):
     """A cache that is missing, incomplete, made from other data, or for another tokenizer."""
 
 
-def fingerprint(blocks: torch.Tensor) -> str:
-    """A hash of the packed token blocks: a cache only matches the exact data it was made from."""
-    return hashlib.sha256(blocks.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()[:16]
+def fingerprint(blocks: torch.Tensor | Blocks, chunk: int = 4096) -> str:
+    """A hash of the packed token blocks ``[n, seq]``: a cache only matches the exact data it was made from.
+
+    Read ``chunk`` blocks at a time (the SHA-256 of their int64 bytes in order), so a memory-mapped corpus of
+    billions of tokens is hashed without being loaded whole.
+    """
+    h = hashlib.sha256()
+    for lo in range(0, blocks.shape[0], chunk):
+        h.update(blocks[lo: lo + chunk].to(torch.int64).contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -150,8 +160,39 @@ def cached_kd_loss(student_logits: torch.Tensor, targets: CachedTargets | tuple[
                            teacher_logprobs=targets.logprobs)
 
 
+_NUMPY_DTYPES = {"I32": np.int32, "F16": np.float16, "U8": np.uint8, "F32": np.float32, "I64": np.int64}
+
+
+def shard_arrays(path: Path) -> dict[str, FileArray]:
+    """Where the tensors of one safetensors shard lie in its file, as ``[blocks, seq * slots]`` rows.
+
+    A safetensors file is an 8-byte little-endian header length, a JSON header giving each tensor's dtype,
+    shape and byte range, then the raw little-endian data. Nothing is read beyond the header (and nothing
+    is mapped or left open), so a cache of thousands of shards costs nothing until rows are looked up.
+    """
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in _NUMPY_DTYPES:
+            raise TeacherCacheError(f"{path}: tensor {name} has dtype {info['dtype']}; rewrite the cache with "
+                                    "recipes/cache_teacher.py")
+        shape = info["shape"]
+        out[name] = FileArray(str(path), 8 + size + info["data_offsets"][0], np.dtype(_NUMPY_DTYPES[info["dtype"]]),
+                              (shape[0], int(np.prod(shape[1:]))))
+        out[name + ".shape"] = tuple(shape)
+    return out
+
+
 class TeacherCache:
-    """Cached teacher targets for the blocks of a training set (loaded into memory).
+    """Cached teacher targets for the blocks of a training set, read from the shards on demand.
+
+    The shards stay on disk (rows read with ``pread``, as the training blocks are): a
+    micro-batch's :meth:`lookup` copies only its own rows, so memory does not grow with the cache, which
+    at 384 bytes per token is hundreds of GB for a corpus of a billion tokens.
 
     Args:
         path: the cache folder.
@@ -162,9 +203,10 @@ class TeacherCache:
             is only unbiased at that one.
     """
 
-    def __init__(self, path: str | Path, train_blocks: torch.Tensor, *, vocab_size: int | None = None,
+    def __init__(self, path: str | Path, train_blocks: torch.Tensor | Blocks, *, vocab_size: int | None = None,
                  tokenizer=None, temperature: float | None = None):
         path = Path(path)
+        self.path = path
         self.meta = read_meta(path)
         check_meta(self.meta, path, temperature=temperature)
         if vocab_size is not None and self.meta.get("vocab_size") not in (None, vocab_size):
@@ -178,32 +220,39 @@ class TeacherCache:
                 f"teacher cache {path} was made from other data (dataset/seq_len/tokenizer differ); rerun "
                 "recipes/cache_teacher.py with this run's dataset and seq_len"
             )
-        shards = sorted(path.glob("shard-*.safetensors"))
-        parts = [load_file(str(s)) for s in shards]
-        if not parts:
+        shards = [shard_arrays(s) for s in sorted(path.glob("shard-*.safetensors"))]
+        if not shards:
             raise TeacherCacheError(f"teacher cache {path} has no shards; rerun recipes/cache_teacher.py")
-        self.index = torch.cat([p["index"] for p in parts])
-        self.logprobs = torch.cat([p["logprobs"] for p in parts])
-        self.counts = torch.cat([p["counts"] for p in parts]) if self.mode == "sampled" else None
-        if self.index.shape[0] != train_blocks.shape[0]:
-            raise TeacherCacheError(f"teacher cache {path} is incomplete ({self.index.shape[0]} of "
+        blocks = sum(sh["index"].shape[0] for sh in shards)
+        if blocks != train_blocks.shape[0]:
+            raise TeacherCacheError(f"teacher cache {path} is incomplete ({blocks} of "
                                     f"{train_blocks.shape[0]} blocks); rerun recipes/cache_teacher.py")
-        if vocab_size is not None and int(self.index.max()) >= vocab_size:
-            raise TeacherCacheError(f"teacher cache {path} holds token ids beyond the student's vocabulary of "
-                                    f"{vocab_size}; cache with the student's tokenizer")
-        self.k = self.index.shape[-1]
+        self.seq, self.k = shards[0]["index.shape"][1:]
+        self.vocab_size = vocab_size
+        width = self.seq * self.k
+        names = ("index", "logprobs", "counts") if self.mode == "sampled" else ("index", "logprobs")
+        # One row reader per tensor over the shards laid end to end (the training blocks' reader).
+        self._rows = {n: Blocks([sh[n] for sh in shards], [None] * len(shards), width) for n in names}
 
     @property
     def mode(self) -> str:
         return self.meta.get("mode", "topk")
 
+    def _read(self, name: str, blocks: torch.Tensor) -> torch.Tensor:
+        rows = self._rows[name].rows(blocks.reshape(-1).cpu())  # [micro, seq * slots] in the stored dtype
+        return torch.from_numpy(rows).view(-1, self.seq, self.k)
+
     def lookup(self, blocks: torch.Tensor, device: torch.device | str) -> CachedTargets:
         """``[micro]`` block indices → the targets of those blocks (``[micro, seq, slots]`` each)."""
-        ids = self.index[blocks].to(device, torch.long)
-        logp = self.logprobs[blocks].to(device, torch.float32)
-        if self.counts is None:
+        ids = self._read("index", blocks)
+        if self.vocab_size is not None and ids.numel() and int(ids.max()) >= self.vocab_size:
+            raise TeacherCacheError(f"teacher cache {self.path} holds token ids beyond the student's vocabulary of "
+                                    f"{self.vocab_size}; cache with the student's tokenizer")
+        ids = ids.to(device, torch.long)
+        logp = self._read("logprobs", blocks).to(device, torch.float32)
+        if self.mode != "sampled":
             return CachedTargets(ids, logp)
-        counts = self.counts[blocks].to(device, torch.float32)
+        counts = self._read("counts", blocks).to(device, torch.float32)
         return CachedTargets(ids, logp, counts / counts.sum(-1, keepdim=True).clamp(min=1))
 
 

@@ -390,6 +390,26 @@ def test_heldout_loss_on_chat_counts_assistant_tokens_only(tmp_path, tok):
     assert everything.loss != pytest.approx(stats.loss, rel=1e-3)
 
 
+def test_blocks_over_many_raw_files_keep_few_open(tmp_path):
+    """Thousands of shard files (a teacher cache) must not exhaust file descriptors: reads stay correct while
+    only ``max_open_files`` stay open, the least recently used closed first."""
+    from distill.data.corpus import FileArray
+
+    parts, want = [], []
+    for i in range(5):
+        arr = np.arange(i * 100, i * 100 + 12, dtype=np.int32).reshape(3, 4)
+        path = tmp_path / f"f{i}.bin"
+        path.write_bytes(b"\0" * 7 + arr.tobytes())  # data from byte 7, after a header
+        parts.append(FileArray(str(path), 7, np.dtype(np.int32), (3, 4)))
+        want.append(arr)
+    blocks = D.Blocks(parts, [None] * 5, 4)
+    blocks.max_open_files = 2
+    pick = np.array([14, 0, 7, 3, 12, 5])
+    got = blocks.rows(pick)
+    assert got.dtype == np.int32 and np.array_equal(got, np.concatenate(want)[pick])
+    assert len(blocks._fds) == 2 and torch.equal(blocks[torch.tensor([3])], torch.tensor([[100, 101, 102, 103]]))
+
+
 @pytest.mark.parametrize("n,world,batch", [(5, 2, 2), (7, 4, 1), (3, 4, 2), (9, 2, 4), (8, 2, 2)])
 def test_eval_batches_give_every_rank_the_same_number_of_forwards(n, world, batch):
     """ZeRO-3 forwards are collective: a rank one batch short hangs the others (5 blocks, 2 ranks, batch 2 did).

@@ -165,6 +165,55 @@ def test_foreign_caches_are_refused_in_one_line(tmp_path):
         TeacherCache(tmp_path, blocks)
 
 
+def test_cache_reads_rows_from_the_shards_on_demand(tmp_path):
+    """Several shards laid end to end: a lookup across them equals the naive whole-cache read, and the cache
+    reads the files at lookup time (a shard rewritten in place shows), so nothing is held in memory."""
+    import hashlib
+
+    from safetensors.torch import load_file
+
+    from distill.data import Blocks
+
+    tok = tiny_tokenizer()
+    blocks = torch.randint(0, 320, (7, 8), generator=torch.Generator().manual_seed(0))
+    path = tmp_path / "c"
+    _write_cache(path, blocks, tok)
+    whole = load_file(str(path / "shard-00000.safetensors"))
+    (path / "shard-00000.safetensors").unlink()
+    for i, (lo, hi) in enumerate([(0, 3), (3, 4), (4, 7)]):  # shards of 3, 1 and 3 blocks
+        write_shard(path / f"shard-{i:05d}.safetensors", whole["index"][lo:hi], whole["logprobs"][lo:hi],
+                    whole["counts"][lo:hi])
+    cache = TeacherCache(path, blocks, vocab_size=320, tokenizer=tok, temperature=1.0)
+    pick = torch.tensor([6, 0, 3, 2, 4, 3])
+    got = cache.lookup(pick, "cpu")
+    assert torch.equal(got.ids, whole["index"][pick].long())
+    assert torch.equal(got.logprobs, whole["logprobs"][pick].float())
+    counts = whole["counts"][pick].float()
+    assert torch.allclose(got.weights, counts / counts.sum(-1, keepdim=True))
+    def rewrite_in_place(index: torch.Tensor) -> None:  # the same bytes but the ids, into the same file
+        write_shard(tmp_path / "new.safetensors", index, whole["logprobs"][3:4], whole["counts"][3:4])
+        with open(path / "shard-00001.safetensors", "r+b") as f:
+            f.write((tmp_path / "new.safetensors").read_bytes())
+
+    rewrite_in_place(319 - whole["index"][3:4])  # other ids, all < 320: the next lookup reads them
+    assert torch.equal(cache.lookup(torch.tensor([3]), "cpu").ids, 319 - whole["index"][3:4].long())
+    rewrite_in_place(whole["index"][3:4] * 0 + 400)
+    with pytest.raises(TeacherCacheError, match="beyond the student's vocabulary of 320"):
+        cache.lookup(torch.tensor([3]), "cpu")
+    (path / "shard-00002.safetensors").unlink()
+    with pytest.raises(TeacherCacheError, match="incomplete \\(4 of 7 blocks\\)"):
+        TeacherCache(path, blocks, vocab_size=320, tokenizer=tok, temperature=1.0)
+    # The fingerprint reads the blocks a chunk at a time: the same hash as all the bytes at once,
+    # for a tensor and for memory-mapped blocks alike.
+    naive = hashlib.sha256(blocks.to(torch.int64).numpy().tobytes()).hexdigest()[:16]
+    np_path = tmp_path / "blocks.bin"
+    blocks.to(torch.int32).numpy().tofile(np_path)
+    import numpy as np
+
+    mapped = Blocks([np.memmap(np_path, dtype=np.int32, mode="r", shape=(7, 8))], [None], 8)
+    assert fingerprint(blocks) == fingerprint(blocks, chunk=3) == fingerprint(mapped, chunk=2) == naive
+
+
 def _other_tokenizer():
     tok = tiny_tokenizer()
     tok.add_tokens(["<extra>"])

@@ -6,6 +6,7 @@ import math
 import mmap
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,20 @@ def _file_rows(arr: np.ndarray) -> tuple[str, int] | None:
     return arr.filename, start + int(arr.__array_interface__["data"][0] - base.__array_interface__["data"][0])
 
 
+@dataclass(frozen=True)
+class FileArray:
+    """A C-ordered 2-D array ``shape`` of ``dtype`` stored raw in the file ``path`` from byte ``offset``.
+
+    :class:`Blocks` reads its rows with ``pread`` and never maps it, so thousands of them (the shards of a
+    teacher cache) hold no file descriptor or mapping until read.
+    """
+
+    path: str
+    offset: int
+    dtype: np.dtype
+    shape: tuple[int, int]
+
+
 class Blocks:
     """The training blocks of every source, laid end to end, read from the prepared files on demand.
 
@@ -39,11 +54,13 @@ class Blocks:
     (by the clean, shared page-cache pages it touched) even though none of it is its own memory.
     """
 
-    def __init__(self, parts: Sequence[np.ndarray], masks: Sequence[np.ndarray | None], seq_len: int):
+    max_open_files = 64  # file descriptors kept open for reads (least recently used closed first)
+
+    def __init__(self, parts: Sequence[np.ndarray | FileArray], masks: Sequence[np.ndarray | None], seq_len: int):
         self.parts, self.masks, self.seq_len = list(parts), list(masks), seq_len
         self.sizes = [p.shape[0] for p in self.parts]
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
-        self._fds: dict[str, int] = {}
+        self._fds: OrderedDict[str, int] = OrderedDict()
 
     def __del__(self) -> None:
         for fd in getattr(self, "_fds", {}).values():
@@ -53,19 +70,29 @@ class Blocks:
                 pass
 
     def __getstate__(self) -> dict:  # file descriptors do not travel; reopened on first read
-        return {**self.__dict__, "_fds": {}}
+        return {**self.__dict__, "_fds": OrderedDict()}
 
-    def _rows(self, arr: np.ndarray, local: np.ndarray) -> np.ndarray:
-        """``arr[local]`` (``local`` sorted): ``pread`` per row from the file behind a memmap, else indexing."""
-        where = _file_rows(arr) if hasattr(os, "preadv") else None
+    def _fd(self, name: str) -> int:
+        fd = self._fds.pop(name, None)
+        if fd is None:
+            fd = os.open(name, os.O_RDONLY)
+            while len(self._fds) >= self.max_open_files:
+                os.close(self._fds.popitem(last=False)[1])
+        self._fds[name] = fd  # most recently used last
+        return fd
+
+    def _rows(self, arr: np.ndarray | FileArray, local: np.ndarray) -> np.ndarray:
+        """``arr[local]`` (``local`` sorted): ``pread`` per row from the file behind ``arr``, else indexing."""
+        if isinstance(arr, FileArray):
+            where = (arr.path, arr.offset)
+        else:
+            where = _file_rows(arr) if hasattr(os, "preadv") else None
         if where is None:
             return arr[local]
         name, pos0 = where
-        fd = self._fds.get(name)
-        if fd is None:
-            fd = self._fds[name] = os.open(name, os.O_RDONLY)
+        fd = self._fd(name)
         rows = np.empty((local.size, arr.shape[1]), dtype=arr.dtype)
-        step = arr.strides[0]
+        step = arr.shape[1] * rows.itemsize
         for i, r in enumerate(local.tolist()):
             if os.preadv(fd, [memoryview(rows[i]).cast("B")], pos0 + r * step) != step:
                 raise DataError(f"{name} is shorter than its metadata says; delete its folder and prepare again")
@@ -107,6 +134,11 @@ class Blocks:
         elif isinstance(index, (int, np.integer)):
             return self[torch.tensor([int(index)])][0]
         return torch.from_numpy(self._gather(index, self.parts, np.dtype(np.int64), 0))
+
+    def rows(self, index) -> np.ndarray:
+        """``[n, seq_len]`` rows ``index`` in the files' own dtype (no cast): other per-block arrays, e.g. the
+        shards of a teacher cache."""
+        return self._gather(index, self.parts, self.parts[0].dtype, 0)
 
     def loss_mask(self, index) -> torch.Tensor | None:
         """``[n, seq_len]`` bool, True where the token is a training target; None when every token is."""
