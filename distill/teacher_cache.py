@@ -120,11 +120,19 @@ def slots_for_bytes(mode: str, budget: int) -> int:
     return budget // bytes_per_token(mode, 1)
 
 
-def write_shard(path: Path, index: torch.Tensor, logprobs: torch.Tensor, counts: torch.Tensor | None = None) -> None:
-    tensors = {"index": index.contiguous(), "logprobs": logprobs.to(torch.float16).contiguous()}
+def write_shard(path: Path, index: torch.Tensor, logprobs: torch.Tensor, counts: torch.Tensor | None = None,
+                metadata: dict[str, str] | None = None) -> None:
+    """One shard: ``index`` int32, ``logprobs`` fp16 and ``counts`` uint8 ``[blocks, seq, slots]``, + string metadata."""
+    tensors = {"index": index.to(torch.int32).contiguous(), "logprobs": logprobs.to(torch.float16).contiguous()}
     if counts is not None:
         tensors["counts"] = counts.to(torch.uint8).contiguous()
-    save_file(tensors, str(path))
+    save_file(tensors, str(path), metadata=metadata)
+
+
+def shard_metadata(path: Path) -> dict[str, str]:
+    """The string metadata :func:`write_shard` stored in a shard (its header only is read)."""
+    with open(path, "rb") as f:
+        return json.loads(f.read(int.from_bytes(f.read(8), "little"))).get("__metadata__", {})
 
 
 @dataclass

@@ -8,14 +8,20 @@ Then train without the teacher: ``accelerate launch recipes/distill.py teacher_c
 hidden_weight=0 attn_weight=0`` (the data keys must match: the cache checks a fingerprint of the
 packed blocks, a sampled cache its temperature). See ``distill/teacher_cache.py`` for the format, the
 top-k tail-bucket approximation and the unbiased sampled estimate.
+
+At corpus scale: ``accelerate launch recipes/cache_teacher.py ...`` splits the shards across processes
+(GPU i writes shards i, i + world, ...; the teacher in bf16 on GPUs). Shards are written whole into
+``.NAME.partial/`` next to the output; a killed run rerun with the same settings keeps them and writes
+only the rest, and the folder becomes ``output_dir`` once every shard is there.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
 import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,18 +31,33 @@ from pathlib import Path
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import torch
+from accelerate import PartialState
 from tqdm.auto import tqdm
 
-from core.config import ConfigError, check_fields, field, parse_config, run_cli, save_config
+from core.config import (
+    ConfigError,
+    check_fields,
+    config_changes,
+    field,
+    load_yaml,
+    parse_config,
+    run_cli,
+    save_config,
+    to_dict,
+)
 from core.fsio import replace_dir
+from core.models import ModelSourceError, load_causal_lm
 from core.rundir import check_replaceable
+from core.tiny import TINY, tiny_teacher
 from distill.data import BUILTIN, build_data, eval_batches
+from distill.sources import load_recipe_tokenizer
 from distill.teacher_cache import (
     META,
     MODES,
     bytes_per_token,
     fingerprint,
     sample_teacher,
+    shard_metadata,
     tail_mass,
     tokenizer_fingerprint,
     topk_logprobs,
@@ -66,16 +87,95 @@ class CacheTeacherConfig:
     temperature: float = field(1.0, gt=0, help="mode=sampled: KD temperature the draws are made at (the distill "
                                "run must use the same)")
     batch_size: int = field(8, ge=1, help="blocks per teacher forward")
+    dtype: str = field("auto", choices=("auto", "fp32", "bf16", "fp16"),
+                       help="teacher weights; auto: bf16 on GPUs that support it, fp32 on CPU (log-probs are fp32)")
     shard_blocks: int = field(256, ge=1, help="blocks per shard file")
     seed: int = field(0, ge=0, le=2**32 - 1, help="seed (tiny-random teacher)")
     output_dir: str = field("runs/teacher-cache", help="cache folder to write")
-    overwrite: bool = field(False, help="replace an existing cache")
+    overwrite: bool = field(False, help="replace an existing cache (or start an unfinished one over)")
+    debug_exit_after_shards: int | None = field(None, ge=1, help="testing: die like a killed process after "
+                                                "writing this many shards (this process)")
     # accepted so one YAML can drive both recipes; unused here
     student: str | None = field(None, help="unused (the distill run's student)")
     keep_layers: str = field("10", help="unused")
 
     def __post_init__(self) -> None:
         check_fields(self)  # every field's range/choices, declared above (core.config.field)
+
+
+# Keys a resumed (unfinished) cache may change: they do not change what is written.
+RESUME_SAFE = ("output_dir", "overwrite", "batch_size", "dtype", "student", "keep_layers",
+               "debug_exit_after_shards")
+
+
+def shard_name(i: int) -> str:
+    return f"shard-{i:05d}.safetensors"
+
+
+def claim_work(cfg: CacheTeacherConfig, work: Path) -> int:
+    """The folder shards are written into until the cache is whole (main process); returns shards already in it.
+
+    An unfinished folder from a killed run with the same settings is resumed (its finished shards are
+    kept); one with other settings is refused unless ``overwrite=true`` starts over.
+    """
+    saved = work / "config.yaml"
+    if work.exists() and not saved.is_file():
+        raise ConfigError(f"{work} exists but is not an unfinished teacher cache (no config.yaml); move it away")
+    if work.exists():
+        changes = config_changes(load_yaml(saved), to_dict(cfg), RESUME_SAFE)
+        if changes and not cfg.overwrite:
+            listed = ", ".join(f"{k}: {o!r} → {n!r}" for k, (o, n) in changes.items())
+            raise ConfigError(f"{work} holds an unfinished cache with other settings ({listed}); rerun with its "
+                              "settings to finish it, or overwrite=true to start over")
+        if changes:
+            shutil.rmtree(work)
+    work.mkdir(parents=True, exist_ok=True)
+    for stale in work.glob(".shard-*"):  # a shard being written when the run was killed
+        stale.unlink()
+    save_config(cfg, saved)
+    return len(list(work.glob("shard-*.safetensors")))
+
+
+def cache_shard(cfg: CacheTeacherConfig, teacher, blocks: torch.Tensor, shard: int, path: Path, bar) -> None:
+    """The teacher's targets for one shard's blocks ``[n, seq]``, written whole (temp name, then renamed).
+
+    Sampled draws use a generator seeded by ``(seed, shard)``: the same cache whatever the number of
+    processes or restarts. The shard's metadata carries its tail mass (top-k) for the cache summary.
+    """
+    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + shard)
+    idx, val, cnt = [], [], []
+    tail_sum, tokens = 0.0, 0
+    device = next(teacher.parameters()).device
+    with torch.inference_mode():
+        for b in range(0, blocks.shape[0], cfg.batch_size):
+            batch = blocks[b: b + cfg.batch_size]
+            logits = teacher(input_ids=batch.to(device)).logits.float().cpu()
+            if cfg.mode == "topk":
+                i, v = topk_logprobs(logits, cfg.topk)
+                tail_sum += float(tail_mass(v).sum())
+                tokens += v.shape[0] * v.shape[1]
+            else:
+                i, c, v = sample_teacher(logits, cfg.samples, cfg.temperature, gen)
+                cnt.append(c)
+            idx.append(i)
+            val.append(v)
+            bar.update(batch.numel())
+    tmp = path.with_name(f".{path.name}")
+    write_shard(tmp, torch.cat(idx), torch.cat(val), torch.cat(cnt) if cnt else None,
+                metadata={"tail_sum": repr(tail_sum), "tokens": str(tokens)} if cfg.mode == "topk" else None)
+    os.replace(tmp, path)
+
+
+def load_teacher(cfg: CacheTeacherConfig, device: torch.device):
+    """The frozen teacher on ``device`` in ``cfg.dtype`` (auto: bf16 on GPUs that have it, fp32 on CPU)."""
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.dtype)
+    if dtype is None:  # auto
+        dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    try:
+        teacher = tiny_teacher(cfg.seed) if cfg.teacher == TINY else load_causal_lm(cfg.teacher, dtype)
+    except (ModelSourceError, OSError) as err:
+        raise ConfigError(str(err).splitlines()[0]) from None
+    return teacher.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
 def main() -> None:
@@ -85,58 +185,64 @@ def main() -> None:
         raise ConfigError(f"{out} already exists; pass overwrite=true or another output_dir=")
     if out.exists():  # overwrite replaces only a cache of ours (core/rundir.py)
         check_replaceable(out, (out / META).is_file(), f"a teacher cache (no {META})")
-    from distill.sources import load_pair
-
-    cfg_for_load = type("C", (), {**cfg.__dict__, "student": None, "teacher_cache": None, "keep_layers": "1"})
-    teacher, _, tokenizer = load_pair(cfg_for_load)
-    data = build_data(tokenizer, dataset=cfg.dataset, eval_dataset=cfg.eval_dataset, seq_len=cfg.seq_len,
-                      eval_blocks=cfg.eval_blocks, text_field=cfg.text_field, max_train_blocks=cfg.max_blocks)
+    # Without GPUs: gloo, and cpu=True, without which accelerate's barriers are no-ops under a CPU launch.
+    cpu = not torch.cuda.is_available()
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    state = PartialState(cpu=cpu, **({"backend": "gloo"} if distributed and cpu else {}))
+    work = out.with_name(f".{out.name}.partial")  # shards land here until the cache is whole; kept on a kill
+    if state.is_main_process:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        done = claim_work(cfg, work)
+        if done:
+            print(f"resuming {work}: {done} shard(s) already written")
+    state.wait_for_everyone()
+    teacher = load_teacher(cfg, state.device)
+    tokenizer = load_recipe_tokenizer(cfg.teacher, cfg.tokenizer)
+    with state.main_process_first():  # one process prepares the data, the others map it
+        data = build_data(tokenizer, dataset=cfg.dataset, eval_dataset=cfg.eval_dataset, seq_len=cfg.seq_len,
+                          eval_blocks=cfg.eval_blocks, text_field=cfg.text_field, max_train_blocks=cfg.max_blocks)
     vocab = teacher.config.vocab_size
     if cfg.mode == "topk" and cfg.topk > vocab:
         raise ConfigError(f"topk {cfg.topk} exceeds the vocabulary ({vocab})")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        t0 = time.time()
-        n = data.train.shape[0]
-        slots = cfg.topk if cfg.mode == "topk" else cfg.samples
-        gen = torch.Generator().manual_seed(cfg.seed)
-        tail_sum, tokens = 0.0, 0
-        with torch.inference_mode(), tqdm(total=n * cfg.seq_len, unit="tok", desc=f"teacher {cfg.mode}") as bar:
-            for shard, start in enumerate(range(0, n, cfg.shard_blocks)):
-                idx, val, cnt = [], [], []
-                for b in range(start, min(n, start + cfg.shard_blocks), cfg.batch_size):
-                    blocks = data.train[b: min(b + cfg.batch_size, start + cfg.shard_blocks, n)]
-                    logits = teacher(input_ids=blocks).logits
-                    if cfg.mode == "topk":
-                        i, v = topk_logprobs(logits, cfg.topk)
-                        tail_sum += float(tail_mass(v).sum())
-                        tokens += v.shape[0] * v.shape[1]
-                    else:
-                        i, c, v = sample_teacher(logits, cfg.samples, cfg.temperature, gen)
-                        cnt.append(c)
-                    idx.append(i)
-                    val.append(v)
-                    bar.update(blocks.numel())
-                write_shard(tmp / f"shard-{shard:05d}.safetensors", torch.cat(idx), torch.cat(val),
-                            torch.cat(cnt) if cnt else None)
-            teacher_ppl = evaluate_lm(teacher, eval_batches(data.eval, cfg.batch_size, mask=data.eval_mask))[0].perplexity
-        meta = {"mode": cfg.mode, "k": slots, "seq_len": cfg.seq_len, "blocks": n,
-                "fingerprint": fingerprint(data.train), "teacher": cfg.teacher, "dataset": cfg.dataset,
-                "vocab_size": vocab, "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
-                "bytes_per_token": bytes_per_token(cfg.mode, slots), "teacher_ppl": teacher_ppl,
-                "seconds": time.time() - t0}
-        if cfg.mode == "topk":
-            meta["tail_mass"] = tail_sum / max(tokens, 1)  # mean teacher mass the truncation drops
-        else:
-            meta["samples"] = cfg.samples
-            meta["temperature"] = cfg.temperature
-        (tmp / META).write_text(json.dumps(meta, indent=1))
-        save_config(cfg, tmp / "config.yaml")
-        replace_dir(tmp, out)  # fsynced, then renamed; an old cache is removed only after
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    t0, n = time.time(), data.train.shape[0]
+    # Shard i goes to process i mod world; shards already written (a resumed run) are skipped.
+    todo = [i for i in range(math.ceil(n / cfg.shard_blocks))
+            if i % state.num_processes == state.process_index and not (work / shard_name(i)).is_file()]
+    total = sum(min(n, (i + 1) * cfg.shard_blocks) - i * cfg.shard_blocks for i in todo) * cfg.seq_len
+    with tqdm(total=total, unit="tok", desc=f"teacher {cfg.mode}", disable=not state.is_main_process) as bar:
+        for written, i in enumerate(todo, 1):
+            blocks = data.train[i * cfg.shard_blocks: min(n, (i + 1) * cfg.shard_blocks)]
+            cache_shard(cfg, teacher, blocks, i, work / shard_name(i), bar)
+            if written == cfg.debug_exit_after_shards:
+                os._exit(137)
+    state.wait_for_everyone()
+    if state.is_main_process:
+        finish(cfg, teacher, tokenizer, data, work, out, time.time() - t0)
+    state.wait_for_everyone()
+
+
+def finish(cfg: CacheTeacherConfig, teacher, tokenizer, data, work: Path, out: Path, seconds: float) -> None:
+    """Every shard is written: the teacher's held-out perplexity, ``meta.json``, then the folder goes in place."""
+    n = data.train.shape[0]
+    shards = sorted(work.glob("shard-*.safetensors"))
+    if len(shards) != math.ceil(n / cfg.shard_blocks):
+        raise ConfigError(f"{work} has {len(shards)} shards of {math.ceil(n / cfg.shard_blocks)}; rerun to finish it")
+    device = next(teacher.parameters()).device
+    teacher_ppl = evaluate_lm(teacher, eval_batches(data.eval, cfg.batch_size, mask=data.eval_mask),
+                              device=device)[0].perplexity
+    slots = cfg.topk if cfg.mode == "topk" else cfg.samples
+    meta = {"mode": cfg.mode, "k": slots, "seq_len": cfg.seq_len, "blocks": n,
+            "fingerprint": fingerprint(data.train), "teacher": cfg.teacher, "dataset": cfg.dataset,
+            "vocab_size": teacher.config.vocab_size, "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
+            "bytes_per_token": bytes_per_token(cfg.mode, slots), "teacher_ppl": teacher_ppl, "seconds": seconds}
+    if cfg.mode == "topk":  # mean teacher mass the truncation drops, from every shard's own sums
+        sums = [shard_metadata(s) for s in shards]
+        meta["tail_mass"] = sum(float(m["tail_sum"]) for m in sums) / max(sum(int(m["tokens"]) for m in sums), 1)
+    else:
+        meta["samples"] = cfg.samples
+        meta["temperature"] = cfg.temperature
+    (work / META).write_text(json.dumps(meta, indent=1))
+    replace_dir(work, out)  # fsynced, then renamed; an old cache is removed only after
     size = sum(p.stat().st_size for p in out.iterdir())
     what = (f"top-{cfg.topk}, mean tail mass {meta['tail_mass']:.3f}" if cfg.mode == "topk"
             else f"{cfg.samples} samples at T={cfg.temperature}")

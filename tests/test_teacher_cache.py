@@ -214,6 +214,61 @@ def test_cache_reads_rows_from_the_shards_on_demand(tmp_path):
     assert fingerprint(blocks) == fingerprint(blocks, chunk=3) == fingerprint(mapped, chunk=2) == naive
 
 
+def _cache_cmd(out: Path, *extra: str) -> list[str]:
+    return ["recipes/cache_teacher.py", "teacher=tiny-random", "seq_len=32", "max_blocks=20", "shard_blocks=4",
+            "mode=sampled", "samples=6", "batch_size=3", f"output_dir={out}", *extra]
+
+
+def _shards(path: Path) -> dict[str, tuple]:
+    """Each shard's tensors (as bytes) and metadata (its key order in the file is not fixed)."""
+    from safetensors.torch import load_file
+
+    from distill.teacher_cache import shard_metadata
+
+    return {p.name: ({k: (v.dtype, v.shape, v.numpy().tobytes()) for k, v in load_file(str(p)).items()},
+                     shard_metadata(p)) for p in sorted(path.glob("shard-*.safetensors"))}
+
+
+@pytest.mark.slow
+def test_cache_teacher_resumes_after_a_kill_and_matches_an_uninterrupted_run(tmp_path):
+    """Shards are written whole, one by one: a killed run keeps them and a rerun finishes the rest, giving the
+    very bytes of a run never stopped (sampled draws are seeded per shard, not by what ran before)."""
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+    full = run(*_cache_cmd(tmp_path / "full"))
+    assert full.returncode == 0, full.stderr[-2000:]
+    killed = tmp_path / "killed"
+    work = tmp_path / ".killed.partial"
+    assert run(*_cache_cmd(killed, "debug_exit_after_shards=2")).returncode == 137
+    assert not killed.exists() and len(_shards(work)) == 2
+    other = run(*_cache_cmd(killed, "samples=7"))
+    assert other.returncode == 2 and "other settings (samples: 6 → 7)" in other.stderr.strip().splitlines()[-1]
+    assert "overwrite=true" in other.stderr and len(_shards(work)) == 2  # nothing lost
+    resumed = run(*_cache_cmd(killed, "batch_size=5"))  # a safe change: batching does not change what is written
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "2 shard(s) already written" in resumed.stdout and not work.exists()
+    assert _shards(killed) == _shards(tmp_path / "full") and len(_shards(killed)) == 5
+    meta_a, meta_b = (json.loads((p / META).read_text()) for p in (tmp_path / "full", killed))
+    assert {k: v for k, v in meta_a.items() if k != "seconds"} == {k: v for k, v in meta_b.items() if k != "seconds"}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_cache_teacher_splits_shards_across_two_processes(tmp_path):
+    """Two processes (gloo, CPU) write alternate shards and one cache: the bytes of a one-process run."""
+    from tests.test_distributed import _launch
+
+    one = subprocess.run([sys.executable, *_cache_cmd(tmp_path / "one", "mode=topk", "topk=5")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert one.returncode == 0, one.stderr[-2000:]
+    _launch("cpu_ddp_2proc.yaml", [str(ROOT / a) if a.endswith(".py") else a
+                                   for a in _cache_cmd(tmp_path / "two", "mode=topk", "topk=5")], cpu_ddp=True)
+    assert _shards(tmp_path / "two") == _shards(tmp_path / "one") and len(_shards(tmp_path / "one")) == 5
+    meta_1, meta_2 = (json.loads((tmp_path / d / META).read_text()) for d in ("one", "two"))
+    assert meta_2["tail_mass"] == pytest.approx(meta_1["tail_mass"]) and meta_2["fingerprint"] == meta_1["fingerprint"]
+
+
 def _other_tokenizer():
     tok = tiny_tokenizer()
     tok.add_tokens(["<extra>"])
