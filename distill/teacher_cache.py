@@ -171,8 +171,9 @@ def cached_kd_loss(student_logits: torch.Tensor, targets: CachedTargets | tuple[
 _NUMPY_DTYPES = {"I32": np.int32, "F16": np.float16, "U8": np.uint8, "F32": np.float32, "I64": np.int64}
 
 
-def shard_arrays(path: Path) -> dict[str, FileArray]:
-    """Where the tensors of one safetensors shard lie in its file, as ``[blocks, seq * slots]`` rows.
+def shard_arrays(path: Path) -> dict[str, tuple[FileArray, tuple[int, ...]]]:
+    """Where the tensors of one safetensors shard lie in its file: per name, ``[blocks, seq * slots]`` rows and
+    the tensor's own shape.
 
     A safetensors file is an 8-byte little-endian header length, a JSON header giving each tensor's dtype,
     shape and byte range, then the raw little-endian data. Nothing is read beyond the header (and nothing
@@ -188,10 +189,10 @@ def shard_arrays(path: Path) -> dict[str, FileArray]:
         if info["dtype"] not in _NUMPY_DTYPES:
             raise TeacherCacheError(f"{path}: tensor {name} has dtype {info['dtype']}; rewrite the cache with "
                                     "recipes/cache_teacher.py")
-        shape = info["shape"]
-        out[name] = FileArray(str(path), 8 + size + info["data_offsets"][0], np.dtype(_NUMPY_DTYPES[info["dtype"]]),
-                              (shape[0], int(np.prod(shape[1:]))))
-        out[name + ".shape"] = tuple(shape)
+        shape = tuple(info["shape"])
+        rows = FileArray(str(path), 8 + size + info["data_offsets"][0], np.dtype(_NUMPY_DTYPES[info["dtype"]]),
+                         (shape[0], int(np.prod(shape[1:]))))
+        out[name] = (rows, shape)
     return out
 
 
@@ -231,16 +232,16 @@ class TeacherCache:
         shards = [shard_arrays(s) for s in sorted(path.glob("shard-*.safetensors"))]
         if not shards:
             raise TeacherCacheError(f"teacher cache {path} has no shards; rerun recipes/cache_teacher.py")
-        blocks = sum(sh["index"].shape[0] for sh in shards)
+        blocks = sum(sh["index"][1][0] for sh in shards)
         if blocks != train_blocks.shape[0]:
             raise TeacherCacheError(f"teacher cache {path} is incomplete ({blocks} of "
                                     f"{train_blocks.shape[0]} blocks); rerun recipes/cache_teacher.py")
-        self.seq, self.k = shards[0]["index.shape"][1:]
+        self.seq, self.k = shards[0]["index"][1][1:]
         self.vocab_size = vocab_size
         width = self.seq * self.k
         names = ("index", "logprobs", "counts") if self.mode == "sampled" else ("index", "logprobs")
         # One row reader per tensor over the shards laid end to end (the training blocks' reader).
-        self._rows = {n: Blocks([sh[n] for sh in shards], [None] * len(shards), width) for n in names}
+        self._rows = {n: Blocks([sh[n][0] for sh in shards], [None] * len(shards), width) for n in names}
 
     @property
     def mode(self) -> str:

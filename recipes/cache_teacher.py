@@ -103,9 +103,8 @@ class CacheTeacherConfig:
         check_fields(self)  # every field's range/choices, declared above (core.config.field)
 
 
-# Keys a resumed (unfinished) cache may change: they do not change what is written.
-RESUME_SAFE = ("output_dir", "overwrite", "batch_size", "dtype", "student", "keep_layers",
-               "debug_exit_after_shards")
+# Keys a resumed (unfinished) cache may change: they do not change what is written (the teacher's dtype does).
+RESUME_SAFE = ("output_dir", "overwrite", "batch_size", "student", "keep_layers", "debug_exit_after_shards")
 
 
 def shard_name(i: int) -> str:
