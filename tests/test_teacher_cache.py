@@ -294,3 +294,14 @@ def test_sampled_cache_recipe_round_trip(tmp_path):
     bad = subprocess.run([*common, "temperature=1.0", f"output_dir={tmp_path / 'bad'}"], cwd=ROOT,
                          capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and "temperature=2.0" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_bench_cache_rss_reads_the_same_targets_without_loading_the_cache(tmp_path):
+    """The memory benchmark at a small size: both arms read the same targets (it exits otherwise) and only
+    loading the whole cache grows with it."""
+    proc = subprocess.run([sys.executable, "bench/teacher_cache_rss.py", "--tokens", "2e5", "--steps", "20",
+                           "--work", str(tmp_path / "w")], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["cache_mb"] > 50 and out["rss_growth_mb"]["load"] > 0.8 * out["cache_mb"]
+    assert out["rss_growth_mb"]["reader"] < 0.3 * out["cache_mb"] and not (tmp_path / "w").exists()
