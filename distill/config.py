@@ -121,6 +121,9 @@ class DistillConfig:
                                   "on-policy micro-batches (cheaper per row, slightly stale)")
     gen_prompts: str = field("prefix", choices=("prefix", "chat"), help="on-policy prompts: prefix (the start of "
                              "each training block) | chat (the first user turn of each chat record in dataset)")
+    gen_prompt_pool: int = field(16384, ge=1, help="on-policy, gen_prompts=chat: at most this many records (a "
+                                 "seeded sample, the same on every rank) are tokenized into the prompt pool, so a "
+                                 "large chat set costs bounded start time and memory")
     # eval, logging, outputs
     eval_every: int = field(12, ge=0, help="held-out evaluation every N steps (0: only at start and end)")
     log_every: int = field(1, ge=1, help="tracker logging every N steps")

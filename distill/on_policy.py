@@ -108,12 +108,17 @@ def prefix_prompts(blocks: torch.Tensor, prompt_tokens: int) -> list[list[int]]:
     return [row[:prompt_tokens].tolist() for row in blocks]
 
 
-def chat_prompts(dataset: str, tokenizer, prompt_tokens: int) -> list[list[int]]:
-    """Every chat record's conversation up to its first user turn, rendered for generation.
+def chat_prompts(dataset: str, tokenizer, prompt_tokens: int, max_records: int | None = None,
+                 seed: int = 0) -> list[list[int]]:
+    """Each chat record's conversation up to its first user turn, rendered for generation.
 
-    Records longer than ``prompt_tokens`` are skipped (never truncated). One-line error when the
-    dataset has no chat records or none fits.
+    Records longer than ``prompt_tokens`` are skipped (never truncated). A dataset of more than
+    ``max_records`` records contributes a seeded sample of that many (in dataset order), so start time
+    and memory stay bounded whatever its size. One-line error when the dataset has no chat records or
+    none fits.
     """
+    import numpy as np
+
     from distill.data.text import load_records
 
     records = load_records(dataset, None)
@@ -121,6 +126,9 @@ def chat_prompts(dataset: str, tokenizer, prompt_tokens: int) -> list[list[int]]
         raise OnPolicyError(f"{dataset} has no chat records ('messages'); use gen_prompts=prefix")
     if getattr(tokenizer, "chat_template", None) is None:
         raise OnPolicyError("gen_prompts=chat needs a tokenizer with a chat template; use gen_prompts=prefix")
+    if max_records is not None and len(records) > max_records:
+        pick = np.random.default_rng(seed).choice(len(records), size=max_records, replace=False)
+        records = records.select(np.sort(pick).tolist())
     out, seen = [], 0
     for r in records:
         msgs = r["messages"] or []
@@ -350,6 +358,7 @@ def build(cfg, accelerator, model, tokenizer) -> OnPolicy | None:
     if settings.prompt_tokens + settings.max_new_tokens > limit:
         raise OnPolicyError(f"gen_prompt_tokens + gen_max_new_tokens exceeds the student's context of {limit} "
                             "tokens; lower them")
-    pool = chat_prompts(cfg.dataset, tokenizer, settings.prompt_tokens) if settings.prompts == "chat" else None
+    pool = (chat_prompts(cfg.dataset, tokenizer, settings.prompt_tokens, cfg.gen_prompt_pool, cfg.seed)
+            if settings.prompts == "chat" else None)
     return OnPolicy(settings, model, unwrapped, tokenizer, cfg.micro_batch_size, accelerator.process_index, pool,
                     sharded=is_zero3(accelerator))

@@ -261,6 +261,20 @@ def test_chat_prompts_take_first_user_turn_and_refuse_unusable_data(tmp_path):
         chat_prompts(str(text), tok, 64)
 
 
+def test_a_large_chat_set_gives_a_bounded_seeded_pool(tmp_path):
+    """More records than gen_prompt_pool: a seeded sample of them, the same for the same seed (every rank)."""
+    tok = tiny_tokenizer()
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"item {i}"}]}) for i in range(30)))
+    every = chat_prompts(str(chat), tok, 64)
+    a, b = chat_prompts(str(chat), tok, 64, max_records=10, seed=3), chat_prompts(str(chat), tok, 64, 10, seed=3)
+    other = chat_prompts(str(chat), tok, 64, max_records=10, seed=4)
+    assert len(every) == 30 and len(a) == 10 and a == b and a != other
+    assert all(p in every for p in a) and len({tuple(p) for p in a}) == 10
+    assert [every.index(p) for p in a] == sorted(every.index(p) for p in a)  # in dataset order
+    assert chat_prompts(str(chat), tok, 64, max_records=100) == every
+
+
 @pytest.mark.slow
 def test_recipe_on_policy_run(tmp_path):
     out = tmp_path / "op"
