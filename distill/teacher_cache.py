@@ -182,6 +182,10 @@ def shard_arrays(path: Path) -> dict[str, tuple[FileArray, tuple[int, ...]]]:
     with open(path, "rb") as f:
         size = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(size))
+    end = 8 + size + max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if path.stat().st_size < end:
+        raise TeacherCacheError(f"teacher cache shard {path} is truncated ({path.stat().st_size} of {end} bytes); "
+                                "rerun recipes/cache_teacher.py")
     out = {}
     for name, info in header.items():
         if name == "__metadata__":

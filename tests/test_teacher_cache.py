@@ -200,7 +200,12 @@ def test_cache_reads_rows_from_the_shards_on_demand(tmp_path):
     rewrite_in_place(whole["index"][3:4] * 0 + 400)
     with pytest.raises(TeacherCacheError, match="beyond the student's vocabulary of 320"):
         cache.lookup(torch.tensor([3]), "cpu")
-    (path / "shard-00002.safetensors").unlink()
+    shard = path / "shard-00002.safetensors"
+    full = shard.read_bytes()
+    shard.write_bytes(full[:-5])  # a copy cut short: refused when opened, not at some later lookup
+    with pytest.raises(TeacherCacheError, match="shard-00002.safetensors is truncated"):
+        TeacherCache(path, blocks, vocab_size=320, tokenizer=tok, temperature=1.0)
+    shard.unlink()
     with pytest.raises(TeacherCacheError, match="incomplete \\(4 of 7 blocks\\)"):
         TeacherCache(path, blocks, vocab_size=320, tokenizer=tok, temperature=1.0)
     # The fingerprint reads the blocks a chunk at a time: the same hash as all the bytes at once,
