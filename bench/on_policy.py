@@ -35,7 +35,11 @@ With ``--threads 1`` that is the wall-clock of an unloaded machine, and it stays
 is shared: a wall-clock budget would give more training to whichever arm ran in a quieter moment.
 (CPU seconds per step still grow somewhat with contention: run the arms of one comparison side by side,
 ``--arms off`` / ``--arms mix``, so they see the same load.) ``--clock wall`` counts wall seconds (use it
-on a machine of your own). Both are recorded.
+on a machine of your own). Both are recorded. ``--clock steps`` counts the budget in off-policy steps and
+charges each on-policy step ``--on-cost`` of one (the mean step-cost ratio a ``cpu`` run measured): the
+number of steps and the lr schedule no longer depend on the machine's load, so an arm rerun with the same
+seed gives the same numbers, and arms need not run side by side. The step times are still measured (CPU
+seconds), and the verdict says whether the charged cost covered the measured one.
 
 Step cost: inside the on-policy arm (off- and on-policy steps interleaved), the median time of
 on-policy steps over that of off-policy steps (same micro-batch size, same sequence length), in CPU
@@ -137,7 +141,47 @@ def lr_multiplier(args, step: int, progress: float) -> float:
 
 
 def _clock(kind: str):
-    return time.process_time if kind == "cpu" else time.perf_counter
+    """What step times are measured in: wall seconds for ``--clock wall``, else CPU seconds."""
+    return time.perf_counter if kind == "wall" else time.process_time
+
+
+def _clock_name(args) -> str:
+    return "wall" if args.clock == "wall" else "cpu"
+
+
+def _budget_text(args) -> str:
+    if args.clock == "steps":
+        return f"{args.budget:.0f} off-policy steps (on-policy steps charged {args.on_cost or 0:g})"
+    return f"{args.budget:.0f}s ({args.clock})"
+
+
+class Budget:
+    """What an arm has spent of ``--budget``: CPU or wall seconds, or off-policy steps (``--clock steps``).
+
+    In steps, an off-policy step costs 1 and an on-policy step ``on_cost``: the arm's length and its lr
+    schedule are then a function of the settings alone, not of the machine's load.
+    """
+
+    def __init__(self, kind: str, total: float, on_cost: float | None = None):
+        if kind == "steps" and on_cost is None:
+            raise ValueError("--clock steps needs on_cost")
+        self.kind, self.total, self.on_cost = kind, total, on_cost
+        self._clock, self.units = _clock(kind), 0.0
+        self.t0 = self._clock()
+
+    def spent(self) -> float:
+        return self.units if self.kind == "steps" else self._clock() - self.t0
+
+    def left(self) -> bool:
+        return self.spent() < self.total
+
+    def progress(self) -> float:
+        """Share of the budget spent, the cosine schedule's clock."""
+        return self.spent() / self.total
+
+    def charge(self, on: bool) -> None:
+        """One step done (counted only by ``--clock steps``; time runs by itself)."""
+        self.units += self.on_cost if on else 1.0
 
 
 def run_arm(name: str, fraction: float, args, teacher, student0, tokenizer, data, eval_prompts) -> dict:
@@ -159,19 +203,20 @@ def run_arm(name: str, fraction: float, args, teacher, student0, tokenizer, data
     clock = _clock(args.clock)
     times = {"on": [], "off": []}
     walls = {"on": [], "off": []}
+    budget = Budget(args.clock, args.budget, args.on_cost)
     t_start, w_start, step = clock(), time.perf_counter(), 0
     first_on = None  # the step at which the warm start (--on-start) ended and the mix began
-    while clock() - t_start < args.budget:
+    while budget.left():
         pick = order[(step * args.batch) % len(order):][: args.batch]
         if len(pick) < args.batch:
             pick = order[: args.batch]
         blocks = data.train[pick]
         t0, w0 = clock(), time.perf_counter()
-        if first_on is None and clock() - t_start >= args.on_start * args.budget:
+        if first_on is None and budget.progress() >= args.on_start:
             first_on = step
         on = first_on is not None and policy.wants(step - first_on, 0, 1)
         for group in opt.param_groups:  # both kinds of step clip to norm 1: a smaller rollout update needs its lr
-            group["lr"] = args.lr * lr_multiplier(args, step, (t0 - t_start) / args.budget) * (args.on_lr if on else 1)
+            group["lr"] = args.lr * lr_multiplier(args, step, budget.progress()) * (args.on_lr if on else 1)
         out = policy.forward(blocks, step, 0, torch.device("cpu")) if on else model(input_ids=blocks)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
@@ -179,9 +224,12 @@ def run_arm(name: str, fraction: float, args, teacher, student0, tokenizer, data
         opt.zero_grad(set_to_none=True)
         times["on" if on else "off"].append(clock() - t0)
         walls["on" if on else "off"].append(time.perf_counter() - w0)
+        budget.charge(on)
         step += 1
+        unit = "steps" if args.clock == "steps" else "s"
         print(f"    {name} step {step}: {'on' if on else 'off'}-policy, {times['on' if on else 'off'][-1]:.1f}s "
-              f"({args.clock}), {clock() - t_start:.0f}/{args.budget:.0f}s", flush=True)
+              f"({_clock_name(args)}), {budget.spent():.0f}/{args.budget:.0f}{unit}",
+              flush=True)
     elapsed, wall = clock() - t_start, time.perf_counter() - w_start
     model.remove_hooks()
     if args.save:  # the trained weights, to evaluate again later with other eval settings
@@ -200,7 +248,7 @@ def run_arm(name: str, fraction: float, args, teacher, student0, tokenizer, data
            "off_step_wall_s": wmed["off"], "on_step_mean_s": mean["on"], "off_step_mean_s": mean["off"],
            "rollout_tok_s": stats["rollout_tok_s"],
            "gen_time_share": stats["gen_time_share"], "decode_copy_syncs": policy.rollouts.syncs}
-    print(f"  {name}: {step} steps in {elapsed:.0f}s ({args.clock}; {wall:.0f}s wall), ppl {ppl:.2f}, "
+    print(f"  {name}: {step} steps in {elapsed:.0f}s ({_clock_name(args)}; {wall:.0f}s wall), ppl {ppl:.2f}, "
           f"reverse KL on own continuations {rkl:.4f} (SE {ev['se']:.4f})", flush=True)
     return row
 
@@ -208,9 +256,13 @@ def run_arm(name: str, fraction: float, args, teacher, student0, tokenizer, data
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--student", default=None, help="student HF folder (default: teacher layers 0-3,24-29)")
-    ap.add_argument("--budget", type=float, default=300.0, help="training seconds per arm (see --clock)")
-    ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
-                    help="budget and step times in process CPU seconds (fair on a shared machine) or wall seconds")
+    ap.add_argument("--budget", type=float, default=300.0, help="training budget per arm: seconds, or off-policy "
+                    "steps with --clock steps")
+    ap.add_argument("--clock", choices=("cpu", "wall", "steps"), default="cpu",
+                    help="budget in process CPU seconds (fair on a shared machine), wall seconds, or off-policy "
+                    "steps with on-policy steps charged --on-cost (reproducible: independent of the load)")
+    ap.add_argument("--on-cost", type=float, default=None, help="--clock steps: what one on-policy step costs, in "
+                    "off-policy steps (the mean step-cost ratio a --clock cpu run of the same settings measured)")
     ap.add_argument("--fraction", type=float, default=0.5, help="on-policy share of micro-batches in the mix")
     ap.add_argument("--kind", default="forward_kl", help="divergence for both arms (forward_kl, reverse_kl, jsd, ...)")
     ap.add_argument("--on-kind", default=None, help="divergence on on-policy micro-batches only (the recipe's gen_kd_kind; default: --kind)")
@@ -256,6 +308,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--on-start is a share of the budget in [0, 1), got {args.on_start}")
     if args.off_json and args.arms == "off":
         ap.error("--off-json replaces the off-policy arm; drop it or use --arms mix")
+    if args.clock == "steps" and args.on_cost is None and args.arms != "off" and not args.compare:
+        ap.error("--clock steps charges each on-policy step --on-cost off-policy steps; pass it (e.g. the mean "
+                 "step-cost ratio of a --clock cpu run)")
+    if args.on_cost is not None and not args.on_cost > 0:
+        ap.error(f"--on-cost is a positive share of an off-policy step, got {args.on_cost}")
     return args
 
 
@@ -285,7 +342,7 @@ def main() -> None:
           f"{len(eval_prompts)} held-out prompts x {args.eval_samples} continuations for the reverse KL), "
           f"micro-batch {args.batch} ({args.gen_rows or args.batch} rolled out, decoded "
           f"{args.rollout_rows or args.gen_rows or args.batch} at a time), lr {args.lr:g} ({args.schedule}), "
-          f"{args.budget:.0f}s ({args.clock}) per arm, kd_kind={args.kind} "
+          f"{_budget_text(args)} per arm, kd_kind={args.kind} "
           f"(on-policy: {args.on_kind or args.kind}), threads={args.threads}, load average {os.getloadavg()[0]:.1f}",
           flush=True)
     loads = [os.getloadavg()[0]]
@@ -331,7 +388,7 @@ def compare(off_log: str, mix_log: str) -> None:
         k: mix[k] for k in ("clock", "student", "seed", "lr", "schedule", "fraction", "on_start", "kind", "on_kind", "beta",
                             "gen_temperature", "threads", "eval_prompts", "eval_samples", "eval_seed")},
         gen_rows=mix.get("gen_rows", 0), rollout_rows=mix.get("rollout_rows", 0),
-        on_lr=mix.get("on_lr", 1.0))
+        on_lr=mix.get("on_lr", 1.0), on_cost=mix.get("on_cost"))
     report(args, off["init"], off["off_policy"], mix["on_policy"], off["load_avg"] + mix["load_avg"])
 
 
@@ -347,7 +404,7 @@ def report(args, init: dict, off: dict, mix: dict | None, loads: list[float]) ->
     out = {"budget_s": args.budget, "clock": args.clock, "student": args.student, "seed": args.seed, "lr": args.lr, "schedule": args.schedule,
            "fraction": args.fraction, "on_start": args.on_start, "kind": args.kind, "on_kind": args.on_kind or args.kind, "beta": args.beta,
            "gen_tokens": args.gen, "gen_rows": args.gen_rows, "rollout_rows": args.rollout_rows,
-           "on_lr": args.on_lr, "gen_temperature": args.gen_temperature,
+           "on_lr": args.on_lr, "on_cost": args.on_cost, "gen_temperature": args.gen_temperature,
            "threads": args.threads,
            "eval_prompts": args.eval_prompts, "eval_samples": args.eval_samples, "eval_seed": args.eval_seed,
            "load_avg": loads, "init": init, "off_policy": off, "on_policy": mix}
@@ -369,12 +426,20 @@ def report(args, init: dict, off: dict, mix: dict | None, loads: list[float]) ->
         rows += f" (decoded {args.rollout_rows} at a time)" if args.rollout_rows else ""
         print(f"step cost at {args.gen} generated tokens{rows} (medians, {mix['on_steps']} on / {mix['off_steps']} off "
               f"steps interleaved): on-policy {mix['on_step_s']:.2f}s vs off-policy {mix['off_step_s']:.2f}s = "
-              f"{cost:.2f}x {args.clock} ({cost_wall:.2f}x wall; means {cost_mean:.2f}x {args.clock}; target <= 2x); "
+              f"{cost:.2f}x {_clock_name(args)} ({cost_wall:.2f}x wall; means {cost_mean:.2f}x {_clock_name(args)}; "
+              f"target <= 2x); "
               f"load average {', '.join(f'{x:.1f}' for x in loads)}")
         out.update({"own_rkl_change": rkl_change, "own_rkl_change_se": rkl_se, "ppl_change": ppl_change,
                     "step_cost_ratio": cost, "step_cost_ratio_wall": cost_wall, "step_cost_ratio_mean": cost_mean,
                     "target_rkl_met": rkl_change <= -0.10, "target_ppl_met": ppl_change <= 0.05,
                     "target_cost_met": cost <= 2.0 and not cost_mean > 2.0})
+        if args.clock == "steps":
+            # Equal compute holds only if the charge covered what an on-policy step really cost (5 % slack for
+            # the noise of CPU times on a shared machine).
+            covered = cost_mean <= args.on_cost * 1.05
+            print(f"equal compute (--clock steps): on-policy steps charged {args.on_cost:.2f}x an off-policy step, "
+                  f"measured {cost_mean:.2f}x (cpu mean): {'covered' if covered else 'NOT covered: the mix got more compute'}")
+            out["on_cost_covered"] = covered
     print(json.dumps(out))
 
 

@@ -144,3 +144,46 @@ def test_lr_schedule_is_the_recipes_warmup_cosine_over_the_budget():
         assert bench.lr_multiplier(args, step, max(0, step - 4) / 26) == pytest.approx(recipe(step))
     assert bench.lr_multiplier(args, 50, 1.3) == pytest.approx(0.1)  # past the budget: the floor
     assert bench.lr_multiplier(argparse.Namespace(schedule="constant"), 0, 0.5) == 1.0
+
+
+def test_step_budget_charges_on_policy_steps_their_cost():
+    bench = _bench()
+    b = bench.Budget("steps", 3.0, on_cost=0.4)
+    kinds = []
+    for on in [False, True, True, False, True, False, False]:
+        if not b.left():
+            break
+        assert b.progress() == pytest.approx(sum(0.4 if k else 1.0 for k in kinds) / 3.0)
+        kinds.append(on)
+        b.charge(on)
+    assert kinds == [False, True, True, False, True]  # 1 + 0.4 + 0.4 + 1 + 0.4 = 3.2 >= 3 stops it
+    with pytest.raises(ValueError):
+        bench.Budget("steps", 3.0)
+    with pytest.raises(SystemExit):  # the CLI names the missing flag
+        bench.parse_args(["--clock", "steps", "--arms", "mix", "--off-json", "x"])
+
+
+def test_step_clock_arm_is_reproducible_and_spends_its_budget():
+    """--clock steps: an arm rerun with the same seed gives the same numbers (nothing depends on the load),
+    and the mix takes as many data and on-policy steps as the charge allows."""
+    from types import SimpleNamespace
+
+    bench = _bench()
+    teacher, student = _pair()
+    tok = tiny_tokenizer()
+    g = torch.Generator().manual_seed(0)
+    data = SimpleNamespace(train=torch.randint(3, VOCAB, (24, 8), generator=g),
+                           eval=torch.randint(3, VOCAB, (4, 8), generator=g))
+    args = bench.parse_args(["--clock", "steps", "--budget", "6", "--on-cost", "0.5", "--fraction", "0.5",
+                             "--prompt", "4", "--gen", "4", "--batch", "2", "--gen-rows", "1", "--schedule", "cosine",
+                             "--warmup", "1", "--eval-blocks", "4", "--eval-prompts", "4"])
+    prompts = bench.eval_windows(data.eval, args.prompt, args.eval_prompts)
+    torch.set_num_threads(1)
+    rows = [bench.run_arm("mix", 0.5, args, teacher, student, tok, data, prompts) for _ in range(2)]
+    keep = ("steps", "on_steps", "off_steps", "ppl", "own_rkl", "own_rkl_se")
+    assert {k: rows[0][k] for k in keep} == {k: rows[1][k] for k in keep}
+    assert rows[0]["off_steps"] + 0.5 * rows[0]["on_steps"] >= 6 > rows[0]["off_steps"] + 0.5 * rows[0]["on_steps"] - 1
+    assert rows[0]["on_steps"] > 0 and rows[0]["off_steps"] > 0
+    off = bench.run_arm("off", 0.0, args, teacher, student, tok, data, prompts)
+    assert off["steps"] == off["off_steps"] == 6 and off["on_steps"] == 0
+    assert off["ppl"] != rows[0]["ppl"]  # the rollouts changed the student
