@@ -163,8 +163,6 @@ class Budget:
     """
 
     def __init__(self, kind: str, total: float, on_cost: float | None = None):
-        if kind == "steps" and on_cost is None:
-            raise ValueError("--clock steps needs on_cost")
         self.kind, self.total, self.on_cost = kind, total, on_cost
         self._clock, self.units = _clock(kind), 0.0
         self.t0 = self._clock()
@@ -181,6 +179,8 @@ class Budget:
 
     def charge(self, on: bool) -> None:
         """One step done (counted only by ``--clock steps``; time runs by itself)."""
+        if on and self.kind == "steps" and self.on_cost is None:
+            raise ValueError("--clock steps charges an on-policy step --on-cost; none was given")
         self.units += self.on_cost if on else 1.0
 
 

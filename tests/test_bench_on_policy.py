@@ -157,8 +157,12 @@ def test_step_budget_charges_on_policy_steps_their_cost():
         kinds.append(on)
         b.charge(on)
     assert kinds == [False, True, True, False, True]  # 1 + 0.4 + 0.4 + 1 + 0.4 = 3.2 >= 3 stops it
-    with pytest.raises(ValueError):
-        bench.Budget("steps", 3.0)
+    off = bench.Budget("steps", 2.0)  # the off-policy arm needs no on-policy charge
+    off.charge(False)
+    off.charge(False)
+    assert not off.left()
+    with pytest.raises(ValueError, match="on-cost"):
+        bench.Budget("steps", 3.0).charge(True)
     with pytest.raises(SystemExit):  # the CLI names the missing flag
         bench.parse_args(["--clock", "steps", "--arms", "mix", "--off-json", "x"])
 
@@ -184,6 +188,9 @@ def test_step_clock_arm_is_reproducible_and_spends_its_budget():
     assert {k: rows[0][k] for k in keep} == {k: rows[1][k] for k in keep}
     assert rows[0]["off_steps"] + 0.5 * rows[0]["on_steps"] >= 6 > rows[0]["off_steps"] + 0.5 * rows[0]["on_steps"] - 1
     assert rows[0]["on_steps"] > 0 and rows[0]["off_steps"] > 0
-    off = bench.run_arm("off", 0.0, args, teacher, student, tok, data, prompts)
+    off = bench.run_arm("off", 0.0, bench.parse_args(["--clock", "steps", "--budget", "6", "--arms", "off", "--prompt",
+                                                      "4", "--gen", "4", "--batch", "2", "--schedule", "cosine",
+                                                      "--warmup", "1", "--eval-blocks", "4", "--eval-prompts", "4"]),
+                        teacher, student, tok, data, prompts)
     assert off["steps"] == off["off_steps"] == 6 and off["on_steps"] == 0
     assert off["ppl"] != rows[0]["ppl"]  # the rollouts changed the student
