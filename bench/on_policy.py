@@ -151,7 +151,8 @@ def _clock_name(args) -> str:
 
 def _budget_text(args) -> str:
     if args.clock == "steps":
-        return f"{args.budget:.0f} off-policy steps (on-policy steps charged {args.on_cost or 0:g})"
+        charge = f"on-policy steps charged {args.on_cost:g}" if args.on_cost else "no on-policy charge"
+        return f"{args.budget:.0f} off-policy steps ({charge})"
     return f"{args.budget:.0f}s ({args.clock})"
 
 
@@ -204,6 +205,7 @@ def run_arm(name: str, fraction: float, args, teacher, student0, tokenizer, data
     times = {"on": [], "off": []}
     walls = {"on": [], "off": []}
     budget = Budget(args.clock, args.budget, args.on_cost)
+    unit = "steps" if args.clock == "steps" else "s"
     t_start, w_start, step = clock(), time.perf_counter(), 0
     first_on = None  # the step at which the warm start (--on-start) ended and the mix began
     while budget.left():
@@ -226,10 +228,8 @@ def run_arm(name: str, fraction: float, args, teacher, student0, tokenizer, data
         walls["on" if on else "off"].append(time.perf_counter() - w0)
         budget.charge(on)
         step += 1
-        unit = "steps" if args.clock == "steps" else "s"
         print(f"    {name} step {step}: {'on' if on else 'off'}-policy, {times['on' if on else 'off'][-1]:.1f}s "
-              f"({_clock_name(args)}), {budget.spent():.0f}/{args.budget:.0f}{unit}",
-              flush=True)
+              f"({_clock_name(args)}), {budget.spent():.0f}/{args.budget:.0f}{unit}", flush=True)
     elapsed, wall = clock() - t_start, time.perf_counter() - w_start
     model.remove_hooks()
     if args.save:  # the trained weights, to evaluate again later with other eval settings
@@ -275,7 +275,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--rollout-rows", type=int, default=0, help="rows decoded per engine call, the surplus queued for "
                     "the next on-policy micro-batches (the recipe's gen_rollout_rows; 0: --gen-rows)")
     ap.add_argument("--on-lr", type=float, default=1.0, help="lr multiplier of the on-policy steps (exploration; "
-                    "every step's gradient is clipped to norm 1, so a loss weight would not shrink them)")
+                    "AdamW's first moment applies most of a rollout gradient in the later, mostly data, steps, so "
+                    "this scales only about 1 - beta1 of it)")
     ap.add_argument("--gen-temperature", type=float, default=1.0, help="sampling temperature of the rollouts")
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens (prefix of each block)")
     ap.add_argument("--batch", type=int, default=4, help="rows per micro-batch")

@@ -178,9 +178,9 @@ def test_step_clock_arm_is_reproducible_and_spends_its_budget():
     g = torch.Generator().manual_seed(0)
     data = SimpleNamespace(train=torch.randint(3, VOCAB, (24, 8), generator=g),
                            eval=torch.randint(3, VOCAB, (4, 8), generator=g))
-    args = bench.parse_args(["--clock", "steps", "--budget", "6", "--on-cost", "0.5", "--fraction", "0.5",
-                             "--prompt", "4", "--gen", "4", "--batch", "2", "--gen-rows", "1", "--schedule", "cosine",
-                             "--warmup", "1", "--eval-blocks", "4", "--eval-prompts", "4"])
+    common = ["--clock", "steps", "--budget", "6", "--prompt", "4", "--gen", "4", "--batch", "2", "--schedule",
+              "cosine", "--warmup", "1", "--eval-blocks", "4", "--eval-prompts", "4"]
+    args = bench.parse_args(common + ["--on-cost", "0.5", "--fraction", "0.5", "--gen-rows", "1"])
     prompts = bench.eval_windows(data.eval, args.prompt, args.eval_prompts)
     torch.set_num_threads(1)
     rows = [bench.run_arm("mix", 0.5, args, teacher, student, tok, data, prompts) for _ in range(2)]
@@ -188,9 +188,6 @@ def test_step_clock_arm_is_reproducible_and_spends_its_budget():
     assert {k: rows[0][k] for k in keep} == {k: rows[1][k] for k in keep}
     assert rows[0]["off_steps"] + 0.5 * rows[0]["on_steps"] >= 6 > rows[0]["off_steps"] + 0.5 * rows[0]["on_steps"] - 1
     assert rows[0]["on_steps"] > 0 and rows[0]["off_steps"] > 0
-    off = bench.run_arm("off", 0.0, bench.parse_args(["--clock", "steps", "--budget", "6", "--arms", "off", "--prompt",
-                                                      "4", "--gen", "4", "--batch", "2", "--schedule", "cosine",
-                                                      "--warmup", "1", "--eval-blocks", "4", "--eval-prompts", "4"]),
-                        teacher, student, tok, data, prompts)
+    off = bench.run_arm("off", 0.0, bench.parse_args(common + ["--arms", "off"]), teacher, student, tok, data, prompts)
     assert off["steps"] == off["off_steps"] == 6 and off["on_steps"] == 0
     assert off["ppl"] != rows[0]["ppl"]  # the rollouts changed the student
