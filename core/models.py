@@ -130,3 +130,30 @@ def load_tokenizer(name_or_path: str):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(resolve_model_path(name_or_path))
+
+
+def cache_kwargs(model, cache) -> dict:
+    """The forward keyword that passes a KV cache to ``model``: ``cache`` in newer transformers 5.x releases,
+    ``past_key_values`` in earlier ones (an unknown keyword is swallowed by ``**kwargs``, so the wrong name would
+    silently decode without the cache).
+    """
+    import inspect
+
+    names = inspect.signature(model.forward).parameters
+    return {"cache" if "cache" in names else "past_key_values": cache}
+
+
+def returned_cache(output):
+    """The KV cache a forward returned (``output.cache`` or, in earlier transformers 5.x, ``past_key_values``)."""
+    return output["cache"] if "cache" in output else output.past_key_values
+
+
+def enable_checkpointing(model, **kwargs) -> None:
+    """Activation checkpointing with ``torch.utils.checkpoint`` keyword arguments (``use_reentrant``, ``context_fn``):
+    ``activation_checkpointing_enable`` where transformers has it, ``gradient_checkpointing_enable`` (its earlier
+    name) where not."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+

@@ -44,7 +44,14 @@ from typing import Any
 import torch
 
 import attention
-from core.models import ModelSourceError, load_causal_lm, load_tokenizer, resolve_model_path
+from core.models import (
+    ModelSourceError,
+    cache_kwargs,
+    load_causal_lm,
+    load_tokenizer,
+    resolve_model_path,
+    returned_cache,
+)
 
 KINDS = ("passkey", "multikey")
 INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. Find it and "
@@ -154,8 +161,8 @@ def greedy_continuation(model, prompt: list[int], new: int, device: str = "cpu")
     out = model(input_ids=torch.tensor([prompt], device=device), use_cache=True, logits_to_keep=1)
     tokens = [int(out.logits[0, -1].argmax())]
     while len(tokens) < new:
-        out = model(input_ids=torch.tensor([[tokens[-1]]], device=device), past_key_values=out.past_key_values,
-                    use_cache=True)
+        out = model(input_ids=torch.tensor([[tokens[-1]]], device=device), use_cache=True,
+                    **cache_kwargs(model, returned_cache(out)))
         tokens.append(int(out.logits[0, -1].argmax()))
     return tokens
 

@@ -26,6 +26,7 @@ from accelerate.logging import get_logger
 from accelerate.utils import set_seed
 
 from core.config import ConfigError, run_cli
+from core.models import enable_checkpointing
 from distill import on_policy
 from distill.config import RESUME_SAFE, DistillConfig
 from distill.data import build_data, steps_for_tokens
@@ -59,7 +60,7 @@ def load_models(cfg: DistillConfig):
         raise ConfigError(f"seq_len {cfg.seq_len} exceeds the model's maximum of "
                           f"{student.config.max_position_embeddings} positions; lower seq_len")
     if cfg.gradient_checkpointing:
-        student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(student, use_reentrant=False)
     student.config.use_cache = False
     return teacher, student, tokenizer
 

@@ -43,7 +43,7 @@ from attention.errors import HybridAttentionError
 from attention.gates import CONTEXTS as GATE_CONTEXTS
 from attention.spec import HybridAttentionConfig
 from core.config import ConfigError, check_fields, field, run_cli
-from core.models import ModelSourceError, load_causal_lm
+from core.models import ModelSourceError, enable_checkpointing, load_causal_lm
 from core.tiny import TINY, tiny_teacher
 from distill.data import BUILTIN, build_data, parse_sources, steps_for_tokens
 from distill.model import KD_KINDS, DistillModel, LossConfig
@@ -285,8 +285,7 @@ def enable_gradient_checkpointing(model: torch.nn.Module, step_window: dict[str,
     def context_fn():
         return contextlib.nullcontext(), attention.use_window(step_window["window"])
 
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False,
-                                                                           "context_fn": context_fn})
+    enable_checkpointing(model, use_reentrant=False, context_fn=context_fn)
     model.enable_input_require_grads()
 
 

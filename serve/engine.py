@@ -95,13 +95,25 @@ class Request:
         return Completion(self.text.text, list(self.out_ids), self.finish_reason or "", len(self.prompt_ids))
 
 
+def _placement(model, device, dtype) -> tuple[torch.device, torch.dtype]:
+    """Where and in what dtype an engine runs: as asked; else a live ``model`` where it is, in its dtype (``.to``
+    works in place, so moving it would change the caller's model too); else CUDA + bf16 when available, CPU + fp32."""
+    if model is not None and (first := next(model.parameters(), None)) is not None:
+        device = device or first.device
+        dtype = dtype or (first.dtype if first.is_floating_point() else None)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    return device, dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+
+
 class Engine:
     """Batched, streaming generation for Llama / Mistral / Qwen2 checkpoints (dense or hybrid).
 
     Args:
         model_dir: an HF model directory; a ``"hybrid_attention"`` entry in its ``config.json`` selects
             the bounded cache. Alternatively pass ``model=`` (an HF ``*ForCausalLM``) and ``tokenizer=``.
-        device, dtype: default CUDA + bf16 when available, else CPU + fp32.
+        device, dtype: for ``model_dir``, default CUDA + bf16 when available, else CPU + fp32; for ``model=``,
+            default the model's own device and dtype (an engine never moves or casts a live model it was
+            not asked to: ``Module.to`` works in place, so that would change the caller's model too).
         max_batch: most requests decoded together (cache rows).
         max_seq_len: longest prompt + generation a request may reach (default: the model's
             ``max_position_embeddings``); requests beyond it are refused, never truncated.
@@ -156,8 +168,7 @@ class Engine:
                  prefix_block: int = 32, prefill_step_s: float | None = None, min_prefill_tokens: int = 128,
                  chunk_by_cost: bool = True, threads: int | None = None, overtake_tokens: int | None = None
                  ) -> None:
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        device, dtype = _placement(model, device, dtype)
         if model is None:
             if model_dir is None:
                 raise ValueError("Engine needs model_dir or model=")

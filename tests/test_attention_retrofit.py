@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 import attention
 from attention import CONFIG_KEY, HybridAttentionConfig
+from core.models import cache_kwargs
 from core.tiny import tiny_model
 
 ARCHS = ["llama", "mistral", "qwen2"]
@@ -64,9 +65,10 @@ def test_cached_decoding_equals_full_forward(arch):
     with torch.no_grad():
         full = model(ids, attention_mask=am).logits
         cache = DynamicCache(config=model.config)
-        steps = [model(ids[:, :18], attention_mask=am[:, :18], cache=cache, use_cache=True).logits]
+        kw = cache_kwargs(model, cache)  # the keyword's name depends on the transformers release
+        steps = [model(ids[:, :18], attention_mask=am[:, :18], use_cache=True, **kw).logits]
         for t in range(18, 30):
-            steps.append(model(ids[:, t:t + 1], attention_mask=am[:, :t + 1], cache=cache, use_cache=True).logits)
+            steps.append(model(ids[:, t:t + 1], attention_mask=am[:, :t + 1], use_cache=True, **kw).logits)
     cached = torch.cat(steps, 1)
     assert (cached - full)[am.bool()].abs().max().item() < 1e-5
 

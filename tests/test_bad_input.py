@@ -12,7 +12,6 @@ issue 11 reported them.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ import pytest
 
 from core.config import run_cli, save_config
 from core.rundir import MARKER
+from tests.helpers import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "recipes/configs/tiny.yaml")
@@ -291,7 +291,7 @@ def test_overwrite_on_a_folder_of_notes_deletes_nothing(tmp_path):
     before = tree(tmp_path)
     proc = subprocess.run([sys.executable, str(ROOT / "recipes/distill.py"), "--config", TINY, "max_steps=2",
                            "output_dir=notes", "overwrite=true"], cwd=tmp_path, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600)
+                          env=child_env(), timeout=600)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (

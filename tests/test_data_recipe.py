@@ -2,10 +2,11 @@
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.helpers import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,7 +24,7 @@ def test_recipe_trains_a_mixture_with_chat_data_for_a_token_budget(tmp_path):
         [sys.executable, "recipes/distill.py", "--config", "recipes/configs/tiny.yaml", f"output_dir={out}",
          f"datasets={mixture}", "max_tokens=500", "eval_every=0", "save_every=0", "attn_weight=0",
          f"data_cache={tmp_path / 'cache'}"],
-        cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600)
+        cwd=ROOT, capture_output=True, text=True, env=child_env(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == math.ceil(500 / (2 * 64)) == 4  # micro 2 x seq 64 per step
@@ -35,7 +36,7 @@ def test_recipe_trains_a_mixture_with_chat_data_for_a_token_budget(tmp_path):
     bad = subprocess.run(
         [sys.executable, "recipes/distill.py", "--config", "recipes/configs/tiny.yaml", f"output_dir={tmp_path / 'b'}",
          f"datasets=[{{source: {text}, weight: 0}}]"],
-        cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600)
+        cwd=ROOT, capture_output=True, text=True, env=child_env(), timeout=600)
     last = bad.stderr.strip().splitlines()[-1]  # (earlier lines: library import warnings, not ours)
     assert bad.returncode == 2 and last.startswith("error: ") and "weights must be > 0" in last
     assert "Traceback" not in bad.stderr

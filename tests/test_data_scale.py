@@ -19,6 +19,7 @@ from distill.data import parallel
 from distill.data import prepare as P
 from distill.data.order import MixtureOrder, permute
 from distill.data.text import DataError, SourceSpec
+from tests.helpers import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = "the quick brown fox jumps over the lazy dog distill teacher héllo wörld café naïve".split()
@@ -210,7 +211,7 @@ def test_a_cached_start_imports_neither_datasets_nor_pyarrow(tmp_path, tok):
             "o = d.order(4, 0); next(o.micro_batches(d.train, 0, 0, 1, 2))\n"
             "print(sorted(m for m in ('datasets', 'pyarrow', 'pandas') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+                         env=child_env())
     assert sorted(p.name for p in cache.iterdir()) == before  # both sources were cache hits
     assert out.stdout.strip().splitlines()[-1] == "[]"
 

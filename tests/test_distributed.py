@@ -10,7 +10,6 @@ compile happens once per test session.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -29,6 +28,7 @@ from distill.distributed import (
     unwrap_teacher,
     zero_stage,
 )
+from tests.helpers import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "launch"
@@ -163,10 +163,7 @@ def _accelerate_bin() -> list[str]:
 
 
 def _launch_env(cpu_ddp: bool) -> dict[str, str]:
-    env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = "1"  # two ranks share the cores
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env["PROBE_ROOT"] = str(ROOT)
+    env = child_env(OMP_NUM_THREADS="1", PROBE_ROOT=str(ROOT))  # OMP: two ranks share the cores
     # MULTI_GPU + use_cpu in the YAML is not enough: accelerate's multi-GPU launcher does not export the
     # YAML's use_cpu, and without it the ranks fall back to unconnected single processes.
     # For DeepSpeed it must NOT be set: accelerate turns DeepSpeed off when asked for the CPU.

@@ -28,7 +28,7 @@ def prompts() -> list[Prompt]:
 @pytest.mark.parametrize("fast_weights", [None, False])
 def test_engine_greedy_outputs_equal_transformers_for_fp32(tiny, prompts, chat, fast_weights):
     """Same texts, token counts and limit flags as ``model.generate``; rows batched 6 at a time."""
-    settings = GenerationSettings(max_new_tokens=12, batch_size=6)
+    settings = GenerationSettings(max_new_tokens=12, batch_size=6, device="cpu")
     ref = generate_outputs(tiny, prompts, settings, None, chat, generator=TransformersGenerator())
     got = generate_outputs(tiny, prompts, settings, None, chat, generator=EngineGenerator(fast_weights))
     assert got.outputs == ref.outputs
@@ -44,7 +44,7 @@ def test_engine_stops_at_eos_like_transformers(tmp_path):
     src = Path(save_tiny(tmp_path / "m", seed=1))
     model = AutoModelForCausalLM.from_pretrained(src)
     prompt = Prompt(id="p", prompt="the quick brown fox")
-    settings = GenerationSettings(max_new_tokens=8, batch_size=2)
+    settings = GenerationSettings(max_new_tokens=8, batch_size=2, device="cpu")
     first = generate_outputs(src, [prompt], settings, None, generator=TransformersGenerator())
     assert first.new_tokens == [8]
     from eval.generation import load_tokenizer
@@ -81,7 +81,7 @@ class _Constant(Generator):
 
 def test_generation_cache_keys_on_the_generator(tiny, prompts, tmp_path):
     """Outputs cached by one backend are never served for another; each backend hits its own entries."""
-    settings = GenerationSettings(max_new_tokens=6, batch_size=8)
+    settings = GenerationSettings(max_new_tokens=6, batch_size=8, device="cpu")
     cache = tmp_path / "cache"
     a, b = _Constant("alpha", "from alpha"), _Constant("beta", "from beta")
     first = generate_outputs(tiny, prompts, settings, cache, generator=a)
@@ -137,7 +137,7 @@ def test_engine_greedy_outputs_equal_transformers_for_a_hybrid_model(tmp_path, p
     attention.retrofit(model, attention.HybridAttentionConfig(sink_tokens=1, window=8, global_every=0))
     model.save_pretrained(tmp_path / "m")
     tiny_tokenizer().save_pretrained(tmp_path / "m")
-    settings = GenerationSettings(max_new_tokens=12, batch_size=6)
+    settings = GenerationSettings(max_new_tokens=12, batch_size=6, device="cpu")
     ref = generate_outputs(tmp_path / "m", prompts, settings, None, generator=TransformersGenerator())
     got = generate_outputs(tmp_path / "m", prompts, settings, None, generator=EngineGenerator())
     assert got.outputs == ref.outputs and got.new_tokens == ref.new_tokens

@@ -100,7 +100,7 @@ def test_hybrid_model_dir_decodes_exactly_with_bounded_cache(tmp_path):
     model.config.hybrid_attention = spec.to_dict()
     model.save_pretrained(tmp_path)
     tiny_tokenizer().save_pretrained(tmp_path)
-    engine = Engine(tmp_path, max_batch=4, prefill_chunk=5)
+    engine = Engine(tmp_path, max_batch=4, prefill_chunk=5, device="cpu")  # exact: fp32, as the reference
     assert engine.spec == spec
     n = 40  # 40 + prompt wraps the 8-slot ring many times
     results = engine.generate(PROMPTS[:3], SamplingParams(max_new_tokens=n, ignore_eos=True))
@@ -135,6 +135,21 @@ def test_engine_with_per_head_roles_decodes_exactly():
                 with torch.no_grad(), attention.use_backend("sdpa"):
                     ids.append(int(ref_model(torch.tensor([ids])).logits[0, -1].argmax()))
             assert r.token_ids == ids[len(p):]
+
+
+def test_a_live_model_runs_where_it_is_in_its_own_dtype():
+    """Engine(model=m) without device/dtype keeps m's device and dtype: moving or casting it (Module.to works in
+    place) would change the caller's model, e.g. a CPU fp32 student moved to CUDA bf16 on a GPU machine."""
+    model = no_eos(tiny_model("llama", seed=4)).to(torch.bfloat16)
+    weight = model.model.embed_tokens.weight
+    engine = Engine(model=model, tokenizer=tiny_tokenizer(), max_batch=1, max_seq_len=32, fast_weights=False)
+    assert engine.device == torch.device("cpu") and model.dtype == torch.bfloat16
+    assert model.model.embed_tokens.weight is weight  # not replaced by a cast copy
+    out = engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=4, ignore_eos=True))[0].token_ids
+    assert len(out) == 4
+    fp32 = Engine(model=no_eos(tiny_model("llama", seed=4)), tokenizer=tiny_tokenizer(), max_batch=1, max_seq_len=32,
+                  dtype=torch.bfloat16, fast_weights=False)  # asked for: cast
+    assert next(fp32.model.parameters()).dtype == torch.bfloat16
 
 
 def test_sampling_is_seeded_and_top_k_one_is_greedy():
