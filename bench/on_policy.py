@@ -18,7 +18,12 @@ cosine`` gives the recipe's warmup + cosine decay over the budget):
   :class:`distill.on_policy.OnPolicy`, i.e. serve's engine over the live weights; divergence only,
   ``--on-kind``), optionally after a warm start of ``--on-start`` of the budget off-policy. ``--gen-rows``
   rolls out fewer rows than the micro-batch, ``--rollout-rows`` decodes several micro-batches' rows at once
-  and queues them (the recipe's gen_batch_size and gen_rollout_rows).
+  and queues them (the recipe's gen_batch_size and gen_rollout_rows). ``--project data`` (or ``momentum``)
+  removes from a rollout gradient its component against the last data step's gradient (or AdamW's first
+  moment) when the two conflict (PCGrad's projection); every arm logs the mean cosine of the rollout gradients
+  with that direction (``rollout_cos``) and how many conflicted.
+
+``--device cuda`` runs models, training and eval on a GPU (fp32, like the CPU arms).
 
 Measured after each arm, on held-out data the training never saw:
 
@@ -93,19 +98,20 @@ def own_continuation_rkl(student, teacher, tokenizer, prompts: list[list[int]], 
     rollouts = Rollouts(student, tokenizer, max_batch=min(len(todo), 32), max_seq_len=len(prompts[0]) + gen)
     sums, counts = [], []
     was = student.training
+    dev = next(student.parameters()).device
     for lo in range(0, len(todo), 32):  # engine batches of 32 rows
         chunk = todo[lo: lo + 32]
         params = [SamplingParams(max_new_tokens=gen, temperature=1.0, seed=seed + lo + i) for i in range(len(chunk))]
         rb = rollout_batch(chunk, rollouts.generate(chunk, params), tokenizer.pad_token_id or 0)
         student.eval()
         for r in range(0, len(chunk), batch):  # [batch, seq, vocab] fp32 logits of two models stay small
-            ids, mask = rb["input_ids"][r: r + batch], rb["attention_mask"][r: r + batch]
-            valid = rb["labels"][r: r + batch, 1:] != -100  # position t predicts token t + 1
+            ids, mask = rb["input_ids"][r: r + batch].to(dev), rb["attention_mask"][r: r + batch].to(dev)
+            valid = rb["labels"][r: r + batch, 1:].to(dev) != -100  # position t predicts token t + 1
             log_q = student(input_ids=ids, attention_mask=mask).logits[:, :-1][valid].float().log_softmax(-1)
             log_p = teacher(input_ids=ids, attention_mask=mask).logits[:, :-1][valid].float().log_softmax(-1)
             kl = (log_q.exp() * (log_q - log_p)).sum(-1)  # [valid tokens]
-            rows = torch.arange(ids.shape[0]).unsqueeze(1).expand_as(valid)[valid]
-            sums += torch.zeros(ids.shape[0], dtype=torch.float64).index_add_(0, rows, kl.double()).tolist()
+            rows = torch.arange(ids.shape[0], device=dev).unsqueeze(1).expand_as(valid)[valid]
+            sums += torch.zeros(ids.shape[0], dtype=torch.float64, device=dev).index_add_(0, rows, kl.double()).tolist()
             counts += valid.sum(1).tolist()
     student.train(was)
     s, c = torch.tensor(sums, dtype=torch.float64), torch.tensor(counts, dtype=torch.float64)
@@ -122,7 +128,7 @@ def perplexity(student, blocks: torch.Tensor, batch: int) -> float:
 
     was = student.training
     student.eval()
-    ppl = evaluate_lm(student, eval_batches(blocks, batch))[0].perplexity
+    ppl = evaluate_lm(student, eval_batches(blocks, batch), device=next(student.parameters()).device)[0].perplexity
     student.train(was)
     return ppl
 
@@ -185,6 +191,28 @@ class Budget:
         self.units += self.on_cost if on else 1.0
 
 
+def project_conflict(params: list[torch.Tensor], reference: list[torch.Tensor | None], apply: bool = True) -> float:
+    """Remove from ``params``' gradients their component along ``reference`` when the two point apart.
+
+    The rollout gradient ``g`` and the data direction ``r`` (flattened over all parameters): if ``g . r < 0``,
+    ``g <- g - (g . r / |r|^2) r`` (PCGrad's projection), so the update made on rollouts does not undo, to first
+    order, what the data steps are doing. Returns the cosine of ``g`` and ``r`` before the projection (nan when
+    there is no reference yet); ``apply=False`` only measures it.
+    """
+    pairs = [(q.grad, r) for q, r in zip(params, reference) if q.grad is not None and r is not None]
+    if not pairs:
+        return math.nan
+    # fp32 dot products per tensor, summed in Python floats: no float64 copies of the gradients
+    dot = sum(float(torch.dot(g.reshape(-1), r.reshape(-1))) for g, r in pairs)
+    rr = sum(float(torch.dot(r.reshape(-1), r.reshape(-1))) for _, r in pairs)
+    gg = sum(float(torch.dot(g.reshape(-1), g.reshape(-1))) for g, _ in pairs)
+    cos = dot / math.sqrt(max(rr * gg, 1e-30))
+    if apply and dot < 0 and rr > 0:
+        for g, r in pairs:
+            g.sub_(r.to(g.dtype), alpha=dot / rr)
+    return cos
+
+
 def run_arm(name: str, fraction: float, args, teacher, student0, tokenizer, data, eval_prompts) -> dict:
     from distill.model import DistillModel, LossConfig
     from distill.on_policy import OnPolicy, OnPolicySettings
@@ -200,6 +228,10 @@ def run_arm(name: str, fraction: float, args, teacher, student0, tokenizer, data
                                 prompt_tokens=args.prompt, seed=args.seed, kd_kind=args.on_kind, rows=args.gen_rows,
                                 rollout_rows=args.rollout_rows)
     policy = OnPolicy(settings, model, model, tokenizer, args.batch)
+    device = next(student.parameters()).device
+    params = [q for q in student.parameters() if q.requires_grad]
+    last_data: list[torch.Tensor | None] = [None] * len(params)  # --project data: the last data step's gradient
+    cosines: list[float] = []  # rollout gradient vs the data direction, at every on-policy step
     order = torch.randperm(data.train.shape[0], generator=torch.Generator().manual_seed(args.seed))
     clock = _clock(args.clock)
     times = {"on": [], "off": []}
@@ -212,15 +244,23 @@ def run_arm(name: str, fraction: float, args, teacher, student0, tokenizer, data
         pick = order[(step * args.batch) % len(order):][: args.batch]
         if len(pick) < args.batch:
             pick = order[: args.batch]
-        blocks = data.train[pick]
+        blocks = data.train[pick].to(device)
         t0, w0 = clock(), time.perf_counter()
         if first_on is None and budget.progress() >= args.on_start:
             first_on = step
         on = first_on is not None and policy.wants(step - first_on, 0, 1)
         for group in opt.param_groups:  # both kinds of step clip to norm 1: a smaller rollout update needs its lr
             group["lr"] = args.lr * lr_multiplier(args, step, budget.progress()) * (args.on_lr if on else 1)
-        out = policy.forward(blocks, step, 0, torch.device("cpu")) if on else model(input_ids=blocks)
+        out = policy.forward(blocks, step, 0, device) if on else model(input_ids=blocks)
         out.loss.backward()
+        if on:  # --project none still measures how the rollout gradient sits against AdamW's momentum
+            ref = last_data if args.project == "data" else [opt.state[q].get("exp_avg") for q in params]
+            cosines.append(project_conflict(params, ref, apply=args.project != "none"))
+        elif args.project == "data":  # copied into buffers kept from the first data step on (no new allocations)
+            if last_data[0] is None:
+                last_data = [None if q.grad is None else q.grad.detach().clone() for q in params]
+            else:
+                torch._foreach_copy_(last_data, [q.grad for q in params])
         torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -247,7 +287,9 @@ def run_arm(name: str, fraction: float, args, teacher, student0, tokenizer, data
            "on_step_s": med["on"], "off_step_s": med["off"], "on_step_wall_s": wmed["on"],
            "off_step_wall_s": wmed["off"], "on_step_mean_s": mean["on"], "off_step_mean_s": mean["off"],
            "rollout_tok_s": stats["rollout_tok_s"],
-           "gen_time_share": stats["gen_time_share"], "decode_copy_syncs": policy.rollouts.syncs}
+           "gen_time_share": stats["gen_time_share"], "decode_copy_syncs": policy.rollouts.syncs,
+           "rollout_cos": statistics.fmean(c for c in cosines if not math.isnan(c)) if any(not math.isnan(c) for c in cosines) else math.nan,
+           "rollout_conflicts": sum(1 for c in cosines if c < 0)}
     print(f"  {name}: {step} steps in {elapsed:.0f}s ({_clock_name(args)}; {wall:.0f}s wall), ppl {ppl:.2f}, "
           f"reverse KL on own continuations {rkl:.4f} (SE {ev['se']:.4f})", flush=True)
     return row
@@ -277,6 +319,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--on-lr", type=float, default=1.0, help="lr multiplier of the on-policy steps (exploration; "
                     "AdamW's first moment applies most of a rollout gradient in the later, mostly data, steps, so "
                     "this scales only about 1 - beta1 of it)")
+    ap.add_argument("--project", choices=("none", "momentum", "data"), default="none",
+                    help="on-policy steps: remove from the rollout gradient its component along the data direction "
+                    "when the two conflict (PCGrad): AdamW's first moment, or the last data step's gradient")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (models, training and eval)")
     ap.add_argument("--gen-temperature", type=float, default=1.0, help="sampling temperature of the rollouts")
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens (prefix of each block)")
     ap.add_argument("--batch", type=int, default=4, help="rows per micro-batch")
@@ -329,11 +375,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     path = str(smollm2_dir())
-    teacher = load_causal_lm(path).eval().requires_grad_(False)
+    teacher = load_causal_lm(path).eval().requires_grad_(False).to(args.device)
     tokenizer = load_tokenizer(path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    student0 = load_causal_lm(args.student) if args.student else derive_student(teacher, "0-3,24-29")
+    student0 = (load_causal_lm(args.student) if args.student else derive_student(teacher, "0-3,24-29")).to(args.device)
     seq = args.prompt + args.gen
     data = build_data(tokenizer, dataset=BUILTIN, seq_len=seq, eval_blocks=max(args.eval_blocks, args.eval_prompts))
     eval_prompts = eval_windows(data.eval, args.prompt, args.eval_prompts)
@@ -389,7 +435,7 @@ def compare(off_log: str, mix_log: str) -> None:
         k: mix[k] for k in ("clock", "student", "seed", "lr", "schedule", "fraction", "on_start", "kind", "on_kind", "beta",
                             "gen_temperature", "threads", "eval_prompts", "eval_samples", "eval_seed")},
         gen_rows=mix.get("gen_rows", 0), rollout_rows=mix.get("rollout_rows", 0),
-        on_lr=mix.get("on_lr", 1.0), on_cost=mix.get("on_cost"))
+        on_lr=mix.get("on_lr", 1.0), on_cost=mix.get("on_cost"), project=mix.get("project", "none"))
     report(args, off["init"], off["off_policy"], mix["on_policy"], off["load_avg"] + mix["load_avg"])
 
 
@@ -405,7 +451,7 @@ def report(args, init: dict, off: dict, mix: dict | None, loads: list[float]) ->
     out = {"budget_s": args.budget, "clock": args.clock, "student": args.student, "seed": args.seed, "lr": args.lr, "schedule": args.schedule,
            "fraction": args.fraction, "on_start": args.on_start, "kind": args.kind, "on_kind": args.on_kind or args.kind, "beta": args.beta,
            "gen_tokens": args.gen, "gen_rows": args.gen_rows, "rollout_rows": args.rollout_rows,
-           "on_lr": args.on_lr, "on_cost": args.on_cost, "gen_temperature": args.gen_temperature,
+           "on_lr": args.on_lr, "on_cost": args.on_cost, "gen_temperature": args.gen_temperature, "project": args.project,
            "threads": args.threads,
            "eval_prompts": args.eval_prompts, "eval_samples": args.eval_samples, "eval_seed": args.eval_seed,
            "load_avg": loads, "init": init, "off_policy": off, "on_policy": mix}

@@ -191,3 +191,54 @@ def test_step_clock_arm_is_reproducible_and_spends_its_budget():
     off = bench.run_arm("off", 0.0, bench.parse_args(common + ["--arms", "off"]), teacher, student, tok, data, prompts)
     assert off["steps"] == off["off_steps"] == 6 and off["on_steps"] == 0
     assert off["ppl"] != rows[0]["ppl"]  # the rollouts changed the student
+
+
+def test_project_conflict_removes_only_a_conflicting_component():
+    """--project: g <- g - (g.r / |r|^2) r when g.r < 0 (PCGrad), over all tensors at once; untouched otherwise."""
+    bench = _bench()
+    g = torch.Generator().manual_seed(0)
+    shapes = [(3, 4), (5,), (2, 2, 2)]
+    ref = [torch.randn(s, generator=g) for s in shapes]
+    for sign in (-1.0, 1.0):
+        params = [torch.zeros(s, requires_grad=True) for s in shapes]
+        grads = [sign * r + 0.3 * torch.randn(s, generator=g) for r, s in zip(ref, shapes)]
+        for p, gr in zip(params, grads):
+            p.grad = gr.clone()
+        flat_g, flat_r = torch.cat([x.flatten() for x in grads]).double(), torch.cat([x.flatten() for x in ref]).double()
+        cos = bench.project_conflict(params, ref)
+        assert cos == pytest.approx(float(flat_g @ flat_r / (flat_g.norm() * flat_r.norm())), rel=1e-5)
+        want = flat_g - (flat_g @ flat_r) / (flat_r @ flat_r) * flat_r if sign < 0 else flat_g
+        got = torch.cat([p.grad.flatten() for p in params]).double()
+        assert torch.allclose(got, want, atol=1e-5)
+        if sign < 0:
+            assert abs(float(got @ flat_r)) < 1e-4  # what is left no longer points against the reference
+    params = [torch.zeros(s, requires_grad=True) for s in shapes]
+    for p, r in zip(params, ref):
+        p.grad = -r.clone()
+    assert bench.project_conflict(params, ref, apply=False) == pytest.approx(-1.0, abs=1e-6)
+    assert all(torch.equal(p.grad, -r) for p, r in zip(params, ref))  # measured, not applied
+    assert math.isnan(bench.project_conflict(params, [None] * len(params)))  # no reference yet
+
+
+def test_projected_arms_run_the_same_steps_and_change_the_student_only_through_conflicts():
+    """--project data / momentum: the same steps as none; the trained student differs iff some rollout conflicted."""
+    from types import SimpleNamespace
+
+    bench = _bench()
+    teacher, student = _pair()
+    tok = tiny_tokenizer()
+    g = torch.Generator().manual_seed(0)
+    data = SimpleNamespace(train=torch.randint(3, VOCAB, (24, 8), generator=g),
+                           eval=torch.randint(3, VOCAB, (4, 8), generator=g))
+    common = ["--clock", "steps", "--budget", "6", "--prompt", "4", "--gen", "4", "--batch", "2", "--eval-blocks", "4",
+              "--eval-prompts", "4", "--on-cost", "0.5", "--fraction", "0.5", "--gen-rows", "1"]
+    prompts = bench.eval_windows(data.eval, 4, 4)
+    torch.set_num_threads(1)
+    rows = {how: bench.run_arm("mix", 0.5, bench.parse_args(common + ["--project", how]), teacher, student, tok, data,
+                               prompts) for how in ("none", "data", "momentum")}
+    for how, row in rows.items():
+        assert (row["steps"], row["on_steps"]) == (rows["none"]["steps"], rows["none"]["on_steps"])
+        assert -1 <= row["rollout_cos"] <= 1, how
+        if how != "none":
+            assert row["rollout_conflicts"] > 0, how  # the tiny pair conflicts: the projection is exercised
+            assert (row["ppl"] != rows["none"]["ppl"]) == (row["rollout_conflicts"] > 0), how
