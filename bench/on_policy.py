@@ -261,7 +261,9 @@ def run_arm(name: str, fraction: float, args, teacher, student0, tokenizer, data
                 last_data = [None if q.grad is None else q.grad.detach().clone() for q in params]
             else:
                 torch._foreach_copy_(last_data, [q.grad for q in params])
-        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
+        # Every step's gradient norm is far above 1 here, so the clip sets each step's size: --on-clip scales a
+        # rollout step's gradient against a data step's (a loss weight would not, it is clipped away).
+        torch.nn.utils.clip_grad_norm_(student.parameters(), args.on_clip if on else 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         times["on" if on else "off"].append(clock() - t0)
@@ -322,6 +324,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--project", choices=("none", "momentum", "data"), default="none",
                     help="on-policy steps: remove from the rollout gradient its component along the data direction "
                     "when the two conflict (PCGrad): AdamW's first moment, or the last data step's gradient")
+    ap.add_argument("--on-clip", type=float, default=1.0, help="gradient-norm clip of the on-policy steps (data steps "
+                    "clip at 1; the gradients' norms are 5-17, so this sets a rollout step's size against a data step's)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (models, training and eval)")
     ap.add_argument("--gen-temperature", type=float, default=1.0, help="sampling temperature of the rollouts")
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens (prefix of each block)")
@@ -351,6 +355,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    if not args.on_clip > 0:
+        ap.error(f"--on-clip is a positive gradient norm, got {args.on_clip}")
     if not 0 <= args.on_start < 1:
         ap.error(f"--on-start is a share of the budget in [0, 1), got {args.on_start}")
     if args.off_json and args.arms == "off":
@@ -435,7 +441,8 @@ def compare(off_log: str, mix_log: str) -> None:
         k: mix[k] for k in ("clock", "student", "seed", "lr", "schedule", "fraction", "on_start", "kind", "on_kind", "beta",
                             "gen_temperature", "threads", "eval_prompts", "eval_samples", "eval_seed")},
         gen_rows=mix.get("gen_rows", 0), rollout_rows=mix.get("rollout_rows", 0),
-        on_lr=mix.get("on_lr", 1.0), on_cost=mix.get("on_cost"), project=mix.get("project", "none"))
+        on_lr=mix.get("on_lr", 1.0), on_cost=mix.get("on_cost"), project=mix.get("project", "none"),
+        on_clip=mix.get("on_clip", 1.0))
     report(args, off["init"], off["off_policy"], mix["on_policy"], off["load_avg"] + mix["load_avg"])
 
 
@@ -452,6 +459,7 @@ def report(args, init: dict, off: dict, mix: dict | None, loads: list[float]) ->
            "fraction": args.fraction, "on_start": args.on_start, "kind": args.kind, "on_kind": args.on_kind or args.kind, "beta": args.beta,
            "gen_tokens": args.gen, "gen_rows": args.gen_rows, "rollout_rows": args.rollout_rows,
            "on_lr": args.on_lr, "on_cost": args.on_cost, "gen_temperature": args.gen_temperature, "project": args.project,
+           "on_clip": args.on_clip,
            "threads": args.threads,
            "eval_prompts": args.eval_prompts, "eval_samples": args.eval_samples, "eval_seed": args.eval_seed,
            "load_avg": loads, "init": init, "off_policy": off, "on_policy": mix}

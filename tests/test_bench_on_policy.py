@@ -31,6 +31,15 @@ def _pair():
     return tiny_model(seed=1, layers=2, vocab=VOCAB).eval(), tiny_model(seed=2, layers=1, vocab=VOCAB).train()
 
 
+def _tiny_data():
+    """What ``run_arm`` reads of the bench's data: 24 train and 4 held-out blocks of 8 tokens."""
+    from types import SimpleNamespace
+
+    g = torch.Generator().manual_seed(0)
+    return SimpleNamespace(train=torch.randint(3, VOCAB, (24, 8), generator=g),
+                           eval=torch.randint(3, VOCAB, (4, 8), generator=g))
+
+
 def _prompts(n: int, length: int = 5, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (n, length), generator=g).tolist()
@@ -170,14 +179,10 @@ def test_step_budget_charges_on_policy_steps_their_cost():
 def test_step_clock_arm_is_reproducible_and_spends_its_budget():
     """--clock steps: an arm rerun with the same seed gives the same numbers (nothing depends on the load),
     and the mix takes as many data and on-policy steps as the charge allows."""
-    from types import SimpleNamespace
-
     bench = _bench()
     teacher, student = _pair()
     tok = tiny_tokenizer()
-    g = torch.Generator().manual_seed(0)
-    data = SimpleNamespace(train=torch.randint(3, VOCAB, (24, 8), generator=g),
-                           eval=torch.randint(3, VOCAB, (4, 8), generator=g))
+    data = _tiny_data()
     common = ["--clock", "steps", "--budget", "6", "--prompt", "4", "--gen", "4", "--batch", "2", "--schedule",
               "cosine", "--warmup", "1", "--eval-blocks", "4", "--eval-prompts", "4"]
     args = bench.parse_args(common + ["--on-cost", "0.5", "--fraction", "0.5", "--gen-rows", "1"])
@@ -222,14 +227,10 @@ def test_project_conflict_removes_only_a_conflicting_component():
 
 def test_projected_arms_run_the_same_steps_and_change_the_student_only_through_conflicts():
     """--project data / momentum: the same steps as none; the trained student differs iff some rollout conflicted."""
-    from types import SimpleNamespace
-
     bench = _bench()
     teacher, student = _pair()
     tok = tiny_tokenizer()
-    g = torch.Generator().manual_seed(0)
-    data = SimpleNamespace(train=torch.randint(3, VOCAB, (24, 8), generator=g),
-                           eval=torch.randint(3, VOCAB, (4, 8), generator=g))
+    data = _tiny_data()
     common = ["--clock", "steps", "--budget", "6", "--prompt", "4", "--gen", "4", "--batch", "2", "--eval-blocks", "4",
               "--eval-prompts", "4", "--on-cost", "0.5", "--fraction", "0.5", "--gen-rows", "1"]
     prompts = bench.eval_windows(data.eval, 4, 4)
