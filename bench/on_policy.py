@@ -249,7 +249,7 @@ def run_arm(name: str, fraction: float, args, teacher, student0, tokenizer, data
         if first_on is None and budget.progress() >= args.on_start:
             first_on = step
         on = first_on is not None and policy.wants(step - first_on, 0, 1)
-        for group in opt.param_groups:  # both kinds of step clip to norm 1: a smaller rollout update needs its lr
+        for group in opt.param_groups:
             group["lr"] = args.lr * lr_multiplier(args, step, budget.progress()) * (args.on_lr if on else 1)
         out = policy.forward(blocks, step, 0, device) if on else model(input_ids=blocks)
         out.loss.backward()
@@ -273,6 +273,7 @@ def run_arm(name: str, fraction: float, args, teacher, student0, tokenizer, data
         print(f"    {name} step {step}: {'on' if on else 'off'}-policy, {times['on' if on else 'off'][-1]:.1f}s "
               f"({_clock_name(args)}), {budget.spent():.0f}/{args.budget:.0f}{unit}", flush=True)
     elapsed, wall = clock() - t_start, time.perf_counter() - w_start
+    measured = [c for c in cosines if not math.isnan(c)]
     model.remove_hooks()
     if args.save:  # the trained weights, to evaluate again later with other eval settings
         Path(args.save).mkdir(parents=True, exist_ok=True)
@@ -290,8 +291,8 @@ def run_arm(name: str, fraction: float, args, teacher, student0, tokenizer, data
            "off_step_wall_s": wmed["off"], "on_step_mean_s": mean["on"], "off_step_mean_s": mean["off"],
            "rollout_tok_s": stats["rollout_tok_s"],
            "gen_time_share": stats["gen_time_share"], "decode_copy_syncs": policy.rollouts.syncs,
-           "rollout_cos": statistics.fmean(c for c in cosines if not math.isnan(c)) if any(not math.isnan(c) for c in cosines) else math.nan,
-           "rollout_conflicts": sum(1 for c in cosines if c < 0)}
+           "rollout_cos": statistics.fmean(measured) if measured else math.nan,
+           "rollout_conflicts": sum(1 for c in measured if c < 0)}
     print(f"  {name}: {step} steps in {elapsed:.0f}s ({_clock_name(args)}; {wall:.0f}s wall), ppl {ppl:.2f}, "
           f"reverse KL on own continuations {rkl:.4f} (SE {ev['se']:.4f})", flush=True)
     return row

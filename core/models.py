@@ -18,6 +18,7 @@ once; every later run loads that cache in a fraction of the time.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 import shutil
 import tempfile
@@ -137,8 +138,6 @@ def cache_kwargs(model, cache) -> dict:
     ``past_key_values`` in earlier ones (an unknown keyword is swallowed by ``**kwargs``, so the wrong name would
     silently decode without the cache).
     """
-    import inspect
-
     names = inspect.signature(model.forward).parameters
     return {"cache" if "cache" in names else "past_key_values": cache}
 
@@ -156,4 +155,3 @@ def enable_checkpointing(model, **kwargs) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-
