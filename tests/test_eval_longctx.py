@@ -127,3 +127,24 @@ def test_first_number_scoring_needs_the_key_as_the_first_whole_number(tok, monke
         assert longctx.score_sample(model, s, scoring="first_number", tokenizer=tok)[0] == found, text
     with pytest.raises(longctx.LongCtxError, match="tokenizer"):
         longctx.score_sample(model, s, scoring="first_number")
+
+
+def test_cache_keyword_follows_the_installed_transformers():
+    """cache_kwargs / returned_cache: ``cache`` where the forward takes it, ``past_key_values`` (earlier 5.x) where not;
+    the wrong name would vanish into ``**kwargs`` and decode without the cache."""
+    from transformers.utils import ModelOutput
+
+    from core.models import cache_kwargs, returned_cache
+
+    class Earlier(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None, **kwargs):
+            return ModelOutput(logits=input_ids, past_key_values=past_key_values)
+
+    class Later(torch.nn.Module):
+        def forward(self, input_ids, cache=None, **kwargs):
+            return ModelOutput(logits=input_ids, cache=cache)
+
+    for model, name in ((Earlier(), "past_key_values"), (Later(), "cache")):
+        kw = cache_kwargs(model, "kv")
+        assert kw == {name: "kv"}
+        assert returned_cache(model(torch.zeros(1), **kw)) == "kv"
