@@ -160,9 +160,10 @@ def greedy_continuation(model, prompt: list[int], new: int, device: str = "cpu")
     """``new`` greedy tokens after ``prompt`` (prefill once, then one token at a time through the cache)."""
     out = model(input_ids=torch.tensor([prompt], device=device), use_cache=True, logits_to_keep=1)
     tokens = [int(out.logits[0, -1].argmax())]
+    name = next(iter(cache_kwargs(model, None)))  # the keyword's name, read off the forward's signature once
     while len(tokens) < new:
         out = model(input_ids=torch.tensor([[tokens[-1]]], device=device), use_cache=True,
-                    **cache_kwargs(model, returned_cache(out)))
+                    **{name: returned_cache(out)})
         tokens.append(int(out.logits[0, -1].argmax()))
     return tokens
 

@@ -20,9 +20,8 @@ import pytest
 
 from core.config import run_cli, save_config
 from core.rundir import MARKER
-from tests.helpers import child_env
+from tests.helpers import ROOT, child_env
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "recipes/configs/tiny.yaml")
 RETRO = str(ROOT / "recipes/configs/retrofit_tiny.yaml")
 

@@ -4,11 +4,8 @@ import json
 import math
 import subprocess
 import sys
-from pathlib import Path
 
-from tests.helpers import child_env
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT, child_env
 
 
 def test_recipe_trains_a_mixture_with_chat_data_for_a_token_budget(tmp_path):

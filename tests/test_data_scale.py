@@ -19,9 +19,8 @@ from distill.data import parallel
 from distill.data import prepare as P
 from distill.data.order import MixtureOrder, permute
 from distill.data.text import DataError, SourceSpec
-from tests.helpers import child_env
+from tests.helpers import ROOT, child_env
 
-ROOT = Path(__file__).resolve().parents[1]
 WORDS = "the quick brown fox jumps over the lazy dog distill teacher héllo wörld café naïve".split()
 
 

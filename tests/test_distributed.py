@@ -28,9 +28,8 @@ from distill.distributed import (
     unwrap_teacher,
     zero_stage,
 )
-from tests.helpers import child_env
+from tests.helpers import ROOT, child_env
 
-ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "launch"
 
 
