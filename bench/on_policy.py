@@ -224,6 +224,10 @@ def run_arm(name: str, fraction: float, args, teacher, student0, tokenizer, data
                           hidden_layers=[], hidden_kind="nmse", attn_weight=0.0, attn_layers=[], attn_num_queries=0)
     model = DistillModel(student, teacher, loss_cfg)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, betas=(0.9, 0.95))
+    # --on-opt separate: rollout steps keep their own AdamW moments, so no rollout gradient rides on in the data
+    # steps' first moment (and the data steps' momentum is not applied on rollout steps)
+    on_opt = (torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, betas=(0.9, 0.95))
+              if args.on_opt == "separate" else opt)
     settings = OnPolicySettings(fraction=fraction, max_new_tokens=args.gen, temperature=args.gen_temperature,
                                 prompt_tokens=args.prompt, seed=args.seed, kd_kind=args.on_kind, rows=args.gen_rows,
                                 rollout_rows=args.rollout_rows)
@@ -249,7 +253,8 @@ def run_arm(name: str, fraction: float, args, teacher, student0, tokenizer, data
         if first_on is None and budget.progress() >= args.on_start:
             first_on = step
         on = first_on is not None and policy.wants(step - first_on, 0, 1)
-        for group in opt.param_groups:
+        step_opt = on_opt if on else opt
+        for group in step_opt.param_groups:
             group["lr"] = args.lr * lr_multiplier(args, step, budget.progress()) * (args.on_lr if on else 1)
         out = policy.forward(blocks, step, 0, device) if on else model(input_ids=blocks)
         out.loss.backward()
@@ -263,9 +268,13 @@ def run_arm(name: str, fraction: float, args, teacher, student0, tokenizer, data
                 torch._foreach_copy_(last_data, [q.grad for q in params])
         # Every step's gradient norm is far above 1 here, so the clip sets each step's size: --on-clip scales a
         # rollout step's gradient against a data step's (a loss weight would not, it is clipped away).
+        if on and args.on_params == "blocks":  # the rollout step leaves embeddings, final norm and head alone
+            for name_, q in student.named_parameters():
+                if ".layers." not in name_:
+                    q.grad = None
         torch.nn.utils.clip_grad_norm_(student.parameters(), args.on_clip if on else 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        step_opt.step()
+        step_opt.zero_grad(set_to_none=True)
         times["on" if on else "off"].append(clock() - t0)
         walls["on" if on else "off"].append(time.perf_counter() - w0)
         budget.charge(on)
@@ -327,6 +336,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "when the two conflict (PCGrad): AdamW's first moment, or the last data step's gradient")
     ap.add_argument("--on-clip", type=float, default=1.0, help="gradient-norm clip of the on-policy steps (data steps "
                     "clip at 1; the gradients' norms are 5-17, so this sets a rollout step's size against a data step's)")
+    ap.add_argument("--on-opt", choices=("shared", "separate"), default="shared",
+                    help="AdamW state of the on-policy steps: the data steps' (shared) or their own (separate)")
+    ap.add_argument("--on-params", choices=("all", "blocks"), default="all",
+                    help="what the on-policy steps update: every parameter, or only the decoder layers (blocks)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (models, training and eval)")
     ap.add_argument("--gen-temperature", type=float, default=1.0, help="sampling temperature of the rollouts")
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens (prefix of each block)")
@@ -443,7 +456,7 @@ def compare(off_log: str, mix_log: str) -> None:
                             "gen_temperature", "threads", "eval_prompts", "eval_samples", "eval_seed")},
         gen_rows=mix.get("gen_rows", 0), rollout_rows=mix.get("rollout_rows", 0),
         on_lr=mix.get("on_lr", 1.0), on_cost=mix.get("on_cost"), project=mix.get("project", "none"),
-        on_clip=mix.get("on_clip", 1.0))
+        on_clip=mix.get("on_clip", 1.0), on_opt=mix.get("on_opt", "shared"), on_params=mix.get("on_params", "all"))
     report(args, off["init"], off["off_policy"], mix["on_policy"], off["load_avg"] + mix["load_avg"])
 
 
@@ -460,7 +473,7 @@ def report(args, init: dict, off: dict, mix: dict | None, loads: list[float]) ->
            "fraction": args.fraction, "on_start": args.on_start, "kind": args.kind, "on_kind": args.on_kind or args.kind, "beta": args.beta,
            "gen_tokens": args.gen, "gen_rows": args.gen_rows, "rollout_rows": args.rollout_rows,
            "on_lr": args.on_lr, "on_cost": args.on_cost, "gen_temperature": args.gen_temperature, "project": args.project,
-           "on_clip": args.on_clip,
+           "on_clip": args.on_clip, "on_opt": args.on_opt, "on_params": args.on_params,
            "threads": args.threads,
            "eval_prompts": args.eval_prompts, "eval_samples": args.eval_samples, "eval_seed": args.eval_seed,
            "load_avg": loads, "init": init, "off_policy": off, "on_policy": mix}
