@@ -252,7 +252,8 @@ def run_arm(name: str, fraction: float, args, teacher, student0, tokenizer, data
         t0, w0 = clock(), time.perf_counter()
         if first_on is None and budget.progress() >= args.on_start:
             first_on = step
-        on = first_on is not None and policy.wants(step - first_on, 0, 1)
+        # --on-end: the last share of the budget is off-policy only, so data steps repair what rollouts cost
+        on = first_on is not None and budget.progress() < args.on_end and policy.wants(step - first_on, 0, 1)
         step_opt = on_opt if on else opt
         for group in step_opt.param_groups:
             group["lr"] = args.lr * lr_multiplier(args, step, budget.progress()) * (args.on_lr if on else 1)
@@ -323,6 +324,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--beta", type=float, default=0.5, help="JSD / skew KL beta")
     ap.add_argument("--on-start", type=float, default=0.0, help="warm start: share of the budget trained "
                     "off-policy before the mix (with --fraction of on-policy micro-batches) begins")
+    ap.add_argument("--on-end", type=float, default=1.0, help="share of the budget after which every step is "
+                    "off-policy (a cool-down on data; 1: the mix runs to the end)")
     ap.add_argument("--gen", type=int, default=64, help="tokens generated per on-policy prompt")
     ap.add_argument("--gen-rows", type=int, default=0, help="prompts rolled out per on-policy micro-batch (the "
                     "recipe's gen_batch_size; 0: --batch)")
@@ -373,6 +376,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--on-clip is a positive gradient norm, got {args.on_clip}")
     if not 0 <= args.on_start < 1:
         ap.error(f"--on-start is a share of the budget in [0, 1), got {args.on_start}")
+    if not args.on_start < args.on_end <= 1:
+        ap.error(f"--on-end is a share of the budget in (--on-start, 1], got {args.on_end}")
     if args.off_json and args.arms == "off":
         ap.error("--off-json replaces the off-policy arm; drop it or use --arms mix")
     if args.clock == "steps" and args.on_cost is None and args.arms != "off" and not args.compare:
@@ -456,7 +461,7 @@ def compare(off_log: str, mix_log: str) -> None:
                             "gen_temperature", "threads", "eval_prompts", "eval_samples", "eval_seed")},
         gen_rows=mix.get("gen_rows", 0), rollout_rows=mix.get("rollout_rows", 0),
         on_lr=mix.get("on_lr", 1.0), on_cost=mix.get("on_cost"), project=mix.get("project", "none"),
-        on_clip=mix.get("on_clip", 1.0), on_opt=mix.get("on_opt", "shared"), on_params=mix.get("on_params", "all"))
+        on_end=mix.get("on_end", 1.0), on_clip=mix.get("on_clip", 1.0), on_opt=mix.get("on_opt", "shared"), on_params=mix.get("on_params", "all"))
     report(args, off["init"], off["off_policy"], mix["on_policy"], off["load_avg"] + mix["load_avg"])
 
 
@@ -470,7 +475,7 @@ def report(args, init: dict, off: dict, mix: dict | None, loads: list[float]) ->
         print(f"{r['arm']:<16} {r['steps']:>5} {r['ppl']:>12.2f} {r['own_rkl']:>13.4f} "
               f"{r['rollout_tok_s']:>13.1f} {r['gen_time_share']:>9.2f}")
     out = {"budget_s": args.budget, "clock": args.clock, "student": args.student, "seed": args.seed, "lr": args.lr, "schedule": args.schedule,
-           "fraction": args.fraction, "on_start": args.on_start, "kind": args.kind, "on_kind": args.on_kind or args.kind, "beta": args.beta,
+           "fraction": args.fraction, "on_start": args.on_start, "on_end": args.on_end, "kind": args.kind, "on_kind": args.on_kind or args.kind, "beta": args.beta,
            "gen_tokens": args.gen, "gen_rows": args.gen_rows, "rollout_rows": args.rollout_rows,
            "on_lr": args.on_lr, "on_cost": args.on_cost, "gen_temperature": args.gen_temperature, "project": args.project,
            "on_clip": args.on_clip, "on_opt": args.on_opt, "on_params": args.on_params,

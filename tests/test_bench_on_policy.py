@@ -280,3 +280,25 @@ def test_on_opt_separate_keeps_its_own_adamw_state(tmp_path):
     assert all(torch.equal(only_on[0][k], only_on[1][k]) for k in only_on[0])
     mixed = [_trained_state(bench, tmp_path, student, ["--on-opt", how], fraction=0.5) for how in ("shared", "separate")]
     assert any(not torch.equal(mixed[0][k], mixed[1][k]) for k in mixed[0])
+
+
+def test_on_end_trains_the_last_share_of_the_budget_on_data_only(capsys):
+    """--on-end 0.5: on-policy steps only while less than half the step budget is spent, off-policy after."""
+    bench = _bench()
+    teacher, student = _pair()
+    tok, data = tiny_tokenizer(), _tiny_data()
+    args = bench.parse_args(["--clock", "steps", "--budget", "8", "--prompt", "4", "--gen", "4", "--batch", "2",
+                             "--eval-blocks", "4", "--eval-prompts", "4", "--on-cost", "0.5", "--gen-rows", "1",
+                             "--fraction", "0.5", "--on-end", "0.5"])
+    torch.set_num_threads(1)
+    row = bench.run_arm("mix", 0.5, args, teacher, student, tok, data, bench.eval_windows(data.eval, 4, 4))
+    kinds = [line.split(": ")[1].split("-")[0] for line in capsys.readouterr().out.splitlines() if " step " in line]
+    spent, seen_off_after = 0.0, False
+    for kind in kinds:  # the budget spent before each step decides whether it may be on-policy
+        if spent >= 4:
+            assert kind == "off"
+            seen_off_after = True
+        spent += 0.5 if kind == "on" else 1.0
+    assert "on" in kinds and seen_off_after and row["on_steps"] == kinds.count("on")
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--on-start", "0.5", "--on-end", "0.5"])
