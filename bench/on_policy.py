@@ -21,7 +21,9 @@ cosine`` gives the recipe's warmup + cosine decay over the budget):
   and queues them (the recipe's gen_batch_size and gen_rollout_rows). ``--project data`` (or ``momentum``)
   removes from a rollout gradient its component against the last data step's gradient (or AdamW's first
   moment) when the two conflict (PCGrad's projection); every arm logs the mean cosine of the rollout gradients
-  with that direction (``rollout_cos``) and how many conflicted.
+  with that direction (``rollout_cos``) and how many conflicted. ``--on-end`` ends the mix early (the rest of the
+  budget on data), ``--on-opt separate`` gives rollout steps an AdamW state of their own, ``--on-params blocks``
+  lets them move only the decoder layers.
 
 ``--device cuda`` runs models, training and eval on a GPU (fp32, like the CPU arms).
 
