@@ -215,6 +215,69 @@ def project_conflict(params: list[torch.Tensor], reference: list[torch.Tensor | 
     return cos
 
 
+class SequenceRKL:
+    """Reverse KL on rollouts with the sequence-level (policy-gradient) term of its gradient (``--on-seq``).
+
+    What the eval measures is the sequence-level reverse KL ``J = E_{y ~ q} [sum_t KL_t(y_<t)]`` with
+    ``KL_t = KL(q(.|y_<t) || p(.|y_<t))``. The token-level rollout loss (the recipe's) differentiates only each
+    ``KL_t`` at its sampled prefix; ``J``'s gradient has a second part, the effect of each sampled token on the
+    prefixes that follow it: ``E[sum_t grad log q(y_t|y_<t) * R_t]`` with ``R_t = sum_{s>t} gamma^(s-t) KL_s``
+    (``gamma`` = 1 is exact; below 1 trades bias for variance). The loss is
+
+        mean_t KL_t + weight * mean_t log q(y_t|y_<t) * (R_t - b_j) / sigma
+
+    with ``R_t`` detached, ``b_j`` a running mean of ``R`` at generated index ``j`` (a baseline independent of
+    the sample, so the term stays unbiased) and ``sigma`` a running RMS of ``R - b`` (so ``weight`` is the
+    term's size against the token-level one, whatever the scale of the returns).
+    """
+
+    def __init__(self, weight: float, gamma: float, gen: int, decay: float = 0.9):
+        self.weight, self.gamma, self.decay = weight, gamma, decay
+        self.baseline: torch.Tensor | None = None  # [gen] running mean return per generated index
+        self.rms: float | None = None
+        self.gen = gen
+
+    @staticmethod
+    def returns(kl: torch.Tensor, valid: torch.Tensor, gamma: float) -> torch.Tensor:
+        """``[rows, n]`` per-position KL (0 where not ``valid``) -> ``[rows, n]`` discounted sums over later positions."""
+        out = torch.zeros_like(kl)
+        acc = torch.zeros_like(kl[:, 0])
+        for t in range(kl.shape[1] - 1, -1, -1):
+            out[:, t] = acc * valid[:, t]
+            acc = gamma * (acc + kl[:, t] * valid[:, t])
+        return out
+
+    def loss(self, student, teacher, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        """``batch``: :func:`distill.on_policy.rollout_batch` rows with one prompt length. Returns (loss, terms)."""
+        ids, mask, labels = batch["input_ids"], batch["attention_mask"], batch["labels"]
+        valid = labels[:, 1:] != -100  # [rows, seq - 1]: position t predicts token t + 1
+        start = int(valid.float().argmax(1).min())  # first position that predicts a generated token
+        valid = valid[:, start:]
+        log_q = student(input_ids=ids, attention_mask=mask).logits[:, start:-1].float().log_softmax(-1)
+        with torch.no_grad():
+            log_p = teacher(input_ids=ids, attention_mask=mask).logits[:, start:-1].float().log_softmax(-1)
+        kl = (log_q.exp() * (log_q - log_p)).sum(-1) * valid  # [rows, n]
+        n = valid.sum().clamp(min=1)
+        direct = kl.sum() / n
+        if self.weight == 0:
+            return direct, {"direct": float(direct.detach())}
+        ret = self.returns(kl.detach(), valid, self.gamma)  # [rows, n]
+        mean = (ret * valid).sum(0) / valid.sum(0).clamp(min=1)  # [n] this batch's mean return per index
+        if self.baseline is None:
+            self.baseline = mean.clone()
+        base = self.baseline[: ret.shape[1]]
+        adv = (ret - base) * valid
+        rms = float((adv.square().sum() / n).sqrt())
+        # (the first batch sets the baseline, so its advantages are 0: the scale starts at the next one)
+        self.rms = rms if not self.rms else self.decay * self.rms + (1 - self.decay) * rms
+        adv = adv / max(self.rms, 1e-6)
+        # the running statistics move after use: this sample's returns never enter its own baseline
+        self.baseline[: ret.shape[1]] = self.decay * base + (1 - self.decay) * mean
+        logq_y = log_q.gather(-1, labels[:, start + 1:].clamp(min=0).unsqueeze(-1)).squeeze(-1)  # [rows, n]
+        pg = (logq_y * adv).sum() / n
+        return direct + self.weight * pg, {"direct": float(direct.detach()), "pg": float(pg.detach())}
+
+
 def run_arm(name: str, fraction: float, args, teacher, student0, tokenizer, data, eval_prompts) -> dict:
     from distill.model import DistillModel, LossConfig
     from distill.on_policy import OnPolicy, OnPolicySettings
@@ -238,6 +301,7 @@ def run_arm(name: str, fraction: float, args, teacher, student0, tokenizer, data
     params = [q for q in student.parameters() if q.requires_grad]
     last_data: list[torch.Tensor | None] = [None] * len(params)  # --project data: the last data step's gradient
     cosines: list[float] = []  # rollout gradient vs the data direction, at every on-policy step
+    seq = SequenceRKL(args.on_seq, args.on_seq_gamma, args.gen) if args.on_seq > 0 else None
     order = torch.randperm(data.train.shape[0], generator=torch.Generator().manual_seed(args.seed))
     clock = _clock(args.clock)
     times = {"on": [], "off": []}
@@ -259,8 +323,11 @@ def run_arm(name: str, fraction: float, args, teacher, student0, tokenizer, data
         step_opt = on_opt if on else opt
         for group in step_opt.param_groups:
             group["lr"] = args.lr * lr_multiplier(args, step, budget.progress()) * (args.on_lr if on else 1)
-        out = policy.forward(blocks, step, 0, device) if on else model(input_ids=blocks)
-        out.loss.backward()
+        if on and seq is not None:  # --on-seq: the rollout loss computed here, with its sequence-level term
+            loss = seq.loss(student, teacher, {k: v.to(device) for k, v in policy.generate(blocks, step, 0).items()})[0]
+        else:
+            loss = (policy.forward(blocks, step, 0, device) if on else model(input_ids=blocks)).loss
+        loss.backward()
         if on:  # --project none still measures how the rollout gradient sits against AdamW's momentum
             ref = last_data if args.project == "data" else [opt.state[q].get("exp_avg") for q in params]
             cosines.append(project_conflict(params, ref, apply=args.project != "none"))
@@ -345,6 +412,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="AdamW state of the on-policy steps: the data steps' (shared) or their own (separate)")
     ap.add_argument("--on-params", choices=("all", "blocks"), default="all",
                     help="what the on-policy steps update: every parameter, or only the decoder layers (blocks)")
+    ap.add_argument("--on-seq", type=float, default=0.0, help="weight of the sequence-level (policy-gradient) "
+                    "term of the reverse KL on rollouts (SequenceRKL; 0: the token-level loss only). Needs "
+                    "--on-kind reverse_kl")
+    ap.add_argument("--on-seq-gamma", type=float, default=1.0, help="discount of the later positions' KL in "
+                    "--on-seq's returns (1: the exact gradient)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (models, training and eval)")
     ap.add_argument("--gen-temperature", type=float, default=1.0, help="sampling temperature of the rollouts")
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens (prefix of each block)")
@@ -385,6 +457,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.clock == "steps" and args.on_cost is None and args.arms != "off" and not args.compare:
         ap.error("--clock steps charges each on-policy step --on-cost off-policy steps; pass it (e.g. the mean "
                  "step-cost ratio of a --clock cpu run)")
+    if args.on_seq < 0 or not 0 < args.on_seq_gamma <= 1:
+        ap.error("--on-seq is a weight >= 0 and --on-seq-gamma a discount in (0, 1]")
+    if args.on_seq > 0 and (args.on_kind or args.kind) != "reverse_kl":
+        ap.error("--on-seq adds the sequence-level term of the reverse KL; pass --on-kind reverse_kl")
     if args.on_cost is not None and not args.on_cost > 0:
         ap.error(f"--on-cost is a positive share of an off-policy step, got {args.on_cost}")
     return args
@@ -463,7 +539,8 @@ def compare(off_log: str, mix_log: str) -> None:
                             "gen_temperature", "threads", "eval_prompts", "eval_samples", "eval_seed")},
         gen_rows=mix.get("gen_rows", 0), rollout_rows=mix.get("rollout_rows", 0),
         on_lr=mix.get("on_lr", 1.0), on_cost=mix.get("on_cost"), project=mix.get("project", "none"),
-        on_end=mix.get("on_end", 1.0), on_clip=mix.get("on_clip", 1.0), on_opt=mix.get("on_opt", "shared"), on_params=mix.get("on_params", "all"))
+        on_end=mix.get("on_end", 1.0), on_clip=mix.get("on_clip", 1.0), on_opt=mix.get("on_opt", "shared"), on_params=mix.get("on_params", "all"),
+        on_seq=mix.get("on_seq", 0.0), on_seq_gamma=mix.get("on_seq_gamma", 1.0))
     report(args, off["init"], off["off_policy"], mix["on_policy"], off["load_avg"] + mix["load_avg"])
 
 
@@ -481,6 +558,7 @@ def report(args, init: dict, off: dict, mix: dict | None, loads: list[float]) ->
            "gen_tokens": args.gen, "gen_rows": args.gen_rows, "rollout_rows": args.rollout_rows,
            "on_lr": args.on_lr, "on_cost": args.on_cost, "gen_temperature": args.gen_temperature, "project": args.project,
            "on_clip": args.on_clip, "on_opt": args.on_opt, "on_params": args.on_params,
+           "on_seq": args.on_seq, "on_seq_gamma": args.on_seq_gamma,
            "threads": args.threads,
            "eval_prompts": args.eval_prompts, "eval_samples": args.eval_samples, "eval_seed": args.eval_seed,
            "load_avg": loads, "init": init, "off_policy": off, "on_policy": mix}

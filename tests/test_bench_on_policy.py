@@ -302,3 +302,56 @@ def test_on_end_trains_the_last_share_of_the_budget_on_data_only(capsys):
     assert "on" in kinds and seen_off_after and row["on_steps"] == kinds.count("on")
     with pytest.raises(SystemExit):
         bench.parse_args(["--on-start", "0.5", "--on-end", "0.5"])
+
+
+def test_sequence_rkl_returns_equal_naive_discounted_sums():
+    bench = _bench()
+    g = torch.Generator().manual_seed(0)
+    kl, valid = torch.rand(3, 6, generator=g), torch.ones(3, 6, dtype=torch.bool)
+    valid[1, 4:] = False  # a row that stopped early
+    got = bench.SequenceRKL.returns(kl * valid, valid, 0.8)
+    for r in range(3):
+        for t in range(6):
+            ref = sum(0.8 ** (s - t) * float(kl[r, s]) for s in range(t + 1, 6) if valid[r, s]) if valid[r, t] else 0.0
+            assert float(got[r, t]) == pytest.approx(ref, abs=1e-6)
+
+
+def test_sequence_rkl_gradient_in_expectation_is_the_sequence_level_reverse_kl_gradient():
+    """Over every continuation y (exact enumeration, weighted by q(y)), the expected gradient of --on-seq's loss
+    equals the gradient of J = E_q[sum_t KL_t(y_<t)] / n, whatever the (sample-independent) baseline; the
+    token-level loss alone (weight 0) misses J's policy-gradient part."""
+    bench = _bench()
+    teacher, student = _pair()
+    student.eval()  # no dropout in these models; eval only to make that explicit
+    prompt, gen = [5, 7, 4], 2
+    seqs = [[a, b] for a in range(VOCAB) for b in range(VOCAB)]
+    params = [q for q in student.parameters()]
+    ids = torch.tensor([prompt + s for s in seqs])
+    # exact J / n: q(y) and each KL_t, differentiable
+    log_q = student(input_ids=ids).logits[:, len(prompt) - 1: -1].log_softmax(-1)  # [seqs, gen, vocab]
+    with torch.no_grad():
+        log_p = teacher(input_ids=ids).logits[:, len(prompt) - 1: -1].log_softmax(-1)
+    kl = (log_q.exp() * (log_q - log_p)).sum(-1)  # [seqs, gen]
+    logq_y = log_q.gather(-1, torch.tensor(seqs).unsqueeze(-1)).squeeze(-1).sum(-1)  # [seqs]
+    exact = torch.autograd.grad((logq_y.exp() * kl.sum(-1)).sum() / gen, params)
+    weights = logq_y.detach().exp()
+    assert float(weights.sum()) == pytest.approx(1.0, abs=1e-5)
+
+    def expected_grad(weight: float) -> list[torch.Tensor]:
+        seq = bench.SequenceRKL(weight, 1.0, gen, decay=1.0)  # decay 1: baseline and scale stay as set
+        seq.baseline, seq.rms = torch.tensor([0.3, -0.2]), 1.0
+        acc = [torch.zeros_like(q) for q in params]
+        for s, w in zip(seqs, weights):
+            from distill.on_policy import rollout_batch
+
+            loss = seq.loss(student, teacher, rollout_batch([prompt], [s], 0))[0]
+            for a, gr in zip(acc, torch.autograd.grad(loss, params)):
+                a.add_(gr, alpha=float(w))
+        return acc
+
+    def rel(a, b):
+        num = sum(float((x - y).square().sum()) for x, y in zip(a, b))
+        return math.sqrt(num / sum(float(y.square().sum()) for y in b))
+
+    assert rel(expected_grad(1.0), exact) < 1e-4
+    assert rel(expected_grad(0.0), exact) > 0.01  # 0.033 here: one later position, small but far above 1e-4
