@@ -23,7 +23,9 @@ cosine`` gives the recipe's warmup + cosine decay over the budget):
   moment) when the two conflict (PCGrad's projection); every arm logs the mean cosine of the rollout gradients
   with that direction (``rollout_cos``) and how many conflicted. ``--on-end`` ends the mix early (the rest of the
   budget on data), ``--on-opt separate`` gives rollout steps an AdamW state of their own, ``--on-params blocks``
-  lets them move only the decoder layers.
+  lets them move only the decoder layers. ``--on-seq W`` adds to the rollouts' reverse KL the part of its
+  sequence-level gradient the token-level loss leaves out (how each sampled token steers the later positions:
+  a policy-gradient term with a running baseline, :class:`SequenceRKL`), at weight ``W`` against it.
 
 ``--device cuda`` runs models, training and eval on a GPU (fp32, like the CPU arms).
 
