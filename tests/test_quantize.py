@@ -44,7 +44,8 @@ def test_w8a8_export_loads_in_one_line_and_serves(tmp_path: Path) -> None:
     # The engine serves the directory (through its fused int8 copies where oneDNN has an int8 GEMM);
     # greedy tokens match the quantized model's own HF generate.
     engine = Engine(out, max_batch=2)
-    assert engine.model._fast[0].qkv.int8 == _onednn_int8_available()
+    # (no int8 GEMM, e.g. oneDNN on an AVX2-only CPU: no fused copies, torchao's own linears serve it)
+    assert (bool(engine.model._fast) and engine.model._fast[0].qkv.int8) == _onednn_int8_available()
     got = engine.generate([[1, 5, 9, 33]], SamplingParams(max_new_tokens=8, ignore_eos=True))[0].token_ids
     ref = model.generate(torch.tensor([[1, 5, 9, 33]]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
     assert got == ref[0, 4:].tolist()
@@ -236,3 +237,24 @@ def test_int8_weight_only_export_serves_through_the_fused_path(tmp_path: Path) -
     assert engine.model._fast[0].qkv.w8 == _int8pack_available()
     ids = engine.generate([[1, 5, 9, 33]], SamplingParams(max_new_tokens=6, ignore_eos=True))[0].token_ids
     assert len(ids) == 6
+
+
+def test_int8_probe_rejects_a_saturating_kernel(monkeypatch) -> None:
+    """The int8 path is taken only where oneDNN's result is exact at the extremes (AVX2-only CPUs saturate)."""
+    import serve.model as sm
+
+    def exact(xq, w, w_scale, w_zp):
+        x = xq.long() - 128 if xq.dtype == torch.uint8 else xq.long()
+        return (x @ w.long().T).float() * w_scale
+
+    def saturating(xq, w, w_scale, w_zp):  # pairs of u8 x s8 products summed in int16, as vpmaddubsw does
+        x = xq.long()
+        pairs = (x[:, None, :] * w.long()[None]).reshape(x.shape[0], w.shape[0], -1, 2).sum(-1).clamp(-32768, 32767)
+        return (pairs.sum(-1) - 128 * w.long().sum(-1)).float() * w_scale
+
+    monkeypatch.setattr(torch.ops.onednn, "qlinear_prepack", lambda wq, _: wq, raising=False)
+    for fake, want in ((exact, True), (saturating, False)):
+        monkeypatch.setattr(sm, "_qlinear", fake)
+        sm._onednn_int8_available.cache_clear()
+        assert sm._onednn_int8_available() is want
+    sm._onednn_int8_available.cache_clear()
