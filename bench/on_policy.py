@@ -231,10 +231,14 @@ class SequenceRKL:
     with ``R_t`` detached, ``b_j`` a running mean of ``R`` at generated index ``j`` (a baseline independent of
     the sample, so the term stays unbiased) and ``sigma`` a running RMS of ``R - b`` (so ``weight`` is the
     term's size against the token-level one, whatever the scale of the returns).
+
+    ``max_entropy`` (``--on-max-entropy``) drops the generated positions where the teacher's entropy is at least
+    that many nats from both parts: the rollout loss then teaches only where the teacher is sure of the next token.
     """
 
-    def __init__(self, weight: float, gamma: float, gen: int, decay: float = 0.9):
+    def __init__(self, weight: float, gamma: float, gen: int, decay: float = 0.9, max_entropy: float = math.inf):
         self.weight, self.gamma, self.decay = weight, gamma, decay
+        self.max_entropy = max_entropy  # positions where the teacher's entropy is at least this carry no loss
         self.baseline: torch.Tensor | None = None  # [gen] running mean return per generated index
         self.rms: float | None = None
         self.gen = gen
@@ -258,6 +262,8 @@ class SequenceRKL:
         log_q = student(input_ids=ids, attention_mask=mask).logits[:, start:-1].float().log_softmax(-1)
         with torch.no_grad():
             log_p = teacher(input_ids=ids, attention_mask=mask).logits[:, start:-1].float().log_softmax(-1)
+            if self.max_entropy < math.inf:
+                valid = valid & (-(log_p.exp() * log_p).sum(-1) < self.max_entropy)
         kl = (log_q.exp() * (log_q - log_p)).sum(-1) * valid  # [rows, n]
         n = valid.sum().clamp(min=1)
         direct = kl.sum() / n
@@ -303,7 +309,8 @@ def run_arm(name: str, fraction: float, args, teacher, student0, tokenizer, data
     params = [q for q in student.parameters() if q.requires_grad]
     last_data: list[torch.Tensor | None] = [None] * len(params)  # --project data: the last data step's gradient
     cosines: list[float] = []  # rollout gradient vs the data direction, at every on-policy step
-    seq = SequenceRKL(args.on_seq, args.on_seq_gamma, args.gen) if args.on_seq > 0 else None
+    seq = (SequenceRKL(args.on_seq, args.on_seq_gamma, args.gen, max_entropy=args.on_max_entropy)
+           if args.on_seq > 0 or args.on_max_entropy < math.inf else None)
     order = torch.randperm(data.train.shape[0], generator=torch.Generator().manual_seed(args.seed))
     clock = _clock(args.clock)
     times = {"on": [], "off": []}
@@ -325,7 +332,7 @@ def run_arm(name: str, fraction: float, args, teacher, student0, tokenizer, data
         step_opt = on_opt if on else opt
         for group in step_opt.param_groups:
             group["lr"] = args.lr * lr_multiplier(args, step, budget.progress()) * (args.on_lr if on else 1)
-        if on and seq is not None:  # --on-seq: the rollout loss computed here, with its sequence-level term
+        if on and seq is not None:  # --on-seq / --on-max-entropy: the rollout loss computed here
             loss = seq.loss(student, teacher, {k: v.to(device) for k, v in policy.generate(blocks, step, 0).items()})[0]
         else:
             loss = (policy.forward(blocks, step, 0, device) if on else model(input_ids=blocks)).loss
@@ -419,6 +426,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "--on-kind reverse_kl")
     ap.add_argument("--on-seq-gamma", type=float, default=1.0, help="discount of the later positions' KL in "
                     "--on-seq's returns (1: the exact gradient)")
+    ap.add_argument("--on-max-entropy", type=float, default=math.inf, help="rollout positions where the teacher's "
+                    "entropy (nats) is at least this carry no loss: the student is not taught to be flat on its own "
+                    "degenerate text")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (models, training and eval)")
     ap.add_argument("--gen-temperature", type=float, default=1.0, help="sampling temperature of the rollouts")
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens (prefix of each block)")
@@ -463,6 +473,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--on-seq is a weight >= 0 and --on-seq-gamma a discount in (0, 1]")
     if args.on_seq > 0 and (args.on_kind or args.kind) != "reverse_kl":
         ap.error("--on-seq adds the sequence-level term of the reverse KL; pass --on-kind reverse_kl")
+    if not args.on_max_entropy > 0:
+        ap.error(f"--on-max-entropy is a teacher entropy in nats (> 0), got {args.on_max_entropy}")
+    if args.on_max_entropy < math.inf and (args.on_kind or args.kind) != "reverse_kl":
+        ap.error("--on-max-entropy masks the rollout reverse KL; pass --on-kind reverse_kl")
     if args.on_cost is not None and not args.on_cost > 0:
         ap.error(f"--on-cost is a positive share of an off-policy step, got {args.on_cost}")
     return args
@@ -542,7 +556,8 @@ def compare(off_log: str, mix_log: str) -> None:
         gen_rows=mix.get("gen_rows", 0), rollout_rows=mix.get("rollout_rows", 0),
         on_lr=mix.get("on_lr", 1.0), on_cost=mix.get("on_cost"), project=mix.get("project", "none"),
         on_end=mix.get("on_end", 1.0), on_clip=mix.get("on_clip", 1.0), on_opt=mix.get("on_opt", "shared"), on_params=mix.get("on_params", "all"),
-        on_seq=mix.get("on_seq", 0.0), on_seq_gamma=mix.get("on_seq_gamma", 1.0))
+        on_seq=mix.get("on_seq", 0.0), on_seq_gamma=mix.get("on_seq_gamma", 1.0),
+        on_max_entropy=math.inf if mix.get("on_max_entropy") is None else mix["on_max_entropy"])
     report(args, off["init"], off["off_policy"], mix["on_policy"], off["load_avg"] + mix["load_avg"])
 
 
@@ -561,6 +576,7 @@ def report(args, init: dict, off: dict, mix: dict | None, loads: list[float]) ->
            "on_lr": args.on_lr, "on_cost": args.on_cost, "gen_temperature": args.gen_temperature, "project": args.project,
            "on_clip": args.on_clip, "on_opt": args.on_opt, "on_params": args.on_params,
            "on_seq": args.on_seq, "on_seq_gamma": args.on_seq_gamma,
+           "on_max_entropy": args.on_max_entropy if args.on_max_entropy < math.inf else None,
            "threads": args.threads,
            "eval_prompts": args.eval_prompts, "eval_samples": args.eval_samples, "eval_seed": args.eval_seed,
            "load_avg": loads, "init": init, "off_policy": off, "on_policy": mix}

@@ -355,3 +355,46 @@ def test_sequence_rkl_gradient_in_expectation_is_the_sequence_level_reverse_kl_g
 
     assert rel(expected_grad(1.0), exact) < 1e-4
     assert rel(expected_grad(0.0), exact) > 0.01  # 0.033 here: one later position, small but far above 1e-4
+
+
+def test_on_max_entropy_keeps_only_positions_where_the_teacher_is_sure():
+    """--on-max-entropy: the rollout loss is the mean token-level reverse KL over the generated positions whose
+    teacher entropy is below the cap (naive per-position loop), with the matching gradient; no cap keeps all."""
+    from distill.on_policy import rollout_batch
+
+    bench = _bench()
+    teacher, student = _pair()
+    student.eval()
+    prompts, conts = _prompts(2, length=4), [[5, 6, 7, 8, 9], [4, 3]]  # the second row stopped early
+    batch = rollout_batch(prompts, conts, 0)
+    params = list(student.parameters())
+
+    def naive(cap: float) -> tuple[torch.Tensor, int]:
+        terms = []
+        for p, c in zip(prompts, conts):
+            for j in range(len(c)):
+                ctx = torch.tensor([p + c[:j]])
+                log_q = student(input_ids=ctx).logits[0, -1].log_softmax(-1)
+                with torch.no_grad():
+                    log_p = teacher(input_ids=ctx).logits[0, -1].log_softmax(-1)
+                if float(-(log_p.exp() * log_p).sum()) < cap:
+                    terms.append((log_q.exp() * (log_q - log_p)).sum())
+        return torch.stack(terms).mean(), len(terms)
+
+    with torch.no_grad():  # a cap between the positions' teacher entropies, so some are dropped
+        ents = []
+        for p, c in zip(prompts, conts):
+            for j in range(len(c)):
+                lp = teacher(input_ids=torch.tensor([p + c[:j]])).logits[0, -1].log_softmax(-1)
+                ents.append(float(-(lp.exp() * lp).sum()))
+    cap = statistics.median(ents)
+    for limit, kept in ((cap, sum(e < cap for e in ents)), (math.inf, len(ents))):
+        ref, n = naive(limit)
+        assert n == kept and 0 < n
+        got = bench.SequenceRKL(0.0, 1.0, 5, max_entropy=limit).loss(student, teacher, batch)[0]
+        assert float(got.detach()) == pytest.approx(float(ref.detach()), rel=1e-5)
+        for a, b in zip(torch.autograd.grad(got, params), torch.autograd.grad(ref, params)):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert sum(e < cap for e in ents) < len(ents)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--on-max-entropy", "0"])
