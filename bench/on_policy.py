@@ -236,7 +236,7 @@ class SequenceRKL:
     that many nats from both parts: the rollout loss then teaches only where the teacher is sure of the next token.
     """
 
-    def __init__(self, weight: float, gamma: float, gen: int, decay: float = 0.9, max_entropy: float = math.inf):
+    def __init__(self, weight: float, gamma: float, gen: int, decay: float = 0.9, max_entropy: float | None = None):
         self.weight, self.gamma, self.decay = weight, gamma, decay
         self.max_entropy = max_entropy  # positions where the teacher's entropy is at least this carry no loss
         self.baseline: torch.Tensor | None = None  # [gen] running mean return per generated index
@@ -262,7 +262,7 @@ class SequenceRKL:
         log_q = student(input_ids=ids, attention_mask=mask).logits[:, start:-1].float().log_softmax(-1)
         with torch.no_grad():
             log_p = teacher(input_ids=ids, attention_mask=mask).logits[:, start:-1].float().log_softmax(-1)
-            if self.max_entropy < math.inf:
+            if self.max_entropy is not None:
                 valid = valid & (-(log_p.exp() * log_p).sum(-1) < self.max_entropy)
         kl = (log_q.exp() * (log_q - log_p)).sum(-1) * valid  # [rows, n]
         n = valid.sum().clamp(min=1)
@@ -310,7 +310,7 @@ def run_arm(name: str, fraction: float, args, teacher, student0, tokenizer, data
     last_data: list[torch.Tensor | None] = [None] * len(params)  # --project data: the last data step's gradient
     cosines: list[float] = []  # rollout gradient vs the data direction, at every on-policy step
     seq = (SequenceRKL(args.on_seq, args.on_seq_gamma, args.gen, max_entropy=args.on_max_entropy)
-           if args.on_seq > 0 or args.on_max_entropy < math.inf else None)
+           if args.on_seq > 0 or args.on_max_entropy is not None else None)
     order = torch.randperm(data.train.shape[0], generator=torch.Generator().manual_seed(args.seed))
     clock = _clock(args.clock)
     times = {"on": [], "off": []}
@@ -426,7 +426,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "--on-kind reverse_kl")
     ap.add_argument("--on-seq-gamma", type=float, default=1.0, help="discount of the later positions' KL in "
                     "--on-seq's returns (1: the exact gradient)")
-    ap.add_argument("--on-max-entropy", type=float, default=math.inf, help="rollout positions where the teacher's "
+    ap.add_argument("--on-max-entropy", type=float, default=None, help="rollout positions where the teacher's "
                     "entropy (nats) is at least this carry no loss: the student is not taught to be flat on its own "
                     "degenerate text")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (models, training and eval)")
@@ -473,9 +473,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--on-seq is a weight >= 0 and --on-seq-gamma a discount in (0, 1]")
     if args.on_seq > 0 and (args.on_kind or args.kind) != "reverse_kl":
         ap.error("--on-seq adds the sequence-level term of the reverse KL; pass --on-kind reverse_kl")
-    if not args.on_max_entropy > 0:
+    if args.on_max_entropy is not None and not args.on_max_entropy > 0:
         ap.error(f"--on-max-entropy is a teacher entropy in nats (> 0), got {args.on_max_entropy}")
-    if args.on_max_entropy < math.inf and (args.on_kind or args.kind) != "reverse_kl":
+    if args.on_max_entropy is not None and (args.on_kind or args.kind) != "reverse_kl":
         ap.error("--on-max-entropy masks the rollout reverse KL; pass --on-kind reverse_kl")
     if args.on_cost is not None and not args.on_cost > 0:
         ap.error(f"--on-cost is a positive share of an off-policy step, got {args.on_cost}")
@@ -557,7 +557,7 @@ def compare(off_log: str, mix_log: str) -> None:
         on_lr=mix.get("on_lr", 1.0), on_cost=mix.get("on_cost"), project=mix.get("project", "none"),
         on_end=mix.get("on_end", 1.0), on_clip=mix.get("on_clip", 1.0), on_opt=mix.get("on_opt", "shared"), on_params=mix.get("on_params", "all"),
         on_seq=mix.get("on_seq", 0.0), on_seq_gamma=mix.get("on_seq_gamma", 1.0),
-        on_max_entropy=math.inf if mix.get("on_max_entropy") is None else mix["on_max_entropy"])
+        on_max_entropy=mix.get("on_max_entropy"))
     report(args, off["init"], off["off_policy"], mix["on_policy"], off["load_avg"] + mix["load_avg"])
 
 
@@ -576,7 +576,7 @@ def report(args, init: dict, off: dict, mix: dict | None, loads: list[float]) ->
            "on_lr": args.on_lr, "on_cost": args.on_cost, "gen_temperature": args.gen_temperature, "project": args.project,
            "on_clip": args.on_clip, "on_opt": args.on_opt, "on_params": args.on_params,
            "on_seq": args.on_seq, "on_seq_gamma": args.on_seq_gamma,
-           "on_max_entropy": args.on_max_entropy if args.on_max_entropy < math.inf else None,
+           "on_max_entropy": args.on_max_entropy,
            "threads": args.threads,
            "eval_prompts": args.eval_prompts, "eval_samples": args.eval_samples, "eval_seed": args.eval_seed,
            "load_avg": loads, "init": init, "off_policy": off, "on_policy": mix}

@@ -369,27 +369,24 @@ def test_on_max_entropy_keeps_only_positions_where_the_teacher_is_sure():
     batch = rollout_batch(prompts, conts, 0)
     params = list(student.parameters())
 
-    def naive(cap: float) -> tuple[torch.Tensor, int]:
-        terms = []
+    def naive(cap: float) -> tuple[torch.Tensor, int, list[float]]:
+        """Each generated position's KL and teacher entropy from its own prefix; the mean KL where entropy < cap."""
+        terms, ents = [], []
         for p, c in zip(prompts, conts):
             for j in range(len(c)):
                 ctx = torch.tensor([p + c[:j]])
                 log_q = student(input_ids=ctx).logits[0, -1].log_softmax(-1)
                 with torch.no_grad():
                     log_p = teacher(input_ids=ctx).logits[0, -1].log_softmax(-1)
-                if float(-(log_p.exp() * log_p).sum()) < cap:
+                ents.append(float(-(log_p.exp() * log_p).sum()))
+                if ents[-1] < cap:
                     terms.append((log_q.exp() * (log_q - log_p)).sum())
-        return torch.stack(terms).mean(), len(terms)
+        return torch.stack(terms).mean(), len(terms), ents
 
-    with torch.no_grad():  # a cap between the positions' teacher entropies, so some are dropped
-        ents = []
-        for p, c in zip(prompts, conts):
-            for j in range(len(c)):
-                lp = teacher(input_ids=torch.tensor([p + c[:j]])).logits[0, -1].log_softmax(-1)
-                ents.append(float(-(lp.exp() * lp).sum()))
-    cap = statistics.median(ents)
+    ents = naive(math.inf)[2]
+    cap = statistics.median(ents)  # a cap between the positions' teacher entropies, so some are dropped
     for limit, kept in ((cap, sum(e < cap for e in ents)), (math.inf, len(ents))):
-        ref, n = naive(limit)
+        ref, n, _ = naive(limit)
         assert n == kept and 0 < n
         got = bench.SequenceRKL(0.0, 1.0, 5, max_entropy=limit).loss(student, teacher, batch)[0]
         assert float(got.detach()) == pytest.approx(float(ref.detach()), rel=1e-5)
