@@ -5,6 +5,8 @@
     python bench/on_policy.py --student DIR --arms off --seed 0 > off.log
     python bench/on_policy.py --student DIR --arms mix --seed 0 > mix.log
     python bench/on_policy.py --compare off.log mix.log
+    # several settings or seeds at once (pairs), their trade-off drawn against the target region:
+    python bench/on_policy.py --compare off0.log mix0.log off1.log mix1.log --plot trade_off.png
 
 SmolLM2-135M-Instruct teacher; the student is ``--student`` (an HF folder, e.g. the demo's pruned
 student) or, without it, the teacher's layers 0-3 and 24-29. Built-in data packed into ``prompt + gen``
@@ -450,8 +452,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "(needs --off-json); both: one after the other")
     ap.add_argument("--off-json", default=None, help="reuse the off-policy arm of an earlier run's log (same "
                     "student, data, seed, budget, clock, lr, eval settings): only the mix arm runs")
-    ap.add_argument("--compare", nargs=2, metavar=("OFF_LOG", "MIX_LOG"), default=None,
-                    help="only compare an --arms off log with an --arms mix log (no training)")
+    ap.add_argument("--compare", nargs="+", metavar="LOG", default=None,
+                    help="only compare (no training): an --arms off log and an --arms mix log, or several such "
+                    "pairs in a row (OFF MIX OFF MIX ...)")
+    ap.add_argument("--plot", default=None, help="with --compare: draw each pair's reverse-KL change against its "
+                    "perplexity change, with the target region, into this PNG")
     ap.add_argument("--skip-init", action="store_true", help="do not evaluate the untrained student (it does not "
                     "depend on the seed: one run of a seed sweep is enough)")
     ap.add_argument("--save", default=None, help="folder to save each arm's trained student state dict in")
@@ -464,6 +469,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--on-start is a share of the budget in [0, 1), got {args.on_start}")
     if not args.on_start < args.on_end <= 1:
         ap.error(f"--on-end is a share of the budget in (--on-start, 1], got {args.on_end}")
+    if args.compare and len(args.compare) % 2:
+        ap.error(f"--compare takes logs in pairs (OFF MIX OFF MIX ...), got {len(args.compare)}")
+    if args.plot and not args.compare:
+        ap.error("--plot draws the pairs of --compare; pass their logs")
     if args.off_json and args.arms == "off":
         ap.error("--off-json replaces the off-policy arm; drop it or use --arms mix")
     if args.clock == "steps" and args.on_cost is None and args.arms != "off" and not args.compare:
@@ -485,7 +494,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     if args.compare:
-        compare(*args.compare)
+        pairs = list(zip(args.compare[::2], args.compare[1::2]))
+        if len(pairs) == 1 and not args.plot:
+            compare(*pairs[0])
+        else:
+            compare_many(pairs, args.plot)
         return
     from core.models import load_causal_lm, load_tokenizer, smollm2_dir
     from distill.data import BUILTIN, build_data
@@ -541,7 +554,7 @@ def last_json(path: str) -> dict:
     return json.loads(Path(path).read_text().strip().splitlines()[-1])
 
 
-def compare(off_log: str, mix_log: str) -> None:
+def compare(off_log: str, mix_log: str, emit_json: bool = True) -> dict:
     """``--compare OFF MIX``: the verdict of two arms run as separate processes (``--arms off`` / ``--arms mix``)."""
     off, mix = last_json(off_log), last_json(mix_log)
     keys = ("budget_s", "clock", "student", "seed", "lr", "schedule", "kind", "gen_tokens", "eval_prompts", "eval_samples",
@@ -558,11 +571,88 @@ def compare(off_log: str, mix_log: str) -> None:
         on_end=mix.get("on_end", 1.0), on_clip=mix.get("on_clip", 1.0), on_opt=mix.get("on_opt", "shared"), on_params=mix.get("on_params", "all"),
         on_seq=mix.get("on_seq", 0.0), on_seq_gamma=mix.get("on_seq_gamma", 1.0),
         on_max_entropy=mix.get("on_max_entropy"))
-    report(args, off["init"], off["off_policy"], mix["on_policy"], off["load_avg"] + mix["load_avg"])
+    return report(args, off["init"], off["off_policy"], mix["on_policy"], off["load_avg"] + mix["load_avg"], emit_json)
 
 
-def report(args, init: dict, off: dict, mix: dict | None, loads: list[float]) -> None:
-    """The table, the verdict lines and the JSON last line."""
+# What a mix log's label shows: its JSON key, the value it is left out at (None: always shown), a short name.
+_SETTINGS = (("fraction", None, "λ"), ("on_kind", "reverse_kl", "on-kind "), ("on_clip", 1.0, "clip "),
+             ("project", "none", "project "), ("on_opt", "shared", "opt "), ("on_params", "all", "params "),
+             ("on_lr", 1.0, "lr ×"), ("on_start", 0.0, "start "), ("on_end", 1.0, "end "),
+             ("gen_temperature", 1.0, "T "), ("gen_rows", 0, "rows "), ("on_seq", 0.0, "seq "),
+             ("on_max_entropy", None, "max-H "))
+
+
+def mix_label(mix: dict) -> str:
+    """A mix log's settings, those at their usual value left out, e.g. ``λ0.2 clip 2 project data``."""
+    parts = []
+    for key, default, name in _SETTINGS:
+        value = mix.get(key, default)
+        if value is not None and (default is None or value != default):
+            parts.append(f"{name}{value:g}" if isinstance(value, float) else f"{name}{value}")
+    return " ".join(parts)
+
+
+def compare_many(pairs: list[tuple[str, str]], plot: str | None) -> list[dict]:
+    """``--compare OFF MIX OFF MIX ...``: every pair's verdict, a summary table, the trade-off plot (``--plot``)
+    and one JSON last line with every pair."""
+    rows = []
+    for off_log, mix_log in pairs:
+        out = compare(off_log, mix_log, emit_json=False)
+        rows.append({"off_log": off_log, "mix_log": mix_log, "label": mix_label(out), "seed": out["seed"],
+                     **{k: out[k] for k in ("own_rkl_change", "own_rkl_change_se", "ppl_change", "target_rkl_met",
+                                            "target_ppl_met")}})
+    width = max(len(r["label"]) for r in rows)
+    print(f"\n{'mix':<{width}} {'seed':>4} {'own-cont. rKL':>14} {'held-out ppl':>12}  both targets")
+    for r in rows:
+        print(f"{r['label']:<{width}} {r['seed']:>4} {r['own_rkl_change']:>+8.1%} ±{r['own_rkl_change_se']:.1%} "
+              f"{r['ppl_change']:>+12.1%}  {'met' if r['target_rkl_met'] and r['target_ppl_met'] else 'not met'}")
+    if plot:
+        plot_trade_off(rows, Path(plot))
+        print(f"trade-off plot: {plot}")
+    print(json.dumps({"pairs": rows, "plot": plot}))
+    return rows
+
+
+def plot_trade_off(rows: list[dict], path: Path) -> None:
+    """Each pair as a point (perplexity change, reverse-KL change) with the reverse KL's standard error, one
+    marker per setting, and the region where both targets hold shaded."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    xs = [100 * r["ppl_change"] for r in rows]
+    ys = [100 * r["own_rkl_change"] for r in rows]
+    lo_x, hi_x = min(xs + [0.0]) - 2, max(xs + [5.0]) + 2
+    lo_y, hi_y = min(ys + [-10.0]) - 3, max(ys + [0.0]) + 2
+    ax.axvspan(lo_x, 5, ymin=0, ymax=(-10 - lo_y) / (hi_y - lo_y), color="tab:green", alpha=0.12,
+               label="targets: rKL ≤ −10 %, ppl ≤ +5 %")
+    ax.axhline(0, color="grey", linewidth=0.8)
+    ax.axvline(0, color="grey", linewidth=0.8)
+    markers = "osD^v<>pPX*h"
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    for i, label in enumerate(labels):
+        mine = [r for r in rows if r["label"] == label]
+        ax.errorbar([100 * r["ppl_change"] for r in mine], [100 * r["own_rkl_change"] for r in mine],
+                    yerr=[100 * r["own_rkl_change_se"] for r in mine], fmt=markers[i % len(markers)], capsize=3,
+                    label=label)
+        for r in mine:
+            ax.annotate(f"s{r['seed']}", (100 * r["ppl_change"], 100 * r["own_rkl_change"]), fontsize=7,
+                        xytext=(4, 3), textcoords="offset points")
+    ax.set_xlim(lo_x, hi_x)
+    ax.set_ylim(lo_y, hi_y)
+    ax.set_xlabel("held-out perplexity change vs off-policy (%)")
+    ax.set_ylabel("reverse KL on own continuations, change (%)")
+    ax.set_title("on-policy mix vs off-policy at equal compute")
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report(args, init: dict, off: dict, mix: dict | None, loads: list[float], emit_json: bool = True) -> dict:
+    """The table, the verdict lines and the JSON last line (``emit_json``); returns that JSON's dict."""
     print(f"\n{'arm':<16} {'steps':>5} {'held-out ppl':>12} {'own-cont. rKL':>13} {'rollout tok/s':>13} "
           f"{'gen share':>9}")
     if init is not None:
@@ -612,7 +702,9 @@ def report(args, init: dict, off: dict, mix: dict | None, loads: list[float]) ->
             print(f"equal compute (--clock steps): on-policy steps charged {args.on_cost:.2f}x an off-policy step, "
                   f"measured {cost_mean:.2f}x (cpu mean): {'covered' if covered else 'NOT covered: the mix got more compute'}")
             out["on_cost_covered"] = covered
-    print(json.dumps(out))
+    if emit_json:
+        print(json.dumps(out))
+    return out
 
 
 if __name__ == "__main__":

@@ -140,6 +140,42 @@ def test_compare_two_arm_logs(tmp_path, capsys):
         bench.compare(off, other)
 
 
+def test_compare_pairs_summarises_labels_and_plots_the_trade_off(tmp_path, capsys):
+    """Several OFF MIX pairs: each pair's own verdict, one labelled row per pair, a PNG, one JSON last line."""
+    bench = _bench()
+    off0 = _log(tmp_path, "off0.log", off_policy=_arm(60.0, 1.25, 0.025, 0))
+    off1 = _log(tmp_path, "off1.log", seed=1, off_policy=_arm(50.0, 1.00, 0.02, 0))
+    mix0 = _log(tmp_path, "mix0.log", on_policy=_arm(61.8, 1.10, 0.022, 2), on_clip=2.0, project="data")
+    mix1 = _log(tmp_path, "mix1.log", seed=1, on_policy=_arm(54.0, 0.85, 0.02, 2), on_clip=2.0, project="data",
+                on_max_entropy=3.0)
+    png = tmp_path / "trade_off.png"
+    args = bench.parse_args(["--compare", off0, mix0, off1, mix1, "--plot", str(png)])
+    rows = bench.compare_many(list(zip(args.compare[::2], args.compare[1::2])), args.plot)
+    lines = capsys.readouterr().out.strip().splitlines()
+    out = json.loads(lines[-1])
+    assert out["pairs"] == rows and out["plot"] == str(png)
+    assert sum(line.startswith("{") for line in lines) == 1  # the pairs' own JSON lines are not printed
+    assert [r["label"] for r in rows] == ["λ0.2 clip 2 project data", "λ0.2 clip 2 project data max-H 3"]
+    assert rows[0]["ppl_change"] == pytest.approx(61.8 / 60.0 - 1) and rows[1]["ppl_change"] == pytest.approx(0.08)
+    assert rows[1]["own_rkl_change"] == pytest.approx(-0.15) and rows[0]["seed"] == 0 and rows[1]["seed"] == 1
+    assert (rows[0]["target_rkl_met"], rows[0]["target_ppl_met"]) == (True, True)
+    assert (rows[1]["target_rkl_met"], rows[1]["target_ppl_met"]) == (True, False)
+    assert any("not met" in line for line in lines) and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # A pair of mismatched settings fails as in the two-log form.
+    with pytest.raises(SystemExit, match="differ in seed"):
+        bench.compare_many([(off0, mix1)], None)
+
+
+def test_compare_refuses_an_odd_number_of_logs_and_plot_without_logs(capsys):
+    bench = _bench()
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--compare", "a.log", "b.log", "c.log"])
+    assert "in pairs (OFF MIX OFF MIX ...), got 3" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--plot", "x.png"])
+    assert "--plot draws the pairs of --compare" in capsys.readouterr().err
+
+
 def test_lr_schedule_is_the_recipes_warmup_cosine_over_the_budget():
     """Progress = share of the budget; with the step's share it is the recipe's ``warmup_cosine`` exactly."""
     import argparse
