@@ -599,8 +599,11 @@ def compare_many(pairs: list[tuple[str, str]], plot: str | None) -> list[dict]:
     for off_log, mix_log in pairs:
         out = compare(off_log, mix_log, emit_json=False)
         rows.append({"off_log": off_log, "mix_log": mix_log, "label": mix_label(out), "seed": out["seed"],
-                     **{k: out[k] for k in ("own_rkl_change", "own_rkl_change_se", "ppl_change", "target_rkl_met",
-                                            "target_ppl_met")}})
+                     **{k: out[k] for k in ("student", "own_rkl_change", "own_rkl_change_se", "ppl_change",
+                                            "target_rkl_met", "target_ppl_met")}})
+    if len({r["student"] for r in rows}) > 1:  # pairs from different students: say which, or their points merge
+        for r in rows:
+            r["label"] += f" ({Path(str(r['student'])).name})"
     width = max(len(r["label"]) for r in rows)
     print(f"\n{'mix':<{width}} {'seed':>4} {'own-cont. rKL':>14} {'held-out ppl':>12}  both targets")
     for r in rows:

@@ -161,6 +161,12 @@ def test_compare_pairs_summarises_labels_and_plots_the_trade_off(tmp_path, capsy
     assert (rows[0]["target_rkl_met"], rows[0]["target_ppl_met"]) == (True, True)
     assert (rows[1]["target_rkl_met"], rows[1]["target_ppl_met"]) == (True, False)
     assert any("not met" in line for line in lines) and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Pairs trained from different students say which student in their labels.
+    off2 = _log(tmp_path, "off2.log", student="runs/warm", off_policy=_arm(60.0, 1.25, 0.025, 0))
+    mix2 = _log(tmp_path, "mix2.log", student="runs/warm", on_policy=_arm(61.8, 1.10, 0.022, 2))
+    rows = bench.compare_many([(off0, mix0), (off2, mix2)], None)
+    assert [r["label"] for r in rows] == ["λ0.2 clip 2 project data (s)", "λ0.2 (warm)"]
+    capsys.readouterr()
     # A pair of mismatched settings fails as in the two-log form.
     with pytest.raises(SystemExit, match="differ in seed"):
         bench.compare_many([(off0, mix1)], None)
