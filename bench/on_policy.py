@@ -574,18 +574,22 @@ def compare(off_log: str, mix_log: str, emit_json: bool = True) -> dict:
     return report(args, off["init"], off["off_policy"], mix["on_policy"], off["load_avg"] + mix["load_avg"], emit_json)
 
 
-# What a mix log's label shows: its JSON key, the value it is left out at (None: always shown), a short name.
-_SETTINGS = (("fraction", None, "λ"), ("on_kind", "reverse_kl", "on-kind "), ("on_clip", 1.0, "clip "),
-             ("project", "none", "project "), ("on_opt", "shared", "opt "), ("on_params", "all", "params "),
-             ("on_lr", 1.0, "lr ×"), ("on_start", 0.0, "start "), ("on_end", 1.0, "end "),
-             ("gen_temperature", 1.0, "T "), ("gen_rows", 0, "rows "), ("on_seq", 0.0, "seq "),
-             ("on_max_entropy", None, "max-H "))
+# What a mix log's label shows, by JSON key (the bench option's dest) and a short name.
+_LABELS = (("fraction", "λ"), ("on_kind", "on-kind "), ("on_clip", "clip "), ("project", "project "),
+           ("on_opt", "opt "), ("on_params", "params "), ("on_lr", "lr ×"), ("on_start", "start "),
+           ("on_end", "end "), ("gen_temperature", "T "), ("gen_rows", "rows "), ("on_seq", "seq "),
+           ("on_max_entropy", "max-H "))
 
 
 def mix_label(mix: dict) -> str:
-    """A mix log's settings, those at their usual value left out, e.g. ``λ0.2 clip 2 project data``."""
+    """A mix log's settings, those at the bench's defaults left out, e.g. ``λ0.2 clip 2 project data``.
+
+    The share is always shown; the rollout divergence is left out at reverse KL, the usual choice.
+    """
+    usual = vars(parse_args([])) | {"fraction": None, "on_kind": "reverse_kl"}
     parts = []
-    for key, default, name in _SETTINGS:
+    for key, name in _LABELS:
+        default = usual[key]
         value = mix.get(key, default)
         if value is not None and (default is None or value != default):
             parts.append(f"{name}{value:g}" if isinstance(value, float) else f"{name}{value}")
