@@ -349,9 +349,9 @@ def run_arm(name: str, fraction: float, args, teacher, student0, tokenizer, data
                 torch._foreach_copy_(last_data, [q.grad for q in params])
         # Every step's gradient norm is far above 1 here, so the clip sets each step's size: --on-clip scales a
         # rollout step's gradient against a data step's (a loss weight would not, it is clipped away).
-        if on and args.on_params == "blocks":  # the rollout step leaves embeddings, final norm and head alone
+        if on and args.on_params != "all":  # blocks: only the decoder layers move; head: only what they leave out
             for name_, q in student.named_parameters():
-                if ".layers." not in name_:
+                if (".layers." in name_) == (args.on_params == "head"):
                     q.grad = None
         torch.nn.utils.clip_grad_norm_(student.parameters(), args.on_clip if on else 1.0)
         step_opt.step()
@@ -421,8 +421,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "clip at 1; the gradients' norms are 5-17, so this sets a rollout step's size against a data step's)")
     ap.add_argument("--on-opt", choices=("shared", "separate"), default="shared",
                     help="AdamW state of the on-policy steps: the data steps' (shared) or their own (separate)")
-    ap.add_argument("--on-params", choices=("all", "blocks"), default="all",
-                    help="what the on-policy steps update: every parameter, or only the decoder layers (blocks)")
+    ap.add_argument("--on-params", choices=("all", "blocks", "head"), default="all",
+                    help="what the on-policy steps update: every parameter, only the decoder layers (blocks), or only what "
+                    "lies outside them: embeddings, final norm and head (head)")
     ap.add_argument("--on-seq", type=float, default=0.0, help="weight of the sequence-level (policy-gradient) "
                     "term of the reverse KL on rollouts (SequenceRKL; 0: the token-level loss only). Needs "
                     "--on-kind reverse_kl")
