@@ -28,6 +28,8 @@ cosine`` gives the recipe's warmup + cosine decay over the budget):
   lets them move only the decoder layers. ``--on-seq W`` adds to the rollouts' reverse KL the part of its
   sequence-level gradient the token-level loss leaves out (how each sampled token steers the later positions:
   a policy-gradient term with a running baseline, :class:`SequenceRKL`), at weight ``W`` against it.
+  ``--on-teacher-temp T`` teaches the rollouts the teacher's distribution at temperature T (the student's at 1),
+  ``--on-prompt-grad off`` runs the rollout rows' prompt without autograd (a cheaper rollout step).
 
 ``--device cuda`` runs models, training and eval on a GPU (fp32, like the CPU arms).
 
@@ -62,6 +64,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import inspect
 import json
 import math
 import os
@@ -236,11 +239,18 @@ class SequenceRKL:
 
     ``max_entropy`` (``--on-max-entropy``) drops the generated positions where the teacher's entropy is at least
     that many nats from both parts: the rollout loss then teaches only where the teacher is sure of the next token.
+    ``teacher_temp`` (``--on-teacher-temp``) divides the teacher's logits before its log-softmax (the student's stay
+    at T = 1): below 1 the rollouts are taught a sharper target than the teacher's own. ``prompt_grad=False``
+    (``--on-prompt-grad off``) runs the prompt (all but its last token) without autograd and the rest on top of its
+    key/value cache: the loss is the same, its gradient leaves out the path through the prompt's keys and values,
+    and the backward covers only the generated half.
     """
 
-    def __init__(self, weight: float, gamma: float, gen: int, decay: float = 0.9, max_entropy: float | None = None):
+    def __init__(self, weight: float, gamma: float, gen: int, decay: float = 0.9, max_entropy: float | None = None,
+                 teacher_temp: float = 1.0, prompt_grad: bool = True):
         self.weight, self.gamma, self.decay = weight, gamma, decay
         self.max_entropy = max_entropy  # positions where the teacher's entropy is at least this carry no loss
+        self.teacher_temp, self.prompt_grad = teacher_temp, prompt_grad
         self.baseline: torch.Tensor | None = None  # [gen] running mean return per generated index
         self.rms: float | None = None
         self.gen = gen
@@ -261,9 +271,19 @@ class SequenceRKL:
         valid = labels[:, 1:] != -100  # [rows, seq - 1]: position t predicts token t + 1
         start = int(valid.float().argmax(1).min())  # first position that predicts a generated token
         valid = valid[:, start:]
-        log_q = student(input_ids=ids, attention_mask=mask).logits[:, start:-1].float().log_softmax(-1)
+        if self.prompt_grad or start == 0:
+            log_q = student(input_ids=ids, attention_mask=mask).logits[:, start:-1].float().log_softmax(-1)
+        else:  # the prompt's first start tokens are constants: their K/V cache, then the rest with autograd
+            # (transformers renamed past_key_values to cache within the 5.x range pyproject allows)
+            key = "cache" if "cache" in inspect.signature(student.forward).parameters else "past_key_values"
+            with torch.no_grad():
+                out = student(input_ids=ids[:, :start], attention_mask=mask[:, :start], use_cache=True)
+            past = out["cache"] if "cache" in out else out["past_key_values"]
+            log_q = student(input_ids=ids[:, start:], attention_mask=mask, use_cache=False,
+                            **{key: past}).logits[:, :-1].float().log_softmax(-1)
         with torch.no_grad():
-            log_p = teacher(input_ids=ids, attention_mask=mask).logits[:, start:-1].float().log_softmax(-1)
+            log_p = (teacher(input_ids=ids, attention_mask=mask).logits[:, start:-1].float()
+                     / self.teacher_temp).log_softmax(-1)
             if self.max_entropy is not None:
                 valid = valid & (-(log_p.exp() * log_p).sum(-1) < self.max_entropy)
         kl = (log_q.exp() * (log_q - log_p)).sum(-1) * valid  # [rows, n]
@@ -311,8 +331,10 @@ def run_arm(name: str, fraction: float, args, teacher, student0, tokenizer, data
     params = [q for q in student.parameters() if q.requires_grad]
     last_data: list[torch.Tensor | None] = [None] * len(params)  # --project data: the last data step's gradient
     cosines: list[float] = []  # rollout gradient vs the data direction, at every on-policy step
-    seq = (SequenceRKL(args.on_seq, args.on_seq_gamma, args.gen, max_entropy=args.on_max_entropy)
-           if args.on_seq > 0 or args.on_max_entropy is not None else None)
+    seq = (SequenceRKL(args.on_seq, args.on_seq_gamma, args.gen, max_entropy=args.on_max_entropy,
+                       teacher_temp=args.on_teacher_temp, prompt_grad=args.on_prompt_grad == "on")
+           if args.on_seq > 0 or args.on_max_entropy is not None or args.on_teacher_temp != 1
+           or args.on_prompt_grad == "off" else None)
     order = torch.randperm(data.train.shape[0], generator=torch.Generator().manual_seed(args.seed))
     clock = _clock(args.clock)
     times = {"on": [], "off": []}
@@ -334,7 +356,7 @@ def run_arm(name: str, fraction: float, args, teacher, student0, tokenizer, data
         step_opt = on_opt if on else opt
         for group in step_opt.param_groups:
             group["lr"] = args.lr * lr_multiplier(args, step, budget.progress()) * (args.on_lr if on else 1)
-        if on and seq is not None:  # --on-seq / --on-max-entropy: the rollout loss computed here
+        if on and seq is not None:  # --on-seq, --on-max-entropy, --on-teacher-temp, --on-prompt-grad: computed here
             loss = seq.loss(student, teacher, {k: v.to(device) for k, v in policy.generate(blocks, step, 0).items()})[0]
         else:
             loss = (policy.forward(blocks, step, 0, device) if on else model(input_ids=blocks)).loss
@@ -432,6 +454,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--on-max-entropy", type=float, default=None, help="rollout positions where the teacher's "
                     "entropy (nats) is at least this carry no loss: the student is not taught to be flat on its own "
                     "degenerate text")
+    ap.add_argument("--on-teacher-temp", type=float, default=1.0, help="the rollout loss's teacher logits are "
+                    "divided by this (the student's are not): below 1 a sharper target on the student's own text")
+    ap.add_argument("--on-prompt-grad", choices=("on", "off"), default="on", help="off: the rollout rows' prompt "
+                    "runs without autograd (a K/V cache the generated half attends to), a cheaper on-policy step")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (models, training and eval)")
     ap.add_argument("--gen-temperature", type=float, default=1.0, help="sampling temperature of the rollouts")
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens (prefix of each block)")
@@ -487,6 +513,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--on-max-entropy is a teacher entropy in nats (> 0), got {args.on_max_entropy}")
     if args.on_max_entropy is not None and (args.on_kind or args.kind) != "reverse_kl":
         ap.error("--on-max-entropy masks the rollout reverse KL; pass --on-kind reverse_kl")
+    if not args.on_teacher_temp > 0:
+        ap.error(f"--on-teacher-temp is a positive temperature, got {args.on_teacher_temp}")
+    if (args.on_teacher_temp != 1 or args.on_prompt_grad == "off") and (args.on_kind or args.kind) != "reverse_kl":
+        ap.error("--on-teacher-temp and --on-prompt-grad apply to the rollout reverse KL; pass --on-kind reverse_kl")
     if args.on_cost is not None and not args.on_cost > 0:
         ap.error(f"--on-cost is a positive share of an off-policy step, got {args.on_cost}")
     return args
@@ -571,7 +601,8 @@ def compare(off_log: str, mix_log: str, emit_json: bool = True) -> dict:
         on_lr=mix.get("on_lr", 1.0), on_cost=mix.get("on_cost"), project=mix.get("project", "none"),
         on_end=mix.get("on_end", 1.0), on_clip=mix.get("on_clip", 1.0), on_opt=mix.get("on_opt", "shared"), on_params=mix.get("on_params", "all"),
         on_seq=mix.get("on_seq", 0.0), on_seq_gamma=mix.get("on_seq_gamma", 1.0),
-        on_max_entropy=mix.get("on_max_entropy"))
+        on_max_entropy=mix.get("on_max_entropy"), on_teacher_temp=mix.get("on_teacher_temp", 1.0),
+        on_prompt_grad=mix.get("on_prompt_grad", "on"))
     return report(args, off["init"], off["off_policy"], mix["on_policy"], off["load_avg"] + mix["load_avg"], emit_json)
 
 
@@ -579,7 +610,7 @@ def compare(off_log: str, mix_log: str, emit_json: bool = True) -> dict:
 _LABELS = (("fraction", "λ"), ("on_kind", "on-kind "), ("on_clip", "clip "), ("project", "project "),
            ("on_opt", "opt "), ("on_params", "params "), ("on_lr", "lr ×"), ("on_start", "start "),
            ("on_end", "end "), ("gen_temperature", "T "), ("gen_rows", "rows "), ("on_seq", "seq "),
-           ("on_max_entropy", "max-H "))
+           ("on_max_entropy", "max-H "), ("on_teacher_temp", "teacher T "), ("on_prompt_grad", "prompt grad "))
 
 
 def mix_label(mix: dict) -> str:
@@ -674,7 +705,8 @@ def report(args, init: dict, off: dict, mix: dict | None, loads: list[float], em
            "on_lr": args.on_lr, "on_cost": args.on_cost, "gen_temperature": args.gen_temperature, "project": args.project,
            "on_clip": args.on_clip, "on_opt": args.on_opt, "on_params": args.on_params,
            "on_seq": args.on_seq, "on_seq_gamma": args.on_seq_gamma,
-           "on_max_entropy": args.on_max_entropy,
+           "on_max_entropy": args.on_max_entropy, "on_teacher_temp": args.on_teacher_temp,
+           "on_prompt_grad": args.on_prompt_grad,
            "threads": args.threads,
            "eval_prompts": args.eval_prompts, "eval_samples": args.eval_samples, "eval_seed": args.eval_seed,
            "load_avg": loads, "init": init, "off_policy": off, "on_policy": mix}

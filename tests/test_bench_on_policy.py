@@ -439,3 +439,76 @@ def test_on_max_entropy_keeps_only_positions_where_the_teacher_is_sure():
     assert sum(e < cap for e in ents) < len(ents)
     with pytest.raises(SystemExit):
         bench.parse_args(["--on-max-entropy", "0"])
+
+
+def test_on_teacher_temp_teaches_the_rollouts_the_teachers_tempered_distribution():
+    """--on-teacher-temp: the rollout loss is the mean reverse KL to softmax(teacher logits / T), the student's at
+    T = 1 (naive per-position loop), with the matching gradient; at T = 1 it is the plain reverse KL."""
+    from distill.on_policy import rollout_batch
+
+    bench = _bench()
+    teacher, student = _pair()
+    student.eval()
+    prompts, conts = _prompts(2, length=4), [[5, 6, 7, 8, 9], [4, 3]]
+    batch = rollout_batch(prompts, conts, 0)
+    params = list(student.parameters())
+
+    def naive(temp: float) -> torch.Tensor:
+        terms = []
+        for p, c in zip(prompts, conts):
+            for j in range(len(c)):
+                ctx = torch.tensor([p + c[:j]])
+                log_q = student(input_ids=ctx).logits[0, -1].log_softmax(-1)
+                with torch.no_grad():
+                    log_p = (teacher(input_ids=ctx).logits[0, -1] / temp).log_softmax(-1)
+                terms.append((log_q.exp() * (log_q - log_p)).sum())
+        return torch.stack(terms).mean()
+
+    losses = {}
+    for temp in (1.0, 0.7):
+        ref = naive(temp)
+        got = bench.SequenceRKL(0.0, 1.0, 5, teacher_temp=temp).loss(student, teacher, batch)[0]
+        assert float(got.detach()) == pytest.approx(float(ref.detach()), rel=1e-5)
+        for a, b in zip(torch.autograd.grad(got, params), torch.autograd.grad(ref, params)):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+        losses[temp] = float(got.detach())
+    assert losses[0.7] != pytest.approx(losses[1.0], rel=1e-3)  # the temperature reaches the loss
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--on-teacher-temp", "0", "--on-kind", "reverse_kl"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--on-teacher-temp", "0.8"])  # the default divergence is forward KL
+
+
+def test_on_prompt_grad_off_keeps_the_loss_and_drops_only_the_prompts_path():
+    """--on-prompt-grad off: the same loss as the full forward; its gradient equals the full forward's with every
+    layer's keys and values at the prompt positions (but the last, whose logit predicts the first generated token)
+    detached, the only way those positions reach the loss, and differs from the full gradient."""
+    from distill.on_policy import rollout_batch
+
+    bench = _bench()
+    teacher, student = _pair()
+    student.eval()
+    prompts, conts = _prompts(2, length=4), [[5, 6, 7, 8, 9], [4, 3]]  # the second row padded on the right
+    batch = rollout_batch(prompts, conts, 0)
+    params = list(student.parameters())
+    cut = 3  # positions 0..2 are constants; position 3 (the prompt's last token) predicts the first generated one
+
+    def detach_prompt(_module, _inputs, out):  # k_proj / v_proj output [rows, seq, kv_heads * head_dim]
+        return torch.cat([out[:, :cut].detach(), out[:, cut:]], 1)
+
+    full = bench.SequenceRKL(0.0, 1.0, 5).loss(student, teacher, batch)[0]
+    hooks = [proj.register_forward_hook(detach_prompt) for layer in student.model.layers
+             for proj in (layer.self_attn.k_proj, layer.self_attn.v_proj)]
+    try:
+        ref = bench.SequenceRKL(0.0, 1.0, 5).loss(student, teacher, batch)[0]
+    finally:
+        for h in hooks:
+            h.remove()
+    got = bench.SequenceRKL(0.0, 1.0, 5, prompt_grad=False).loss(student, teacher, batch)[0]
+    assert float(got.detach()) == pytest.approx(float(full.detach()), rel=1e-5)
+    g_got, g_ref, g_full = (torch.autograd.grad(x, params) for x in (got, ref, full))
+    for a, b in zip(g_got, g_ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert max(float((a - b).abs().max()) for a, b in zip(g_got, g_full)) > 1e-4
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--on-prompt-grad", "off"])  # the default divergence is forward KL
