@@ -512,3 +512,18 @@ def test_on_prompt_grad_off_keeps_the_loss_and_drops_only_the_prompts_path():
     assert max(float((a - b).abs().max()) for a, b in zip(g_got, g_full)) > 1e-4
     with pytest.raises(SystemExit):
         bench.parse_args(["--on-prompt-grad", "off"])  # the default divergence is forward KL
+
+
+def test_bench_rollout_loss_trains_like_the_recipes_and_its_options_change_the_student(tmp_path):
+    """Rollout steps through the bench's own loss (SequenceRKL, forced by a cap no position reaches) train the same
+    student as the recipe's OnPolicy path; --on-teacher-temp and --on-prompt-grad off run end to end and change it."""
+    bench = _bench()
+    student = _pair()[1]
+    rkl = ["--on-kind", "reverse_kl"]
+    recipe = _trained_state(bench, tmp_path, student, rkl, fraction=1.0)
+    own = _trained_state(bench, tmp_path, student, rkl + ["--on-max-entropy", "1e9"], fraction=1.0)
+    for k in recipe:
+        torch.testing.assert_close(own[k], recipe[k], rtol=1e-4, atol=1e-5)
+    for extra in (["--on-teacher-temp", "0.5"], ["--on-prompt-grad", "off"]):
+        other = _trained_state(bench, tmp_path, student, rkl + extra, fraction=1.0)
+        assert any(not torch.allclose(other[k], recipe[k], rtol=1e-4, atol=1e-5) for k in recipe), extra
