@@ -29,7 +29,7 @@ cosine`` gives the recipe's warmup + cosine decay over the budget):
   sequence-level gradient the token-level loss leaves out (how each sampled token steers the later positions:
   a policy-gradient term with a running baseline, :class:`SequenceRKL`), at weight ``W`` against it.
   ``--on-teacher-temp T`` teaches the rollouts the teacher's distribution at temperature T (the student's at 1),
-  ``--on-prompt-grad off`` runs the rollout rows' prompt without autograd (a cheaper rollout step).
+  ``--on-prompt-grad off`` runs the rollout rows' prompt without autograd (a slightly cheaper rollout step).
 
 ``--device cuda`` runs models, training and eval on a GPU (fp32, like the CPU arms).
 
@@ -457,7 +457,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--on-teacher-temp", type=float, default=1.0, help="the rollout loss's teacher logits are "
                     "divided by this (the student's are not): below 1 a sharper target on the student's own text")
     ap.add_argument("--on-prompt-grad", choices=("on", "off"), default="on", help="off: the rollout rows' prompt "
-                    "runs without autograd (a K/V cache the generated half attends to), a cheaper on-policy step")
+                    "runs without autograd (a K/V cache the generated half attends to): a slightly cheaper on-policy step")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (models, training and eval)")
     ap.add_argument("--gen-temperature", type=float, default=1.0, help="sampling temperature of the rollouts")
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens (prefix of each block)")
