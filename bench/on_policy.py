@@ -29,7 +29,8 @@ cosine`` gives the recipe's warmup + cosine decay over the budget):
   sequence-level gradient the token-level loss leaves out (how each sampled token steers the later positions:
   a policy-gradient term with a running baseline, :class:`SequenceRKL`), at weight ``W`` against it.
   ``--on-teacher-temp T`` teaches the rollouts the teacher's distribution at temperature T (the student's at 1),
-  ``--on-prompt-grad off`` runs the rollout rows' prompt without autograd (a slightly cheaper rollout step).
+  ``--on-prompt-grad S`` scales the rollout gradient's path through the prompt's keys and values (0: the prompt
+  runs without autograd, a slightly cheaper rollout step).
 
 ``--device cuda`` runs models, training and eval on a GPU (fp32, like the CPU arms).
 
@@ -240,20 +241,35 @@ class SequenceRKL:
     ``max_entropy`` (``--on-max-entropy``) drops the generated positions where the teacher's entropy is at least
     that many nats from both parts: the rollout loss then teaches only where the teacher is sure of the next token.
     ``teacher_temp`` (``--on-teacher-temp``) divides the teacher's logits before its log-softmax (the student's stay
-    at T = 1): below 1 the rollouts are taught a sharper target than the teacher's own. ``prompt_grad=False``
-    (``--on-prompt-grad off``) runs the prompt (all but its last token) without autograd and the rest on top of its
-    key/value cache: the loss is the same, its gradient leaves out the path through the prompt's keys and values,
-    and the backward covers only the generated half.
+    at T = 1): below 1 the rollouts are taught a sharper target than the teacher's own. ``prompt_grad``
+    (``--on-prompt-grad``) scales the part of the gradient that flows through the prompt's keys and values (the
+    prompt: all but its last token, whose logit predicts the first generated one); the loss is the same. At 0 the
+    prompt runs without autograd and the rest on top of its key/value cache, so the backward covers only the
+    generated half; other scales go through forward hooks on the ``k_proj`` / ``v_proj`` outputs.
     """
 
     def __init__(self, weight: float, gamma: float, gen: int, decay: float = 0.9, max_entropy: float | None = None,
-                 teacher_temp: float = 1.0, prompt_grad: bool = True):
+                 teacher_temp: float = 1.0, prompt_grad: float = 1.0):
         self.weight, self.gamma, self.decay = weight, gamma, decay
         self.max_entropy = max_entropy  # positions where the teacher's entropy is at least this carry no loss
         self.teacher_temp, self.prompt_grad = teacher_temp, prompt_grad
         self.baseline: torch.Tensor | None = None  # [gen] running mean return per generated index
         self.rms: float | None = None
         self.gen = gen
+
+    def _scale_prompt_kv(self, student, start: int) -> list:
+        """Forward hooks that keep every ``k_proj`` / ``v_proj`` output's value and scale the gradient through its
+        first ``start`` positions by ``prompt_grad``: ``[rows, seq, dim]`` -> the same."""
+        scale = self.prompt_grad
+
+        def hook(_module, _inputs, out: torch.Tensor) -> torch.Tensor:
+            head = out[:, :start]
+            return torch.cat([head * scale + head.detach() * (1 - scale), out[:, start:]], 1)
+
+        mods = [m for name, m in student.named_modules() if name.endswith(("self_attn.k_proj", "self_attn.v_proj"))]
+        if not mods:
+            raise SystemExit("--on-prompt-grad: the student has no self_attn.k_proj / v_proj modules to scale; use 0 or 1")
+        return [m.register_forward_hook(hook) for m in mods]
 
     @staticmethod
     def returns(kl: torch.Tensor, valid: torch.Tensor, gamma: float) -> torch.Tensor:
@@ -271,8 +287,13 @@ class SequenceRKL:
         valid = labels[:, 1:] != -100  # [rows, seq - 1]: position t predicts token t + 1
         start = int(valid.float().argmax(1).min())  # first position that predicts a generated token
         valid = valid[:, start:]
-        if self.prompt_grad or start == 0:
-            log_q = student(input_ids=ids, attention_mask=mask).logits[:, start:-1].float().log_softmax(-1)
+        if self.prompt_grad != 0 or start == 0:
+            hooks = [] if self.prompt_grad == 1 else self._scale_prompt_kv(student, start)
+            try:
+                log_q = student(input_ids=ids, attention_mask=mask).logits[:, start:-1].float().log_softmax(-1)
+            finally:
+                for h in hooks:
+                    h.remove()
         else:  # the prompt's first start tokens are constants: their K/V cache, then the rest with autograd
             # (transformers renamed past_key_values to cache within the 5.x range pyproject allows)
             key = "cache" if "cache" in inspect.signature(student.forward).parameters else "past_key_values"
@@ -332,9 +353,9 @@ def run_arm(name: str, fraction: float, args, teacher, student0, tokenizer, data
     last_data: list[torch.Tensor | None] = [None] * len(params)  # --project data: the last data step's gradient
     cosines: list[float] = []  # rollout gradient vs the data direction, at every on-policy step
     seq = (SequenceRKL(args.on_seq, args.on_seq_gamma, args.gen, max_entropy=args.on_max_entropy,
-                       teacher_temp=args.on_teacher_temp, prompt_grad=args.on_prompt_grad == "on")
+                       teacher_temp=args.on_teacher_temp, prompt_grad=args.on_prompt_grad)
            if args.on_seq > 0 or args.on_max_entropy is not None or args.on_teacher_temp != 1
-           or args.on_prompt_grad == "off" else None)
+           or args.on_prompt_grad != 1 else None)
     order = torch.randperm(data.train.shape[0], generator=torch.Generator().manual_seed(args.seed))
     clock = _clock(args.clock)
     times = {"on": [], "off": []}
@@ -456,8 +477,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "degenerate text")
     ap.add_argument("--on-teacher-temp", type=float, default=1.0, help="the rollout loss's teacher logits are "
                     "divided by this (the student's are not): below 1 a sharper target on the student's own text")
-    ap.add_argument("--on-prompt-grad", choices=("on", "off"), default="on", help="off: the rollout rows' prompt "
-                    "runs without autograd (a K/V cache the generated half attends to): a slightly cheaper on-policy step")
+    ap.add_argument("--on-prompt-grad", type=float, default=1.0, help="scale of the rollout gradient's path "
+                    "through the prompt's keys and values (0: the prompt runs without autograd, a K/V cache the "
+                    "generated half attends to: a slightly cheaper on-policy step)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (models, training and eval)")
     ap.add_argument("--gen-temperature", type=float, default=1.0, help="sampling temperature of the rollouts")
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens (prefix of each block)")
@@ -515,7 +537,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--on-max-entropy masks the rollout reverse KL; pass --on-kind reverse_kl")
     if not args.on_teacher_temp > 0:
         ap.error(f"--on-teacher-temp is a positive temperature, got {args.on_teacher_temp}")
-    if (args.on_teacher_temp != 1 or args.on_prompt_grad == "off") and (args.on_kind or args.kind) != "reverse_kl":
+    if not args.on_prompt_grad >= 0:
+        ap.error(f"--on-prompt-grad is a gradient scale >= 0, got {args.on_prompt_grad}")
+    if (args.on_teacher_temp != 1 or args.on_prompt_grad != 1) and (args.on_kind or args.kind) != "reverse_kl":
         ap.error("--on-teacher-temp and --on-prompt-grad apply to the rollout reverse KL; pass --on-kind reverse_kl")
     if args.on_cost is not None and not args.on_cost > 0:
         ap.error(f"--on-cost is a positive share of an off-policy step, got {args.on_cost}")
@@ -602,7 +626,7 @@ def compare(off_log: str, mix_log: str, emit_json: bool = True) -> dict:
         on_end=mix.get("on_end", 1.0), on_clip=mix.get("on_clip", 1.0), on_opt=mix.get("on_opt", "shared"), on_params=mix.get("on_params", "all"),
         on_seq=mix.get("on_seq", 0.0), on_seq_gamma=mix.get("on_seq_gamma", 1.0),
         on_max_entropy=mix.get("on_max_entropy"), on_teacher_temp=mix.get("on_teacher_temp", 1.0),
-        on_prompt_grad=mix.get("on_prompt_grad", "on"))
+        on_prompt_grad=mix.get("on_prompt_grad", 1.0))
     return report(args, off["init"], off["off_policy"], mix["on_policy"], off["load_avg"] + mix["load_avg"], emit_json)
 
 

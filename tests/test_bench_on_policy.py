@@ -479,10 +479,11 @@ def test_on_teacher_temp_teaches_the_rollouts_the_teachers_tempered_distribution
         bench.parse_args(["--on-teacher-temp", "0.8"])  # the default divergence is forward KL
 
 
-def test_on_prompt_grad_off_keeps_the_loss_and_drops_only_the_prompts_path():
-    """--on-prompt-grad off: the same loss as the full forward; its gradient equals the full forward's with every
+def test_on_prompt_grad_keeps_the_loss_and_scales_only_the_prompts_path():
+    """--on-prompt-grad 0: the same loss as the full forward; its gradient equals the full forward's with every
     layer's keys and values at the prompt positions (but the last, whose logit predicts the first generated token)
-    detached, the only way those positions reach the loss, and differs from the full gradient."""
+    detached, the only way those positions reach the loss, and differs from the full gradient. --on-prompt-grad S:
+    the gradient is the detached one plus S times the prompt's part (full minus detached), the loss unchanged."""
     from distill.on_policy import rollout_batch
 
     bench = _bench()
@@ -504,19 +505,27 @@ def test_on_prompt_grad_off_keeps_the_loss_and_drops_only_the_prompts_path():
     finally:
         for h in hooks:
             h.remove()
-    got = bench.SequenceRKL(0.0, 1.0, 5, prompt_grad=False).loss(student, teacher, batch)[0]
+    got = bench.SequenceRKL(0.0, 1.0, 5, prompt_grad=0.0).loss(student, teacher, batch)[0]
     assert float(got.detach()) == pytest.approx(float(full.detach()), rel=1e-5)
     g_got, g_ref, g_full = (torch.autograd.grad(x, params) for x in (got, ref, full))
     for a, b in zip(g_got, g_ref):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     assert max(float((a - b).abs().max()) for a, b in zip(g_got, g_full)) > 1e-4
+    for scale in (0.5, 2.0):
+        got = bench.SequenceRKL(0.0, 1.0, 5, prompt_grad=scale).loss(student, teacher, batch)[0]
+        assert float(got.detach()) == pytest.approx(float(full.detach()), rel=1e-5)
+        for a, d, f in zip(torch.autograd.grad(got, params), g_ref, g_full):
+            torch.testing.assert_close(a, d + scale * (f - d), rtol=1e-4, atol=1e-6)
+    assert not any(m._forward_hooks for m in student.modules())  # the scaling hooks are gone after the loss
     with pytest.raises(SystemExit):
-        bench.parse_args(["--on-prompt-grad", "off"])  # the default divergence is forward KL
+        bench.parse_args(["--on-prompt-grad", "0"])  # the default divergence is forward KL
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--on-prompt-grad", "-1", "--on-kind", "reverse_kl"])
 
 
 def test_bench_rollout_loss_trains_like_the_recipes_and_its_options_change_the_student(tmp_path):
     """Rollout steps through the bench's own loss (SequenceRKL, forced by a cap no position reaches) train the same
-    student as the recipe's OnPolicy path; --on-teacher-temp and --on-prompt-grad off run end to end and change it."""
+    student as the recipe's OnPolicy path; --on-teacher-temp and --on-prompt-grad run end to end and change it."""
     bench = _bench()
     student = _pair()[1]
     rkl = ["--on-kind", "reverse_kl"]
@@ -524,6 +533,6 @@ def test_bench_rollout_loss_trains_like_the_recipes_and_its_options_change_the_s
     own = _trained_state(bench, tmp_path, student, rkl + ["--on-max-entropy", "1e9"], fraction=1.0)
     for k in recipe:
         torch.testing.assert_close(own[k], recipe[k], rtol=1e-4, atol=1e-5)
-    for extra in (["--on-teacher-temp", "0.5"], ["--on-prompt-grad", "off"]):
+    for extra in (["--on-teacher-temp", "0.5"], ["--on-prompt-grad", "0"], ["--on-prompt-grad", "3"]):
         other = _trained_state(bench, tmp_path, student, rkl + extra, fraction=1.0)
         assert any(not torch.allclose(other[k], recipe[k], rtol=1e-4, atol=1e-5) for k in recipe), extra
