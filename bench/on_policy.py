@@ -253,6 +253,8 @@ class SequenceRKL:
         self.weight, self.gamma, self.decay = weight, gamma, decay
         self.max_entropy = max_entropy  # positions where the teacher's entropy is at least this carry no loss
         self.teacher_temp, self.prompt_grad = teacher_temp, prompt_grad
+        self._kv_proj: list | None = None  # the student's k_proj / v_proj modules (prompt_grad other than 0 and 1)
+        self._cache_key: str | None = None  # the forward's K/V cache keyword (prompt_grad 0)
         self.baseline: torch.Tensor | None = None  # [gen] running mean return per generated index
         self.rms: float | None = None
         self.gen = gen
@@ -266,10 +268,12 @@ class SequenceRKL:
             head = out[:, :start]
             return torch.cat([head * scale + head.detach() * (1 - scale), out[:, start:]], 1)
 
-        mods = [m for name, m in student.named_modules() if name.endswith(("self_attn.k_proj", "self_attn.v_proj"))]
-        if not mods:
+        if self._kv_proj is None:  # found once: the student is the same module on every step
+            self._kv_proj = [m for name, m in student.named_modules()
+                             if name.endswith(("self_attn.k_proj", "self_attn.v_proj"))]
+        if not self._kv_proj:
             raise SystemExit("--on-prompt-grad: the student has no self_attn.k_proj / v_proj modules to scale; use 0 or 1")
-        return [m.register_forward_hook(hook) for m in mods]
+        return [m.register_forward_hook(hook) for m in self._kv_proj]
 
     @staticmethod
     def returns(kl: torch.Tensor, valid: torch.Tensor, gamma: float) -> torch.Tensor:
@@ -296,12 +300,14 @@ class SequenceRKL:
                     h.remove()
         else:  # the prompt's first start tokens are constants: their K/V cache, then the rest with autograd
             # (transformers renamed past_key_values to cache within the 5.x range pyproject allows)
-            key = "cache" if "cache" in inspect.signature(student.forward).parameters else "past_key_values"
+            if self._cache_key is None:
+                self._cache_key = ("cache" if "cache" in inspect.signature(student.forward).parameters
+                                   else "past_key_values")
             with torch.no_grad():
                 out = student(input_ids=ids[:, :start], attention_mask=mask[:, :start], use_cache=True)
             past = out["cache"] if "cache" in out else out["past_key_values"]
             log_q = student(input_ids=ids[:, start:], attention_mask=mask, use_cache=False,
-                            **{key: past}).logits[:, :-1].float().log_softmax(-1)
+                            **{self._cache_key: past}).logits[:, :-1].float().log_softmax(-1)
         with torch.no_grad():
             log_p = (teacher(input_ids=ids, attention_mask=mask).logits[:, start:-1].float()
                      / self.teacher_temp).log_softmax(-1)

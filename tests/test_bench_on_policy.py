@@ -45,6 +45,28 @@ def _prompts(n: int, length: int = 5, seed: int = 0) -> list[list[int]]:
     return torch.randint(3, VOCAB, (n, length), generator=g).tolist()
 
 
+def _rollout_rows():
+    """Two rollout rows with 4-token prompts; the second continuation stopped early (padded on the right)."""
+    from distill.on_policy import rollout_batch
+
+    prompts, conts = _prompts(2, length=4), [[5, 6, 7, 8, 9], [4, 3]]
+    return prompts, conts, rollout_batch(prompts, conts, 0)
+
+
+def _naive_positions(student, teacher, prompts, conts, temp: float = 1.0) -> list[tuple[torch.Tensor, float]]:
+    """Each generated position from its own prefix: reverse KL(student || teacher at ``temp``), with the student's
+    gradient, and the tempered teacher's entropy there."""
+    out = []
+    for p, c in zip(prompts, conts):
+        for j in range(len(c)):
+            ctx = torch.tensor([p + c[:j]])
+            log_q = student(input_ids=ctx).logits[0, -1].log_softmax(-1)
+            with torch.no_grad():
+                log_p = (teacher(input_ids=ctx).logits[0, -1] / temp).log_softmax(-1)
+            out.append(((log_q.exp() * (log_q - log_p)).sum(), float(-(log_p.exp() * log_p).sum())))
+    return out
+
+
 def test_own_continuation_rkl_equals_naive_reference():
     """Batched, padded eval == per-row, per-token KL(q || p) over a fresh engine's continuations (same seeds)."""
     bench = _bench()
@@ -403,28 +425,17 @@ def test_sequence_rkl_gradient_in_expectation_is_the_sequence_level_reverse_kl_g
 def test_on_max_entropy_keeps_only_positions_where_the_teacher_is_sure():
     """--on-max-entropy: the rollout loss is the mean token-level reverse KL over the generated positions whose
     teacher entropy is below the cap (naive per-position loop), with the matching gradient; no cap keeps all."""
-    from distill.on_policy import rollout_batch
-
     bench = _bench()
     teacher, student = _pair()
     student.eval()
-    prompts, conts = _prompts(2, length=4), [[5, 6, 7, 8, 9], [4, 3]]  # the second row stopped early
-    batch = rollout_batch(prompts, conts, 0)
+    prompts, conts, batch = _rollout_rows()
     params = list(student.parameters())
 
     def naive(cap: float) -> tuple[torch.Tensor, int, list[float]]:
         """Each generated position's KL and teacher entropy from its own prefix; the mean KL where entropy < cap."""
-        terms, ents = [], []
-        for p, c in zip(prompts, conts):
-            for j in range(len(c)):
-                ctx = torch.tensor([p + c[:j]])
-                log_q = student(input_ids=ctx).logits[0, -1].log_softmax(-1)
-                with torch.no_grad():
-                    log_p = teacher(input_ids=ctx).logits[0, -1].log_softmax(-1)
-                ents.append(float(-(log_p.exp() * log_p).sum()))
-                if ents[-1] < cap:
-                    terms.append((log_q.exp() * (log_q - log_p)).sum())
-        return torch.stack(terms).mean(), len(terms), ents
+        positions = _naive_positions(student, teacher, prompts, conts)
+        terms = [kl for kl, ent in positions if ent < cap]
+        return torch.stack(terms).mean(), len(terms), [ent for _, ent in positions]
 
     uncapped = naive(math.inf)  # every position, and each one's teacher entropy
     ents = uncapped[2]
@@ -444,29 +455,14 @@ def test_on_max_entropy_keeps_only_positions_where_the_teacher_is_sure():
 def test_on_teacher_temp_teaches_the_rollouts_the_teachers_tempered_distribution():
     """--on-teacher-temp: the rollout loss is the mean reverse KL to softmax(teacher logits / T), the student's at
     T = 1 (naive per-position loop), with the matching gradient; at T = 1 it is the plain reverse KL."""
-    from distill.on_policy import rollout_batch
-
     bench = _bench()
     teacher, student = _pair()
     student.eval()
-    prompts, conts = _prompts(2, length=4), [[5, 6, 7, 8, 9], [4, 3]]
-    batch = rollout_batch(prompts, conts, 0)
+    prompts, conts, batch = _rollout_rows()
     params = list(student.parameters())
-
-    def naive(temp: float) -> torch.Tensor:
-        terms = []
-        for p, c in zip(prompts, conts):
-            for j in range(len(c)):
-                ctx = torch.tensor([p + c[:j]])
-                log_q = student(input_ids=ctx).logits[0, -1].log_softmax(-1)
-                with torch.no_grad():
-                    log_p = (teacher(input_ids=ctx).logits[0, -1] / temp).log_softmax(-1)
-                terms.append((log_q.exp() * (log_q - log_p)).sum())
-        return torch.stack(terms).mean()
-
     losses = {}
     for temp in (1.0, 0.7):
-        ref = naive(temp)
+        ref = torch.stack([kl for kl, _ in _naive_positions(student, teacher, prompts, conts, temp)]).mean()
         got = bench.SequenceRKL(0.0, 1.0, 5, teacher_temp=temp).loss(student, teacher, batch)[0]
         assert float(got.detach()) == pytest.approx(float(ref.detach()), rel=1e-5)
         for a, b in zip(torch.autograd.grad(got, params), torch.autograd.grad(ref, params)):
@@ -484,13 +480,10 @@ def test_on_prompt_grad_keeps_the_loss_and_scales_only_the_prompts_path():
     layer's keys and values at the prompt positions (but the last, whose logit predicts the first generated token)
     detached, the only way those positions reach the loss, and differs from the full gradient. --on-prompt-grad S:
     the gradient is the detached one plus S times the prompt's part (full minus detached), the loss unchanged."""
-    from distill.on_policy import rollout_batch
-
     bench = _bench()
     teacher, student = _pair()
     student.eval()
-    prompts, conts = _prompts(2, length=4), [[5, 6, 7, 8, 9], [4, 3]]  # the second row padded on the right
-    batch = rollout_batch(prompts, conts, 0)
+    batch = _rollout_rows()[2]
     params = list(student.parameters())
     cut = 3  # positions 0..2 are constants; position 3 (the prompt's last token) predicts the first generated one
 
