@@ -30,7 +30,8 @@ cosine`` gives the recipe's warmup + cosine decay over the budget):
   a policy-gradient term with a running baseline, :class:`SequenceRKL`), at weight ``W`` against it.
   ``--on-teacher-temp T`` teaches the rollouts the teacher's distribution at temperature T (the student's at 1),
   ``--on-prompt-grad S`` scales the rollout gradient's path through the prompt's keys and values (0: the prompt
-  runs without autograd, a slightly cheaper rollout step).
+  runs without autograd, a slightly cheaper rollout step). ``--on-joint`` adds each rollout's gradient to a data
+  step's instead of giving it a step of its own (each clipped first, one update).
 
 ``--device cuda`` runs models, training and eval on a GPU (fp32, like the CPU arms).
 
@@ -383,13 +384,25 @@ def run_arm(name: str, fraction: float, args, teacher, student0, tokenizer, data
         step_opt = on_opt if on else opt
         for group in step_opt.param_groups:
             group["lr"] = args.lr * lr_multiplier(args, step, budget.progress()) * (args.on_lr if on else 1)
+        data_g = None
+        if on and args.on_joint:  # the step's data micro-batch first: its gradient clipped to 1 and set aside
+            model(input_ids=blocks).loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            data_g = [q.grad for q in params]
+            for q in params:
+                q.grad = None
+            times["off"].append(clock() - t0)
+            walls["off"].append(time.perf_counter() - w0)
+            budget.charge(False)
+            t0, w0 = clock(), time.perf_counter()
         if on and seq is not None:  # --on-seq, --on-max-entropy, --on-teacher-temp, --on-prompt-grad: computed here
             loss = seq.loss(student, teacher, {k: v.to(device) for k, v in policy.generate(blocks, step, 0).items()})[0]
         else:
             loss = (policy.forward(blocks, step, 0, device) if on else model(input_ids=blocks)).loss
         loss.backward()
         if on:  # --project none still measures how the rollout gradient sits against AdamW's momentum
-            ref = last_data if args.project == "data" else [opt.state[q].get("exp_avg") for q in params]
+            ref = (data_g if data_g is not None else last_data) if args.project == "data" else \
+                [opt.state[q].get("exp_avg") for q in params]
             cosines.append(project_conflict(params, ref, apply=args.project != "none"))
         elif args.project == "data":  # copied into buffers kept from the first data step on (no new allocations)
             if last_data[0] is None:
@@ -403,13 +416,18 @@ def run_arm(name: str, fraction: float, args, teacher, student0, tokenizer, data
                 if (".layers." in name_) == (args.on_params == "head"):
                     q.grad = None
         torch.nn.utils.clip_grad_norm_(student.parameters(), args.on_clip if on else 1.0)
+        if data_g is not None:  # --on-joint: one update from the two clipped gradients
+            for q, g in zip(params, data_g):
+                if g is not None:
+                    q.grad = g if q.grad is None else q.grad.add_(g)
         step_opt.step()
         step_opt.zero_grad(set_to_none=True)
         times["on" if on else "off"].append(clock() - t0)
         walls["on" if on else "off"].append(time.perf_counter() - w0)
         budget.charge(on)
         step += 1
-        print(f"    {name} step {step}: {'on' if on else 'off'}-policy, {times['on' if on else 'off'][-1]:.1f}s "
+        kind_ = "data + rollout" if data_g is not None else ("on-policy" if on else "off-policy")
+        print(f"    {name} step {step}: {kind_}, {times['on' if on else 'off'][-1]:.1f}s "
               f"({_clock_name(args)}), {budget.spent():.0f}/{args.budget:.0f}{unit}", flush=True)
     elapsed, wall = clock() - t_start, time.perf_counter() - w_start
     measured = [c for c in cosines if not math.isnan(c)]
@@ -486,6 +504,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--on-prompt-grad", type=float, default=1.0, help="scale of the rollout gradient's path "
                     "through the prompt's keys and values (0: the prompt runs without autograd, a K/V cache the "
                     "generated half attends to: a slightly cheaper on-policy step)")
+    ap.add_argument("--on-joint", action="store_true", help="a rollout rides on a data step: the step's data "
+                    "gradient (clipped to 1) plus the rollout's (clipped to --on-clip), one update; charged 1 + "
+                    "--on-cost")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (models, training and eval)")
     ap.add_argument("--gen-temperature", type=float, default=1.0, help="sampling temperature of the rollouts")
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens (prefix of each block)")
@@ -547,6 +568,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--on-prompt-grad is a gradient scale >= 0, got {args.on_prompt_grad}")
     if (args.on_teacher_temp != 1 or args.on_prompt_grad != 1) and (args.on_kind or args.kind) != "reverse_kl":
         ap.error("--on-teacher-temp and --on-prompt-grad apply to the rollout reverse KL; pass --on-kind reverse_kl")
+    if args.on_joint and (args.on_opt != "shared" or args.on_lr != 1):
+        ap.error("--on-joint makes one update of the data and rollout gradients; drop --on-opt separate and --on-lr")
     if args.on_cost is not None and not args.on_cost > 0:
         ap.error(f"--on-cost is a positive share of an off-policy step, got {args.on_cost}")
     return args
@@ -632,7 +655,7 @@ def compare(off_log: str, mix_log: str, emit_json: bool = True) -> dict:
         on_end=mix.get("on_end", 1.0), on_clip=mix.get("on_clip", 1.0), on_opt=mix.get("on_opt", "shared"), on_params=mix.get("on_params", "all"),
         on_seq=mix.get("on_seq", 0.0), on_seq_gamma=mix.get("on_seq_gamma", 1.0),
         on_max_entropy=mix.get("on_max_entropy"), on_teacher_temp=mix.get("on_teacher_temp", 1.0),
-        on_prompt_grad=mix.get("on_prompt_grad", 1.0))
+        on_prompt_grad=mix.get("on_prompt_grad", 1.0), on_joint=mix.get("on_joint", False))
     return report(args, off["init"], off["off_policy"], mix["on_policy"], off["load_avg"] + mix["load_avg"], emit_json)
 
 
@@ -640,7 +663,8 @@ def compare(off_log: str, mix_log: str, emit_json: bool = True) -> dict:
 _LABELS = (("fraction", "λ"), ("on_kind", "on-kind "), ("on_clip", "clip "), ("project", "project "),
            ("on_opt", "opt "), ("on_params", "params "), ("on_lr", "lr ×"), ("on_start", "start "),
            ("on_end", "end "), ("gen_temperature", "T "), ("gen_rows", "rows "), ("on_seq", "seq "),
-           ("on_max_entropy", "max-H "), ("on_teacher_temp", "teacher T "), ("on_prompt_grad", "prompt grad "))
+           ("on_max_entropy", "max-H "), ("on_teacher_temp", "teacher T "), ("on_prompt_grad", "prompt grad "),
+           ("on_joint", "joint"))
 
 
 def mix_label(mix: dict) -> str:
@@ -653,7 +677,9 @@ def mix_label(mix: dict) -> str:
     for key, name in _LABELS:
         default = usual[key]
         value = mix.get(key, default)
-        if value is not None and (default is None or value != default):
+        if isinstance(value, bool):  # a switch: its name when on
+            parts.extend([name] if value else [])
+        elif value is not None and (default is None or value != default):
             parts.append(f"{name}{value:g}" if isinstance(value, float) else f"{name}{value}")
     return " ".join(parts)
 
@@ -736,7 +762,7 @@ def report(args, init: dict, off: dict, mix: dict | None, loads: list[float], em
            "on_clip": args.on_clip, "on_opt": args.on_opt, "on_params": args.on_params,
            "on_seq": args.on_seq, "on_seq_gamma": args.on_seq_gamma,
            "on_max_entropy": args.on_max_entropy, "on_teacher_temp": args.on_teacher_temp,
-           "on_prompt_grad": args.on_prompt_grad,
+           "on_prompt_grad": args.on_prompt_grad, "on_joint": args.on_joint,
            "threads": args.threads,
            "eval_prompts": args.eval_prompts, "eval_samples": args.eval_samples, "eval_seed": args.eval_seed,
            "load_avg": loads, "init": init, "off_policy": off, "on_policy": mix}

@@ -529,3 +529,53 @@ def test_bench_rollout_loss_trains_like_the_recipes_and_its_options_change_the_s
     for extra in (["--on-teacher-temp", "0.5"], ["--on-prompt-grad", "0"], ["--on-prompt-grad", "3"]):
         other = _trained_state(bench, tmp_path, student, rkl + extra, fraction=1.0)
         assert any(not torch.allclose(other[k], recipe[k], rtol=1e-4, atol=1e-5) for k in recipe), extra
+
+
+def test_on_joint_makes_one_update_of_the_clipped_data_and_rollout_gradients(monkeypatch):
+    """--on-joint: each on-policy step is the data step the off-policy arm takes there (the same gradient, clipped to
+    1) plus a rollout gradient clipped to --on-clip, summed into one AdamW update and charged 1 + --on-cost; with
+    --project data the rollout gradient is projected off that same data gradient."""
+    bench = _bench()
+    teacher, student = _pair()
+    tok, data = tiny_tokenizer(), _tiny_data()
+    clipped: list[list[torch.Tensor]] = []  # each clip call's gradients after clipping
+    stepped: list[list[torch.Tensor]] = []  # the gradients each optimizer step applied
+    clip, adam_step = torch.nn.utils.clip_grad_norm_, torch.optim.AdamW.step
+
+    def record_clip(parameters, max_norm, *a, **k):
+        parameters = [q for q in parameters if q.grad is not None]
+        norm = clip(parameters, max_norm, *a, **k)
+        clipped.append([q.grad.detach().clone() for q in parameters])
+        return norm
+
+    def record_step(self, *a, **k):
+        stepped.append([q.grad.detach().clone() for g in self.param_groups for q in g["params"] if q.grad is not None])
+        return adam_step(self, *a, **k)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", record_clip)
+    monkeypatch.setattr(torch.optim.AdamW, "step", record_step)
+    common = ["--clock", "steps", "--prompt", "4", "--gen", "4", "--batch", "2", "--eval-blocks", "4",
+              "--eval-prompts", "4", "--gen-rows", "1", "--seed", "4"]  # seed 4: rollout and data gradients conflict
+    prompts = bench.eval_windows(data.eval, 4, 4)
+    torch.set_num_threads(1)
+    bench.run_arm("off", 0.0, bench.parse_args(common + ["--budget", "1", "--arms", "off"]), teacher, student, tok,
+                  data, prompts)
+    off_data = clipped[0]
+    clipped.clear(), stepped.clear()
+    args = bench.parse_args(common + ["--budget", "6", "--on-cost", "0.5", "--fraction", "1", "--on-joint",
+                                      "--on-clip", "0.5", "--project", "data"])
+    row = bench.run_arm("mix", 1.0, args, teacher, student, tok, data, prompts)
+    assert row["steps"] == row["on_steps"] == row["off_steps"] == 4  # 4 × (1 + 0.5) = 6
+    assert row["rollout_conflicts"] > 0  # so the projection below had something to remove
+    assert len(clipped) == 2 * len(stepped) == 8
+    for i, applied in enumerate(stepped):
+        d, r = clipped[2 * i], clipped[2 * i + 1]
+        assert math.sqrt(sum(float(g.pow(2).sum()) for g in d)) <= 1 + 1e-5
+        assert math.sqrt(sum(float(g.pow(2).sum()) for g in r)) <= 0.5 + 1e-5
+        assert sum(float((a * b).sum()) for a, b in zip(d, r)) >= -1e-6  # no conflicting component left
+        for got, a, b in zip(applied, d, r):
+            torch.testing.assert_close(got, a + b)
+    for a, b in zip(clipped[0], off_data):  # the first data part is the off-policy arm's first step
+        torch.testing.assert_close(a, b)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--on-joint", "--on-opt", "separate"])
