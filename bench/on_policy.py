@@ -79,6 +79,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from core.environment import differences, environment  # noqa: E402
+
 
 def eval_windows(blocks: torch.Tensor, prompt: int, count: int) -> list[list[int]]:
     """``count`` held-out prompts of ``prompt`` tokens: consecutive windows of each held-out block, block by block.
@@ -449,7 +451,7 @@ def run_arm(name: str, fraction: float, args, teacher, student0, tokenizer, data
            "rollout_tok_s": stats["rollout_tok_s"],
            "gen_time_share": stats["gen_time_share"], "decode_copy_syncs": policy.rollouts.syncs,
            "rollout_cos": statistics.fmean(measured) if measured else math.nan,
-           "rollout_conflicts": sum(1 for c in measured if c < 0)}
+           "rollout_conflicts": sum(1 for c in measured if c < 0), "environment": environment()}
     print(f"  {name}: {step} steps in {elapsed:.0f}s ({_clock_name(args)}; {wall:.0f}s wall), ppl {ppl:.2f}, "
           f"reverse KL on own continuations {rkl:.4f} (SE {ev['se']:.4f})", flush=True)
     return row
@@ -778,6 +780,11 @@ def report(args, init: dict, off: dict, mix: dict | None, loads: list[float], em
         # With queued rollouts (--rollout-rows) most on-policy steps decode nothing: the median hides the
         # rolling steps, the mean does not. Logs of older runs have no means.
         cost_mean = (mix.get("on_step_mean_s", math.nan) / mix.get("off_step_mean_s", math.nan)) if both else math.nan
+        changed = differences(off.get("environment"), mix.get("environment"))  # logs of older runs have none
+        if changed:
+            print(f"\nnote: the arms ran under different environments ({'; '.join(changed)}): the change below "
+                  "may be partly theirs")
+        out["environment_differences"] = changed
         print(f"\non-policy mix vs off-policy: own-continuation reverse KL {rkl_change:+.1%} (eval SE {rkl_se:.1%}; "
               f"target <= -10%), held-out ppl {ppl_change:+.1%} (target <= +5%)")
         rows = f", {args.gen_rows} rollout rows" if args.gen_rows else ""

@@ -33,6 +33,7 @@ from accelerate.utils import InitProcessGroupKwargs
 from core import checkpoint as ckpt
 from core import rundir
 from core.config import ConfigError, check_resume_config, parse_config, save_config
+from core.environment import differences, environment
 from core.fsio import atomic_write_text, replace_dir
 from core.models import resolve_model_path
 from core.tiny import TINY, tiny_teacher, tiny_teacher_tokenizer
@@ -231,6 +232,7 @@ class TrainerState:
     history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     evals: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     init: dict[str, Any] = dataclasses.field(default_factory=dict)
+    environment: dict[str, Any] = dataclasses.field(default_factory=dict)  # the writer's (core.environment)
 
 
 class Run:
@@ -243,7 +245,7 @@ class Run:
         self.cfg, self.accelerator = cfg, accelerator
         self.out = Path(cfg.output_dir)
         self.main = accelerator.is_main_process
-        self.state = TrainerState()
+        self.state = TrainerState(environment=environment())
         self.tracker_project, self.progress = tracker_project, progress
         self.bar = None
         self._t_step = 0.0
@@ -265,11 +267,15 @@ class Run:
         except Exception as err:  # noqa: BLE001 - a torn or foreign checkpoint
             raise ckpt.CheckpointError(f"cannot load checkpoint {path} ({type(err).__name__}: {err}); resume from "
                                        "an older step-N folder") from None
+        changed = differences(saved.get("environment"), self.state.environment)
         self.state = TrainerState(step=saved["step"], history=saved["history"], evals=saved["evals"],
-                                  init=saved["init"])
+                                  init=saved["init"], environment=self.state.environment)
         self.resumed_from = path
         if self.main:
             print(f"resumed from {path} at step {self.state.step}")
+            if changed:  # allowed, but the rest of the run may not match an uninterrupted one
+                print(f"warning: the checkpoint was written under another environment ({'; '.join(changed)}); "
+                      "the resumed steps may differ from an uninterrupted run's")
         return self.state
 
     def rank_state(self) -> dict[str, Any]:

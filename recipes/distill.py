@@ -223,6 +223,7 @@ def build_summary(cfg: DistillConfig, accelerator: Accelerator, run: Run, tokens
                                                       "attn_weight")},
         "tokens_seen": cfg.max_steps * tokens_per_step,
         "final_dir": str(Path(cfg.output_dir) / "final"),
+        "environment": state.environment,  # versions, commit, device: what makes the run reproducible
     }
 
 

@@ -509,6 +509,7 @@ def measure_and_summarize(cfg: RetrofitConfig, accelerator: Accelerator, run: Ru
         "num_processes": accelerator.num_processes,
         "mixed_precision": accelerator.mixed_precision,
         "final_dir": str(Path(cfg.output_dir) / "final"),
+        "environment": state.environment,  # versions, commit, device: what makes the run reproducible
     }
 
 

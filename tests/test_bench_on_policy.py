@@ -160,6 +160,18 @@ def test_compare_two_arm_logs(tmp_path, capsys):
     other = _log(tmp_path, "other.log", seed=1, on_policy=_arm(61.8, 1.10, 0.022, 2))
     with pytest.raises(SystemExit, match="differ in seed"):
         bench.compare(off, other)
+    assert out["environment_differences"] == []  # logs without a record compare as before
+    # Arms run under different package versions: compared, with a note that names the difference.
+    env = bench.environment()
+    moved = json.loads(json.dumps(env))
+    moved["packages"]["transformers"] = "0.0.1"
+    off = _log(tmp_path, "off_env.log", init=None, off_policy=_arm(60.0, 1.25, 0.025, 0) | {"environment": moved})
+    mix = _log(tmp_path, "mix_env.log", on_policy=_arm(61.8, 1.10, 0.022, 2) | {"environment": env})
+    bench.compare(off, mix)
+    printed = capsys.readouterr().out
+    out = json.loads(printed.strip().splitlines()[-1])
+    assert out["environment_differences"] == [f"transformers 0.0.1 -> {env['packages']['transformers']}"]
+    assert "different environments (transformers 0.0.1 -> " in printed
 
 
 def test_compare_pairs_summarises_labels_and_plots_the_trade_off(tmp_path, capsys):

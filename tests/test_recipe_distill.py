@@ -42,6 +42,7 @@ def test_outputs_are_complete_and_deployable(tiny_run):
                 "top1_agreement"):
         assert summary[key] is not None, key
     assert summary["steps"] == 4 and summary["num_processes"] == 1
+    assert summary["environment"]["packages"]["torch"] == torch.__version__  # what the run ran under
     # issue 17: throughput over the training steps only, beside the wall time; peak memory per phase
     assert 0 < summary["loop_s"] < summary["wall_s"] and summary["threads"] >= 1
     assert summary["peak_rss_gb"]["whole"] >= summary["peak_rss_gb"]["train"] > 0
@@ -97,9 +98,17 @@ def test_resume_after_kill_equals_uninterrupted(tmp_path):
     torn = killed / "checkpoints" / ".tmp-step-6"
     torn.mkdir()
     (torn / "model.safetensors").write_bytes(b"garbage")
-    run([*common, f"output_dir={killed}", "resume=latest"])
+    # The checkpoint records the environment it was written under; a resume under another one says what changed.
+    state_file = killed / "checkpoints" / "step-4" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    assert state["environment"]["packages"]["torch"] == torch.__version__
+    state["environment"]["packages"]["transformers"] = "0.0.1"
+    state_file.write_text(json.dumps(state))
+    proc = run([*common, f"output_dir={killed}", "resume=latest"])
+    assert "written under another environment (transformers 0.0.1 -> " in proc.stdout
     a = json.loads((full / "summary.json").read_text())
     b = json.loads((killed / "summary.json").read_text())
+    assert b["environment"] == a["environment"] and b["environment"]["packages"]["transformers"] != "0.0.1"
     assert b["final_loss"] == pytest.approx(a["final_loss"], rel=1e-6, abs=1e-7)
     wa, wb = final_weights(full), final_weights(killed)
     for k in wa:

@@ -95,6 +95,7 @@ def test_summary_reports_what_was_saved(tiny_run):
         for key in ("dense", "hybrid_before", "hybrid_after"):
             assert 1.0 < row[key] < 1e4, (key, row)
     assert summary["hybrid_after_ppl"] == summary["perplexity"]["128"]["hybrid_after"]
+    assert summary["environment"]["packages"]["torch"] == torch.__version__  # what the run ran under
     assert [h["window"] for h in json.loads((out / "checkpoints" / "step-4" / "trainer_state.json").read_text())
             ["history"]] == [16] * 4
     # hybrid_after is the perplexity of final/ loaded back as hybrid; dense that of the untouched model.

@@ -1,0 +1,53 @@
+"""core/environment.py: the record of what a run ran under, and the differences named on resume and --compare."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+
+import torch
+
+from core import environment as env_mod
+from core.environment import differences, environment, package_version, source_commit
+
+
+def test_environment_records_installed_versions_and_is_json():
+    env = environment()
+    assert env["packages"]["torch"] == torch.__version__
+    assert set(env["packages"]) == set(env_mod.PACKAGES)
+    assert env["device"] == ("cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name())
+    assert json.loads(json.dumps(env)) == env
+    assert package_version("no-such-distribution-hybrid-distill") is None
+
+
+def _git(repo, *args):
+    subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True,
+                   env={"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+                        "GIT_COMMITTER_EMAIL": "t@t", "PATH": "/usr/bin:/bin"})
+
+
+def test_source_commit_names_the_checkout_and_marks_changed_tracked_files(tmp_path):
+    assert source_commit(tmp_path) is None  # not a checkout (e.g. an installed wheel)
+    _git(tmp_path, "init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    _git(tmp_path, "add", "a.py")
+    _git(tmp_path, "commit", "-q", "-m", "one")
+    head = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert source_commit(tmp_path) == head
+    (tmp_path / "new.txt").write_text("untracked files do not count\n")
+    assert source_commit(tmp_path) == head
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert source_commit(tmp_path) == head + "+dirty"
+
+
+def test_differences_name_what_changed_and_only_that():
+    a = environment()
+    assert differences(a, copy.deepcopy(a)) == []
+    a["packages"]["gguf"] = "0.10.0"
+    b = copy.deepcopy(a)
+    b["packages"]["transformers"], b["packages"]["gguf"], b["platform"] = "0.0.1", None, "another kernel"
+    b["commit"] = "abc"
+    assert differences(a, b) == [f"commit {a['commit']} -> abc", "gguf 0.10.0 -> absent",
+                                 f"transformers {a['packages']['transformers']} -> 0.0.1"]  # not the OS string
+    assert differences(None, a) == differences(a, {}) == []  # an older checkpoint or log has no record
