@@ -14,7 +14,8 @@ token blocks. Two arms start from the same student and see the same block order,
 seconds of training (forward, rollouts, backward, optimizer), AdamW at a constant lr 3e-4 (``--schedule
 cosine`` gives the recipe's warmup + cosine decay over the budget):
 
-* **off-policy**: every micro-batch is data blocks (KD + CE, the recipe's default terms);
+* **off-policy**: every micro-batch is data blocks (KD + CE, the recipe's default terms; ``--ce-weight`` sets
+  CE's weight in both arms, 0 for KD alone);
 * **on-policy mix**: a share ``--fraction`` of micro-batches are the student's own continuations
   of the blocks' first ``--prompt`` tokens (``--gen`` new tokens, through
   :class:`distill.on_policy.OnPolicy`, i.e. serve's engine over the live weights; divergence only,
@@ -345,7 +346,7 @@ def run_arm(name: str, fraction: float, args, teacher, student0, tokenizer, data
     torch.manual_seed(args.seed)
     student = copy.deepcopy(student0).train()
     loss_cfg = LossConfig(kd_weight=1.0, kd_kind=args.kind, temperature=1.0, beta=args.beta, kd_chunk_size=1024,
-                          ce_weight=1.0, focal_weight=0.0, focal_alpha=0.25, focal_gamma=2.0, hidden_weight=0.0,
+                          ce_weight=args.ce_weight, focal_weight=0.0, focal_alpha=0.25, focal_gamma=2.0, hidden_weight=0.0,
                           hidden_layers=[], hidden_kind="nmse", attn_weight=0.0, attn_layers=[], attn_num_queries=0)
     model = DistillModel(student, teacher, loss_cfg)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, betas=(0.9, 0.95))
@@ -469,6 +470,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "off-policy steps (the mean step-cost ratio a --clock cpu run of the same settings measured)")
     ap.add_argument("--fraction", type=float, default=0.5, help="on-policy share of micro-batches in the mix")
     ap.add_argument("--kind", default="forward_kl", help="divergence for both arms (forward_kl, reverse_kl, jsd, ...)")
+    ap.add_argument("--ce-weight", type=float, default=1.0, help="weight of CE on the data micro-batches of both "
+                    "arms (the recipe's ce_weight; 0: KD alone)")
     ap.add_argument("--on-kind", default=None, help="divergence on on-policy micro-batches only (the recipe's gen_kd_kind; default: --kind)")
     ap.add_argument("--beta", type=float, default=0.5, help="JSD / skew KL beta")
     ap.add_argument("--on-start", type=float, default=0.0, help="warm start: share of the budget trained "
@@ -556,6 +559,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.clock == "steps" and args.on_cost is None and args.arms != "off" and not args.compare:
         ap.error("--clock steps charges each on-policy step --on-cost off-policy steps; pass it (e.g. the mean "
                  "step-cost ratio of a --clock cpu run)")
+    if not args.ce_weight >= 0:
+        ap.error(f"--ce-weight is a loss weight >= 0, got {args.ce_weight}")
     if args.on_seq < 0 or not 0 < args.on_seq_gamma <= 1:
         ap.error("--on-seq is a weight >= 0 and --on-seq-gamma a discount in (0, 1]")
     if args.on_seq > 0 and (args.on_kind or args.kind) != "reverse_kl":
@@ -643,9 +648,10 @@ def last_json(path: str) -> dict:
 def compare(off_log: str, mix_log: str, emit_json: bool = True) -> dict:
     """``--compare OFF MIX``: the verdict of two arms run as separate processes (``--arms off`` / ``--arms mix``)."""
     off, mix = last_json(off_log), last_json(mix_log)
-    keys = ("budget_s", "clock", "student", "seed", "lr", "schedule", "kind", "gen_tokens", "eval_prompts", "eval_samples",
+    keys = ("budget_s", "clock", "student", "seed", "lr", "schedule", "kind", "ce_weight", "gen_tokens", "eval_prompts", "eval_samples",
             "eval_seed", "threads")
-    differ = [k for k in keys if off.get(k) != mix.get(k)]
+    usual = {"ce_weight": 1.0}  # logs of runs older than the key
+    differ = [k for k in keys if off.get(k, usual.get(k)) != mix.get(k, usual.get(k))]
     if differ or off["off_policy"] is None or mix["on_policy"] is None:
         raise SystemExit(f"--compare needs an --arms off log and an --arms mix log of the same settings; "
                          f"{'they differ in ' + ', '.join(differ) if differ else 'an arm is missing'}")
@@ -657,7 +663,8 @@ def compare(off_log: str, mix_log: str, emit_json: bool = True) -> dict:
         on_end=mix.get("on_end", 1.0), on_clip=mix.get("on_clip", 1.0), on_opt=mix.get("on_opt", "shared"), on_params=mix.get("on_params", "all"),
         on_seq=mix.get("on_seq", 0.0), on_seq_gamma=mix.get("on_seq_gamma", 1.0),
         on_max_entropy=mix.get("on_max_entropy"), on_teacher_temp=mix.get("on_teacher_temp", 1.0),
-        on_prompt_grad=mix.get("on_prompt_grad", 1.0), on_joint=mix.get("on_joint", False))
+        on_prompt_grad=mix.get("on_prompt_grad", 1.0), on_joint=mix.get("on_joint", False),
+        ce_weight=mix.get("ce_weight", 1.0))
     return report(args, off["init"], off["off_policy"], mix["on_policy"], off["load_avg"] + mix["load_avg"], emit_json)
 
 
@@ -666,7 +673,7 @@ _LABELS = (("fraction", "λ"), ("on_kind", "on-kind "), ("on_clip", "clip "), ("
            ("on_opt", "opt "), ("on_params", "params "), ("on_lr", "lr ×"), ("on_start", "start "),
            ("on_end", "end "), ("gen_temperature", "T "), ("gen_rows", "rows "), ("on_seq", "seq "),
            ("on_max_entropy", "max-H "), ("on_teacher_temp", "teacher T "), ("on_prompt_grad", "prompt grad "),
-           ("on_joint", "joint"))
+           ("on_joint", "joint"), ("ce_weight", "ce "))
 
 
 def mix_label(mix: dict) -> str:
@@ -764,7 +771,7 @@ def report(args, init: dict, off: dict, mix: dict | None, loads: list[float], em
            "on_clip": args.on_clip, "on_opt": args.on_opt, "on_params": args.on_params,
            "on_seq": args.on_seq, "on_seq_gamma": args.on_seq_gamma,
            "on_max_entropy": args.on_max_entropy, "on_teacher_temp": args.on_teacher_temp,
-           "on_prompt_grad": args.on_prompt_grad, "on_joint": args.on_joint,
+           "on_prompt_grad": args.on_prompt_grad, "on_joint": args.on_joint, "ce_weight": args.ce_weight,
            "threads": args.threads,
            "eval_prompts": args.eval_prompts, "eval_samples": args.eval_samples, "eval_seed": args.eval_seed,
            "load_avg": loads, "init": init, "off_policy": off, "on_policy": mix}

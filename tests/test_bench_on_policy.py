@@ -591,3 +591,33 @@ def test_on_joint_makes_one_update_of_the_clipped_data_and_rollout_gradients(mon
         torch.testing.assert_close(a, b)
     with pytest.raises(SystemExit):
         bench.parse_args(["--on-joint", "--on-opt", "separate"])
+
+
+def test_ce_weight_sets_both_arms_data_loss_and_must_match_to_compare(tmp_path, monkeypatch, capsys):
+    """--ce-weight reaches the data loss of the arm (the recipe's ce_weight); --compare refuses arms trained with
+    different weights and reads logs older than the key as weight 1."""
+    import distill.model
+
+    bench = _bench()
+    seen = []
+    real = distill.model.LossConfig
+
+    def spy(**kw):
+        seen.append(kw["ce_weight"])
+        return real(**kw)
+
+    monkeypatch.setattr(distill.model, "LossConfig", spy)
+    teacher, student = _pair()
+    tok, data = tiny_tokenizer(), _tiny_data()
+    args = bench.parse_args(["--clock", "steps", "--budget", "1", "--batch", "2", "--prompt", "4", "--gen", "4",
+                             "--eval-blocks", "4", "--eval-prompts", "4", "--arms", "off", "--ce-weight", "0"])
+    bench.run_arm("off", 0.0, args, teacher, student, tok, data, bench.eval_windows(data.eval, 4, 4))
+    assert seen == [0.0]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--ce-weight", "-1"])
+    off = _log(tmp_path, "off.log", init=None, off_policy=_arm(60.0, 1.25, 0.025, 0))  # no ce_weight: an older log
+    mix = _log(tmp_path, "mix.log", ce_weight=1.0, on_policy=_arm(61.8, 1.10, 0.022, 2))
+    assert bench.compare(off, mix, emit_json=False)["ce_weight"] == 1.0
+    kd_only = _log(tmp_path, "kd.log", ce_weight=0.0, on_policy=_arm(61.8, 1.10, 0.022, 2))
+    with pytest.raises(SystemExit, match="differ in ce_weight"):
+        bench.compare(off, kd_only)
