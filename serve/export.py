@@ -658,7 +658,8 @@ def model_card(name: str, student: LoadedStudent, records: RunRecords, dtype: to
         if caveat:
             lines += [f"These numbers were {caveat}", ""]
         head = [(k, s[k]) for k in _HEADLINE if k in s]
-        rest = [(k, v) for k, v in _scalars(s) if k not in _HEADLINE and not _is_path(k, v)]
+        rest = [(k, v) for k, v in _scalars(s) if k not in _HEADLINE and not _is_path(k, v)
+                and not k.startswith("environment.")]  # not a measurement: its own section below
         lines += _table(head + rest, ("metric", "value"))
     else:
         lines.append("No metrics recorded (no summary.json beside the run).")
@@ -679,6 +680,12 @@ def model_card(name: str, student: LoadedStudent, records: RunRecords, dtype: to
                       "</details>"]
     else:
         lines.append("The release gate has not been run on this model.")
+
+    env = (records.summary or {}).get("environment")
+    if env:  # what the run trained under (core.environment), as HF cards list their framework versions
+        versions = [("python", env.get("python")), ("hybrid-distill", env.get("hybrid_distill")),
+                    *sorted((k, v) for k, v in env.get("packages", {}).items() if v)]
+        lines += ["", "## Framework versions", ""] + _table([(k, v) for k, v in versions if v], ("package", "version"))
 
     lines += ["", "## Usage", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
               f'model = AutoModelForCausalLM.from_pretrained("{name}")',

@@ -24,7 +24,10 @@ REPO = Path(__file__).resolve().parent.parent
 HYBRID = {"sink_tokens": 4, "window": 8, "global_every": 16, "max_globals": 2}
 SUMMARY = {"steps": 7, "final_loss": 1.2345, "tokens_per_s": 812.5, "teacher_ppl": 11.5,
            "student_ppl_init": 40.25, "student_ppl_final": 17.75, "top1_agreement": 0.6125,
-           "loss_weights": {"kd_weight": 1.0, "ce_weight": 0.5}, "final_dir": "/somewhere/run/final"}
+           "loss_weights": {"kd_weight": 1.0, "ce_weight": 0.5}, "final_dir": "/somewhere/run/final",
+           "environment": {"python": "3.11.7", "platform": "Linux-x", "hybrid_distill": "0.1.0", "commit": "abc123",
+                           "packages": {"torch": "2.13.0", "transformers": "5.25.0", "deepspeed": None},
+                           "device": "cpu", "cuda": None}}
 GATE = {"verdict": "pass", "bertscore_f1": 0.9137, "threshold": 0.9, "prompts": 24}
 GATE_MD = "# Release gate\n\nverdict: PASS — BERTScore F1 0.9137 >= 0.9 on 24 prompts\n"
 RUN_CONFIG = {"teacher": "models/teacher", "student": "models/student", "dataset": "data/tiny.txt",
@@ -253,6 +256,10 @@ def test_model_card_has_config_data_metrics_and_gate(run_dir) -> None:
     assert (out / "loss.png").read_bytes().startswith(b"\x89PNG")
     assert "not on this" not in card
     assert "| loss_weights.ce_weight | 0.5 |" in card and "/somewhere" not in card
+    # The run's environment is a section of its own, not a measured number; uninstalled packages are left out.
+    versions = card.split("## Framework versions")[1].split("## Usage")[0]
+    assert "| transformers | 5.25.0 |" in versions and "| torch | 2.13.0 |" in versions and "| python | 3.11.7 |" in versions
+    assert "deepspeed" not in versions and "environment." not in card
 
     # A mid-run checkpoint says the numbers belong to the final model.
     out3 = run.parent / "step3"
