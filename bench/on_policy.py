@@ -710,22 +710,44 @@ def compare_many(pairs: list[tuple[str, str]], plot: str | None) -> list[dict]:
     for r in rows:
         print(f"{r['label']:<{width}} {r['seed']:>4} {r['own_rkl_change']:>+8.1%} ±{r['own_rkl_change_se']:.1%} "
               f"{r['ppl_change']:>+12.1%}  {'met' if r['target_rkl_met'] and r['target_ppl_met'] else 'not met'}")
+    slopes = {label: trade_off_slope([r for r in rows if r["label"] == label])
+              for label in dict.fromkeys(r["label"] for r in rows)}
+    print(f"\nreverse-KL change per +1 % perplexity (least squares through the origin over a setting's seeds whose "
+          f"perplexity rose; the targets' corner needs {TARGET_SLOPE:+.2f} or steeper):")
+    for label, slope in slopes.items():
+        n = sum(r["label"] == label and r["ppl_change"] > 0 for r in rows)
+        print(f"  {label:<{width}} {'—' if slope is None else f'{slope:+.2f}'} ({n} pair{'s' * (n != 1)})")
     if plot:
         plot_trade_off(rows, Path(plot))
         print(f"trade-off plot: {plot}")
-    print(json.dumps({"pairs": rows, "plot": plot}))
+    print(json.dumps({"pairs": rows, "plot": plot, "slopes": slopes}))
     return rows
+
+
+TARGET_SLOPE = -10 / 5  # the line from no change to the targets' corner: -10 % reverse KL at +5 % perplexity
+
+
+def trade_off_slope(rows: list[dict]) -> float | None:
+    """Reverse-KL change per unit of perplexity change over ``rows`` (pairs of one setting), least squares through
+    the origin (λ = 0 changes nothing): ``sum(x * y) / sum(x * x)`` over the pairs whose perplexity rose (the others
+    cost nothing to trade). Only a setting at or below ``TARGET_SLOPE`` can reach the targets' corner; None when no
+    pair's perplexity rose."""
+    pts = [(r["ppl_change"], r["own_rkl_change"]) for r in rows if r["ppl_change"] > 0]
+    if not pts:
+        return None
+    return sum(x * y for x, y in pts) / sum(x * x for x, _ in pts)
 
 
 def plot_trade_off(rows: list[dict], path: Path) -> None:
     """Each pair as a point (perplexity change, reverse-KL change) with the reverse KL's standard error, one
-    marker per setting, and the region where both targets hold shaded."""
+    marker per setting, the region where both targets hold shaded, and the line from the origin through the
+    targets' corner (a setting's points must lie on or under it to reach the targets by changing its dose)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 5))
+    fig, ax = plt.subplots(figsize=(11, 5))
     xs = [100 * r["ppl_change"] for r in rows]
     ys = [100 * r["own_rkl_change"] for r in rows]
     lo_x, hi_x = min(xs + [0.0]) - 2, max(xs + [5.0]) + 2
@@ -744,12 +766,14 @@ def plot_trade_off(rows: list[dict], path: Path) -> None:
         for r in mine:
             ax.annotate(f"s{r['seed']}", (100 * r["ppl_change"], 100 * r["own_rkl_change"]), fontsize=7,
                         xytext=(4, 3), textcoords="offset points")
+    ax.plot([0, hi_x], [0, TARGET_SLOPE * hi_x], ":", color="tab:green", linewidth=1.2,
+            label=f"{TARGET_SLOPE:+.0f} % rKL per +1 % ppl (through the targets' corner)")
     ax.set_xlim(lo_x, hi_x)
     ax.set_ylim(lo_y, hi_y)
     ax.set_xlabel("held-out perplexity change vs off-policy (%)")
     ax.set_ylabel("reverse KL on own continuations, change (%)")
     ax.set_title("on-policy mix vs off-policy at equal compute")
-    ax.legend(fontsize=7, loc="best")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the points, not over them
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

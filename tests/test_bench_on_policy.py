@@ -195,6 +195,13 @@ def test_compare_pairs_summarises_labels_and_plots_the_trade_off(tmp_path, capsy
     assert (rows[0]["target_rkl_met"], rows[0]["target_ppl_met"]) == (True, True)
     assert (rows[1]["target_rkl_met"], rows[1]["target_ppl_met"]) == (True, False)
     assert any("not met" in line for line in lines) and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Each setting's trade-off: its one pair's ratio here; over several seeds, least squares through the origin.
+    assert out["slopes"] == {rows[0]["label"]: pytest.approx((1.10 / 1.25 - 1) / (61.8 / 60.0 - 1)),
+                             rows[1]["label"]: pytest.approx(-0.15 / 0.08)}
+    xs, ys = [0.02, 0.08, -0.01], [-0.05, -0.15, -0.04]
+    seeds = [{"ppl_change": x, "own_rkl_change": y} for x, y in zip(xs, ys)]
+    assert bench.trade_off_slope(seeds) == pytest.approx((0.02 * -0.05 + 0.08 * -0.15) / (0.02**2 + 0.08**2))
+    assert bench.trade_off_slope(seeds[2:]) is None  # perplexity fell: nothing was traded
     # Pairs trained from different students say which student in their labels.
     off2 = _log(tmp_path, "off2.log", student="runs/warm", off_policy=_arm(60.0, 1.25, 0.025, 0))
     mix2 = _log(tmp_path, "mix2.log", student="runs/warm", on_policy=_arm(61.8, 1.10, 0.022, 2))
