@@ -1,9 +1,10 @@
 """What a run ran under: Python, the numerics-relevant packages, the toolkit's commit and the device.
 
-Every ``summary.json`` and every checkpoint records it, and the benchmarks' JSON lines carry it: the same
-command gives the same student only under the same versions (a new transformers or tokenizers release inside
-the pyproject ranges can move a pruned student's perplexity by percent), so two results are comparable only
-when these agree. :func:`differences` names what changed, for the warning on resume and in ``--compare``.
+Every ``summary.json`` and checkpoint records it, and so does each arm of ``bench/on_policy.py``. A rerun on
+one install reproduces a run to every digit, but the pyproject ranges let a rebuilt install pull newer releases,
+and the demo has given two different students from the same command on rebuilt installs: two results are
+comparable only when these records agree. :func:`differences` names what changed, for the warning on resume
+and the note in ``--compare``.
 """
 
 from __future__ import annotations

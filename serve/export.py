@@ -684,7 +684,7 @@ def model_card(name: str, student: LoadedStudent, records: RunRecords, dtype: to
     env = (records.summary or {}).get("environment")
     if env:  # what the run trained under (core.environment), as HF cards list their framework versions
         versions = [("python", env.get("python")), ("hybrid-distill", env.get("hybrid_distill")),
-                    *sorted((k, v) for k, v in env.get("packages", {}).items() if v)]
+                    *sorted(env.get("packages", {}).items())]
         lines += ["", "## Framework versions", ""] + _table([(k, v) for k, v in versions if v], ("package", "version"))
 
     lines += ["", "## Usage", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
