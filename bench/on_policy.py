@@ -67,7 +67,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import inspect
 import json
 import math
 import os
@@ -81,6 +80,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from core.environment import differences, environment  # noqa: E402
+from core.models import cache_kwargs, returned_cache  # noqa: E402
 
 
 def eval_windows(blocks: torch.Tensor, prompt: int, count: int) -> list[list[int]]:
@@ -303,13 +303,10 @@ class SequenceRKL:
                 for h in hooks:
                     h.remove()
         else:  # the prompt's first start tokens are constants: their K/V cache, then the rest with autograd
-            # (transformers renamed past_key_values to cache within the 5.x range pyproject allows)
-            if self._cache_key is None:
-                self._cache_key = ("cache" if "cache" in inspect.signature(student.forward).parameters
-                                   else "past_key_values")
+            if self._cache_key is None:  # read off the forward's signature once
+                self._cache_key = next(iter(cache_kwargs(student, None)))
             with torch.no_grad():
-                out = student(input_ids=ids[:, :start], attention_mask=mask[:, :start], use_cache=True)
-            past = out["cache"] if "cache" in out else out["past_key_values"]
+                past = returned_cache(student(input_ids=ids[:, :start], attention_mask=mask[:, :start], use_cache=True))
             log_q = student(input_ids=ids[:, start:], attention_mask=mask, use_cache=False,
                             **{self._cache_key: past}).logits[:, :-1].float().log_softmax(-1)
         with torch.no_grad():
@@ -650,7 +647,7 @@ def compare(off_log: str, mix_log: str, emit_json: bool = True) -> dict:
     off, mix = last_json(off_log), last_json(mix_log)
     keys = ("budget_s", "clock", "student", "seed", "lr", "schedule", "kind", "ce_weight", "gen_tokens", "eval_prompts", "eval_samples",
             "eval_seed", "threads")
-    usual = {"ce_weight": 1.0}  # logs of runs older than the key
+    usual = vars(parse_args([]))  # what a log older than a key ran with: the option's default
     differ = [k for k in keys if off.get(k, usual.get(k)) != mix.get(k, usual.get(k))]
     if differ or off["off_policy"] is None or mix["on_policy"] is None:
         raise SystemExit(f"--compare needs an --arms off log and an --arms mix log of the same settings; "
@@ -658,13 +655,10 @@ def compare(off_log: str, mix_log: str, emit_json: bool = True) -> dict:
     args = argparse.Namespace(budget=mix["budget_s"], gen=mix["gen_tokens"], **{
         k: mix[k] for k in ("clock", "student", "seed", "lr", "schedule", "fraction", "on_start", "kind", "on_kind", "beta",
                             "gen_temperature", "threads", "eval_prompts", "eval_samples", "eval_seed")},
-        gen_rows=mix.get("gen_rows", 0), rollout_rows=mix.get("rollout_rows", 0),
-        on_lr=mix.get("on_lr", 1.0), on_cost=mix.get("on_cost"), project=mix.get("project", "none"),
-        on_end=mix.get("on_end", 1.0), on_clip=mix.get("on_clip", 1.0), on_opt=mix.get("on_opt", "shared"), on_params=mix.get("on_params", "all"),
-        on_seq=mix.get("on_seq", 0.0), on_seq_gamma=mix.get("on_seq_gamma", 1.0),
-        on_max_entropy=mix.get("on_max_entropy"), on_teacher_temp=mix.get("on_teacher_temp", 1.0),
-        on_prompt_grad=mix.get("on_prompt_grad", 1.0), on_joint=mix.get("on_joint", False),
-        ce_weight=mix.get("ce_weight", 1.0))
+        **{k: mix.get(k, usual[k]) for k in ("gen_rows", "rollout_rows", "on_lr", "on_cost", "project", "on_end",
+                                             "on_clip", "on_opt", "on_params", "on_seq", "on_seq_gamma",
+                                             "on_max_entropy", "on_teacher_temp", "on_prompt_grad", "on_joint",
+                                             "ce_weight")})
     return report(args, off["init"], off["off_policy"], mix["on_policy"], off["load_avg"] + mix["load_avg"], emit_json)
 
 
