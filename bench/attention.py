@@ -21,7 +21,6 @@ one JSON line.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -38,6 +37,7 @@ from attention import HybridAttentionConfig, hybrid_attention  # noqa: E402
 from attention import kernel as kernel_mod  # noqa: E402
 from attention.masks import hybrid_mask  # noqa: E402
 from bench.patterns import mixed_spec  # noqa: E402
+from core.environment import json_line  # noqa: E402
 
 SPEC = HybridAttentionConfig(sink_tokens=128, window=512, global_every=1024)
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
@@ -210,7 +210,7 @@ def main() -> int:
         "threads": a.threads,
         "targets": {"speedup_4k": 2.5, "speedup_16k": 6.0, "prefill_speedup_8k": 1.6, "mixed_prefill_speedup_8k": 1.0},
     }
-    print(json.dumps(summary))
+    print(json_line(summary))
     return 0
 
 

@@ -12,12 +12,13 @@ the same pairs for comparison with the resident scorer the gate uses.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python bench/bertscore.py`
+
+from core.environment import json_line  # noqa: E402
 
 
 def make_pairs(n: int, words: int) -> tuple[list[str], list[str]]:
@@ -83,12 +84,12 @@ def main() -> None:
         print(f"{name:48s} {sec:8.2f}")
     print(f"process CPU seconds incl. import+load+first score: {cpu_with_load:.2f}")
     print(f"mean F1 {f1.mean():.4f}, pairs/s (warm) {args.pairs / t_score_warm:.0f}, threads {args.threads}")
-    print(json.dumps({"bench": "bertscore", "pairs": args.pairs, "words": args.words, "threads": args.threads,
-                      "import_s": round(t_import, 3), "load_s": round(t_load, 3), "score_s": round(t_score, 3),
-                      "score_warm_s": round(t_score_warm, 3), "total_with_load_s": round(t_import + t_load + t_score, 3),
-                      "wall_s": round(total, 3), "cpu_with_load_s": round(cpu_with_load, 3), "functional_s": None if functional is None else round(functional, 3),
-                      "mean_f1": round(float(f1.mean()), 4), "layer": scorer.layer,
-                      "settings_hash": scorer.settings_hash()}))
+    print(json_line({"bench": "bertscore", "pairs": args.pairs, "words": args.words, "threads": args.threads,
+                     "import_s": round(t_import, 3), "load_s": round(t_load, 3), "score_s": round(t_score, 3),
+                     "score_warm_s": round(t_score_warm, 3), "total_with_load_s": round(t_import + t_load + t_score, 3),
+                     "wall_s": round(total, 3), "cpu_with_load_s": round(cpu_with_load, 3), "functional_s": None if functional is None else round(functional, 3),
+                     "mean_f1": round(float(f1.mean()), 4), "layer": scorer.layer,
+                     "settings_hash": scorer.settings_hash()}))
 
 
 if __name__ == "__main__":

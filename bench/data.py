@@ -42,6 +42,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from core.environment import json_line  # noqa: E402
+
 CHARS_PER_TOKEN = 3.9  # SmolLM2 on English docstrings (measured on the built-in corpus)
 
 
@@ -307,7 +309,7 @@ def main() -> None:
         print(f"{name:<{w}}  {value:>10}  {note}")
     if args.clean:
         shutil.rmtree(work, ignore_errors=True)
-    print(json.dumps({**result, "load_avg_start": load0, "load_avg_end": load1}))
+    print(json_line({**result, "load_avg_start": load0, "load_avg_end": load1}))
 
 
 def scale(small: Path, large: Path, args, work: Path, cache: Path, tp: dict | None) -> tuple[list, dict]:

@@ -30,7 +30,6 @@ arm (ratios are of medians); ``--engines`` picks the arms (HF is always the refe
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -42,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from attention.spec import HybridAttentionConfig  # noqa: E402
 from bench.patterns import mixed_spec  # noqa: E402
+from core.environment import json_line  # noqa: E402
 from serve.engine import Engine  # noqa: E402
 from serve.sampling import SamplingParams  # noqa: E402
 
@@ -213,7 +213,7 @@ def main() -> None:
         "new_tokens": new,
         **result,
     }
-    print(json.dumps(out))
+    print(json_line(out))
 
 
 if __name__ == "__main__":

@@ -29,6 +29,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from core.environment import json_line  # noqa: E402
+
 
 def _rss_kb(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -121,7 +123,7 @@ def main() -> None:
     result = {"speedup": rows["ours"]["tokens_per_s"] / rows["naive"]["tokens_per_s"],
               "rss_ratio": rows["ours"]["peak_rss_mb"] / max(rows["naive"]["peak_rss_mb"], 1e-9),
               "ours": rows["ours"], "naive": rows["naive"], "seq": a.seq, "batch": a.batch}
-    print(json.dumps(result))
+    print(json_line(result))
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ import attention  # noqa: E402
 from attention.gates import CONTEXTS  # noqa: E402
 from attention.heads import choose_roles, head_scores, learn_gates, needle_samples  # noqa: E402
 from attention.spec import HybridAttentionConfig  # noqa: E402
+from core.environment import json_line  # noqa: E402
 from eval.longctx import build_sample, depths_for, score_sample  # noqa: E402
 
 
@@ -175,13 +176,13 @@ def main() -> None:
         ratio = "".join(f"{acc[a][n] / acc['dense'][n]:>6.2f}" if acc.get("dense", {}).get(n) else "     -"
                         for n in lengths)
         print(f"{a:<16}" + "".join(f"{acc[a][n]:>8.0%}" for n in lengths) + "   " + ratio)
-    print(json.dumps({"bench": "head_roles", "model": args.model, "scoring": args.scoring, "spec": spec.to_dict(),
-                      "depths": grid,
-                      "trials": args.trials, "accuracy": acc,
-                      "gate_seconds": gate_info.get("seconds"), "gate_settings": gate_info.get("settings"),
-                      "full_heads": {a: s and s.full_head_count(model.config.num_hidden_layers,
-                                                                 model.config.num_key_value_heads)
-                                     for a, s in specs.items()}}))
+    print(json_line({"bench": "head_roles", "model": args.model, "scoring": args.scoring, "spec": spec.to_dict(),
+                     "depths": grid,
+                     "trials": args.trials, "accuracy": acc,
+                     "gate_seconds": gate_info.get("seconds"), "gate_settings": gate_info.get("settings"),
+                     "full_heads": {a: s and s.full_head_count(model.config.num_hidden_layers,
+                                                                model.config.num_key_value_heads)
+                                    for a, s in specs.items()}}))
 
 
 if __name__ == "__main__":

@@ -58,6 +58,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from core.environment import json_line  # noqa: E402
+
 
 def _status_kib(key: str) -> int:
     text = Path("/proc/self/status").read_text()
@@ -212,7 +214,7 @@ def main() -> None:
                        "naive_peak_mib": round(peak["naive"] / 2**20), "chunked_peak_mib": round(peak["chunked"] / 2**20),
                        "naive_time_s": round(t["naive"], 3), "chunked_time_s": round(t["chunked"], 3),
                        "mem_method": res["naive"][0]["method"]}
-    print(json.dumps(summary))
+    print(json_line(summary))
 
 
 if __name__ == "__main__":

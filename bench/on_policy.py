@@ -79,7 +79,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from core.environment import differences, environment  # noqa: E402
+from core.environment import differences, environment, json_line  # noqa: E402
 from core.models import cache_kwargs, returned_cache  # noqa: E402
 
 
@@ -351,7 +351,8 @@ def run_arm(name: str, fraction: float, args, teacher, student0, tokenizer, data
     # steps' first moment (and the data steps' momentum is not applied on rollout steps)
     on_opt = (torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, betas=(0.9, 0.95))
               if args.on_opt == "separate" else opt)
-    settings = OnPolicySettings(fraction=fraction, max_new_tokens=args.gen, temperature=args.gen_temperature,
+    rollout_len = args.on_gen or args.gen
+    settings = OnPolicySettings(fraction=fraction, max_new_tokens=rollout_len, temperature=args.gen_temperature,
                                 prompt_tokens=args.prompt, seed=args.seed, kd_kind=args.on_kind, rows=args.gen_rows,
                                 rollout_rows=args.rollout_rows)
     policy = OnPolicy(settings, model, model, tokenizer, args.batch)
@@ -359,7 +360,7 @@ def run_arm(name: str, fraction: float, args, teacher, student0, tokenizer, data
     params = [q for q in student.parameters() if q.requires_grad]
     last_data: list[torch.Tensor | None] = [None] * len(params)  # --project data: the last data step's gradient
     cosines: list[float] = []  # rollout gradient vs the data direction, at every on-policy step
-    seq = (SequenceRKL(args.on_seq, args.on_seq_gamma, args.gen, max_entropy=args.on_max_entropy,
+    seq = (SequenceRKL(args.on_seq, args.on_seq_gamma, rollout_len, max_entropy=args.on_max_entropy,
                        teacher_temp=args.on_teacher_temp, prompt_grad=args.on_prompt_grad)
            if args.on_seq > 0 or args.on_max_entropy is not None or args.on_teacher_temp != 1
            or args.on_prompt_grad != 1 else None)
@@ -476,6 +477,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--on-end", type=float, default=1.0, help="share of the budget after which every step is "
                     "off-policy (a cool-down on data; 1: the mix runs to the end)")
     ap.add_argument("--gen", type=int, default=64, help="tokens generated per on-policy prompt")
+    ap.add_argument("--on-gen", type=int, default=None,
+                    help="tokens generated per training rollout, if not --gen (the eval's continuations keep --gen): "
+                         "shorter rollouts make an on-policy step cheaper, so the mix keeps more data steps")
     ap.add_argument("--gen-rows", type=int, default=0, help="prompts rolled out per on-policy micro-batch (the "
                     "recipe's gen_batch_size; 0: --batch)")
     ap.add_argument("--rollout-rows", type=int, default=0, help="rows decoded per engine call, the surplus queued for "
@@ -558,6 +562,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                  "step-cost ratio of a --clock cpu run)")
     if not args.ce_weight >= 0:
         ap.error(f"--ce-weight is a loss weight >= 0, got {args.ce_weight}")
+    if args.on_gen is not None and args.on_gen < 1:
+        ap.error(f"--on-gen is a number of generated tokens >= 1, got {args.on_gen}")
     if args.on_seq < 0 or not 0 < args.on_seq_gamma <= 1:
         ap.error("--on-seq is a weight >= 0 and --on-seq-gamma a discount in (0, 1]")
     if args.on_seq > 0 and (args.on_kind or args.kind) != "reverse_kl":
@@ -658,7 +664,7 @@ def compare(off_log: str, mix_log: str, emit_json: bool = True) -> dict:
         **{k: mix.get(k, usual[k]) for k in ("gen_rows", "rollout_rows", "on_lr", "on_cost", "project", "on_end",
                                              "on_clip", "on_opt", "on_params", "on_seq", "on_seq_gamma",
                                              "on_max_entropy", "on_teacher_temp", "on_prompt_grad", "on_joint",
-                                             "ce_weight")})
+                                             "ce_weight", "on_gen")})
     return report(args, off["init"], off["off_policy"], mix["on_policy"], off["load_avg"] + mix["load_avg"], emit_json)
 
 
@@ -667,7 +673,7 @@ _LABELS = (("fraction", "λ"), ("on_kind", "on-kind "), ("on_clip", "clip "), ("
            ("on_opt", "opt "), ("on_params", "params "), ("on_lr", "lr ×"), ("on_start", "start "),
            ("on_end", "end "), ("gen_temperature", "T "), ("gen_rows", "rows "), ("on_seq", "seq "),
            ("on_max_entropy", "max-H "), ("on_teacher_temp", "teacher T "), ("on_prompt_grad", "prompt grad "),
-           ("on_joint", "joint"), ("ce_weight", "ce "))
+           ("on_joint", "joint"), ("ce_weight", "ce "), ("on_gen", "rollout tokens "))
 
 
 def mix_label(mix: dict) -> str:
@@ -714,7 +720,7 @@ def compare_many(pairs: list[tuple[str, str]], plot: str | None) -> list[dict]:
     if plot:
         plot_trade_off(rows, Path(plot))
         print(f"trade-off plot: {plot}")
-    print(json.dumps({"pairs": rows, "plot": plot, "slopes": slopes}))
+    print(json_line({"pairs": rows, "plot": plot, "slopes": slopes}))
     return rows
 
 
@@ -790,6 +796,7 @@ def report(args, init: dict, off: dict, mix: dict | None, loads: list[float], em
            "on_seq": args.on_seq, "on_seq_gamma": args.on_seq_gamma,
            "on_max_entropy": args.on_max_entropy, "on_teacher_temp": args.on_teacher_temp,
            "on_prompt_grad": args.on_prompt_grad, "on_joint": args.on_joint, "ce_weight": args.ce_weight,
+           "on_gen": args.on_gen,
            "threads": args.threads,
            "eval_prompts": args.eval_prompts, "eval_samples": args.eval_samples, "eval_seed": args.eval_seed,
            "load_avg": loads, "init": init, "off_policy": off, "on_policy": mix}
@@ -831,7 +838,7 @@ def report(args, init: dict, off: dict, mix: dict | None, loads: list[float], em
                   f"measured {cost_mean:.2f}x (cpu mean): {'covered' if covered else 'NOT covered: the mix got more compute'}")
             out["on_cost_covered"] = covered
     if emit_json:
-        print(json.dumps(out))
+        print(json_line(out))
     return out
 
 

@@ -17,7 +17,6 @@ JSON keys: ``ms_per_token`` {threads: {chunk: {"fused", "own"}}}, ``speedup`` {t
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -27,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from core.environment import json_line  # noqa: E402
 from serve.engine import Engine  # noqa: E402
 
 
@@ -79,10 +79,10 @@ def main() -> None:
     for n in threads:
         for c in chunks:
             print(f"{n:>7} {c:>6} {med[n][c]['own']:>11.3f} {med[n][c]['fused']:>13.3f} {speed[n][c]:>10.2f}")
-    print(json.dumps({"model": args.model, "tokens": args.tokens, "repeats": args.repeats,
-                      "ms_per_token": {n: {c: {k: round(v, 4) for k, v in m.items()} for c, m in per.items()}
-                                       for n, per in med.items()},
-                      "speedup": {n: {c: round(v, 3) for c, v in per.items()} for n, per in speed.items()}}))
+    print(json_line({"model": args.model, "tokens": args.tokens, "repeats": args.repeats,
+                     "ms_per_token": {n: {c: {k: round(v, 4) for k, v in m.items()} for c, m in per.items()}
+                                      for n, per in med.items()},
+                     "speedup": {n: {c: round(v, 3) for c, v in per.items()} for n, per in speed.items()}}))
 
 
 if __name__ == "__main__":

@@ -13,13 +13,14 @@ produce the same greedy tokens. Target (issue 16): cached TTFT >= 3x lower at a 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from core.environment import json_line  # noqa: E402
 
 
 def main() -> None:
@@ -84,7 +85,7 @@ def main() -> None:
     print(f"{'first request (fills it)':<28}{cold:>10.3f}")
     print(f"speedup {out['speedup']}x (target >= 3x); cache holds {st.bytes / 2**20:.1f} MiB; "
           f"greedy tokens equal: {same}")
-    print(json.dumps(out))
+    print(json_line(out))
 
 
 if __name__ == "__main__":

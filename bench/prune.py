@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 import time
 from pathlib import Path
@@ -41,6 +40,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+
+from core.environment import json_line  # noqa: E402
 
 
 def main() -> None:
@@ -212,7 +213,7 @@ def report(args, rows, probes, teacher_ppl, eval_blocks, budget, emb, best, foun
         "prune_search_s": prune_search_s, "search_steps": args.search_steps, "top_k": args.top_k,
         "candidates": n_candidates, "threads": args.threads, "probes": probes,
     }
-    print(json.dumps(out), flush=True)
+    print(json_line(out), flush=True)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from core.environment import json_line  # noqa: E402
+
 
 def heldout_sequences(tokenizer, length: int, max_sequences: int | None, text: str = "docstrings") -> torch.Tensor:
     """``[n, length]`` tokens of the held-out text (module docstring)."""
@@ -159,7 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
                    "measured_on": "hybrid_after" if args.model else "hybrid_before"},
         "seconds": seconds, "threads": args.threads,
     }
-    print(json.dumps(result))
+    print(json_line(result))
     return result
 
 

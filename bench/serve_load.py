@@ -22,6 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from core.environment import json_line  # noqa: E402
+
 
 async def client_loop(url: str, body: dict, deadline: float, stats: dict) -> None:
     import httpx
@@ -126,7 +128,7 @@ def main() -> None:
     print(f"{'tokens/s (aggregate)':<22}{out['tokens_per_s']:>10.1f}")
     print(f"{'errors':<22}{out['errors']:>10}")
     print(f"{'integrity failures':<22}{out['integrity_failures']:>10}")
-    print(json.dumps(out))
+    print(json_line(out))
 
 
 if __name__ == "__main__":

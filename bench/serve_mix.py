@@ -42,6 +42,10 @@ import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from core.environment import json_line  # noqa: E402
+
 CLASSES = ("short", "medium", "long")
 
 
@@ -402,7 +406,7 @@ def main() -> int:
         print(f"prefix cache MB: after warm-up {out['prefix_cache_after_warmup_mb']}, end {out['prefix_cache_end_mb']} "
               f"(budget {args.prefix_cache_mb}); RSS growth after warm-up net of it: "
               f"{out['rss_growth_after_warmup_net_of_prefix_cache']:.2%}")
-    print(json.dumps(out))
+    print(json_line(out))
     return 0
 
 

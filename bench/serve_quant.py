@@ -19,7 +19,6 @@ than fp32 (the default engines: fused fp32 vs fused int8 / w8a8).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -27,6 +26,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from core.environment import json_line  # noqa: E402
 
 
 def main() -> None:
@@ -146,7 +147,7 @@ def main() -> None:
            "greedy_prefix_equal_tokens": same, "vs_fp32_fast": vs}
     out["targets"] = {s: {"bytes_le_0.4x": ratio[s] <= 0.4, "decode_not_slower": all(v >= 1.0 for v in vs[s].values())}
                       for s in args.schemes}
-    print(json.dumps(out))
+    print(json_line(out))
 
 
 if __name__ == "__main__":

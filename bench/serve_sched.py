@@ -25,7 +25,6 @@ A table, then one JSON line.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import threading
@@ -33,6 +32,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from core.environment import json_line  # noqa: E402
 
 CLASSES = {"short": ((10, 130), 64, 3), "medium": ((130, 650), 256, 5), "long": ((650, 2000), None, 2)}
 
@@ -145,8 +146,8 @@ def main() -> None:
     print(f"{'arm':<26}" + "".join(f"{c.removesuffix('_ms'):>19}" for c in cols) + "  (ms)")
     for name, r in res.items():
         print(f"{name:<26}" + "".join(f"{'-' if r[c] is None else r[c]:>19}" for c in cols))
-    print(json.dumps({"model": str(args.model), "users": args.users, "seconds_per_arm": args.seconds * args.rounds,
-                      "threads": args.threads, "long_new_tokens": args.long_new, "arms": res}))
+    print(json_line({"model": str(args.model), "users": args.users, "seconds_per_arm": args.seconds * args.rounds,
+                     "threads": args.threads, "long_new_tokens": args.long_new, "arms": res}))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ size closest to 64): ``bytes_per_token`` {topk, sampled}, ``grad_err_topk``, ``g
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -31,6 +30,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+
+from core.environment import json_line  # noqa: E402
 
 
 def _rel(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
@@ -115,11 +116,11 @@ def main() -> None:
     top, smp = rows[2 * i], rows[2 * i + 1]
     ratio = smp["param_grad_err"] / top["param_grad_err"]
     print(f"\n{smp['cache']} vs {top['cache']}: param-gradient error ratio {ratio:.3f} (target <= 0.333)")
-    print(json.dumps({"bytes_per_token": {"topk": top["bytes_per_token"], "sampled": smp["bytes_per_token"]},
-                      "k": k, "samples": int(smp["cache"].split("-")[1]), "temperature": temp,
-                      "grad_err_topk": top["param_grad_err"], "grad_err_sampled": smp["param_grad_err"],
-                      "logit_grad_err_topk": top["logit_grad_err"], "logit_grad_err_sampled": smp["logit_grad_err"],
-                      "tail_mass_topk": top["tail_mass"], "ratio": ratio, "target_met": ratio <= 1 / 3}))
+    print(json_line({"bytes_per_token": {"topk": top["bytes_per_token"], "sampled": smp["bytes_per_token"]},
+                     "k": k, "samples": int(smp["cache"].split("-")[1]), "temperature": temp,
+                     "grad_err_topk": top["param_grad_err"], "grad_err_sampled": smp["param_grad_err"],
+                     "logit_grad_err_topk": top["logit_grad_err"], "logit_grad_err_sampled": smp["logit_grad_err"],
+                     "tail_mass_topk": top["tail_mass"], "ratio": ratio, "target_met": ratio <= 1 / 3}))
 
 
 if __name__ == "__main__":

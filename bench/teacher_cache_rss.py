@@ -30,6 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from core.environment import json_line  # noqa: E402
+
 _CHILD = """
 import hashlib, json, sys, time
 import torch
@@ -109,9 +111,9 @@ def main() -> None:
         print(f"{arm:<8} {r['rss0_mb']:>13.0f} {r['rss_mb']:>12.0f} {r['rss_mb'] - r['rss0_mb']:>9.0f} "
               f"{r['seconds']:>8.1f}")
     growth = {arm: r["rss_mb"] - r["rss0_mb"] for arm, r in rows.items()}
-    print(json.dumps({"cache_mb": cache_mb, "tokens": blocks * seq, "topk": args.topk, "steps": args.steps,
-                      "rss_growth_mb": growth, "seconds": {a: r["seconds"] for a, r in rows.items()},
-                      "target_met": growth["reader"] <= 100}))
+    print(json_line({"cache_mb": cache_mb, "tokens": blocks * seq, "topk": args.topk, "steps": args.steps,
+                     "rss_growth_mb": growth, "seconds": {a: r["seconds"] for a, r in rows.items()},
+                     "target_met": growth["reader"] <= 100}))
 
 
 if __name__ == "__main__":

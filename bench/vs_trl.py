@@ -41,6 +41,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from core.environment import json_line  # noqa: E402
+
 INSTALL = 'pip install "trl>=1.16"'
 #: Recipe overrides shared by both sides: forward KL only, nothing else that TRL would not do.
 OBJECTIVE = dict(kd_weight=1.0, kd_kind="forward_kl", temperature=1.0, ce_weight=0.0, focal_weight=0.0,
@@ -245,8 +247,8 @@ def main() -> None:
         out[f"loss_diff_{shape}"] = diff
     out["loss_diff"] = max(diffs) if diffs else None
     out["threads"] = threads
-    print(json.dumps({k: (round(v, 6) if isinstance(v, float) and not k.startswith("loss_diff") else v)
-                      for k, v in out.items()}))
+    print(json_line({k: (round(v, 6) if isinstance(v, float) and not k.startswith("loss_diff") else v)
+                     for k, v in out.items()}))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """What a run ran under: Python, the numerics-relevant packages, the toolkit's commit and the device.
 
-Every ``summary.json`` and checkpoint records it, and so does each arm of ``bench/on_policy.py``. A rerun on
+Every ``summary.json`` and checkpoint records it, and so does every benchmark's JSON last line. A rerun on
 one install reproduces a run to every digit, but the pyproject ranges let a rebuilt install pull newer releases,
 and the demo has given two different students from the same command on rebuilt installs: two results are
 comparable only when these records agree. :func:`differences` names what changed, for the warning on resume
@@ -10,6 +10,7 @@ and the note in ``--compare``.
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import platform
 import subprocess
 from pathlib import Path
@@ -75,3 +76,8 @@ def differences(before: dict[str, Any] | None, now: dict[str, Any] | None) -> li
         if old.get(name) != new.get(name):
             out.append(f"{name} {old.get(name) or 'absent'} -> {new.get(name) or 'absent'}")
     return out
+
+
+def json_line(result: dict[str, Any]) -> str:
+    """A benchmark's JSON last line: ``result`` with the environment it was measured under (key ``environment``)."""
+    return json.dumps({**result, "environment": environment()})

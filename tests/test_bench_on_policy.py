@@ -628,3 +628,49 @@ def test_ce_weight_sets_both_arms_data_loss_and_must_match_to_compare(tmp_path, 
     kd_only = _log(tmp_path, "kd.log", ce_weight=0.0, on_policy=_arm(61.8, 1.10, 0.022, 2))
     with pytest.raises(SystemExit, match="differ in ce_weight"):
         bench.compare(off, kd_only)
+
+
+def test_on_gen_sets_the_training_rollouts_length_and_the_eval_keeps_gen(tmp_path, monkeypatch):
+    """--on-gen: the training rollouts generate that many tokens; the eval's continuations keep --gen, so arms
+    with different rollout lengths are measured alike (and --compare accepts them as a pair)."""
+    import distill.on_policy
+
+    bench = _bench()
+    lengths, eval_lengths = [], []
+    real_settings, real_eval = distill.on_policy.OnPolicySettings, bench.own_continuation_rkl
+
+    def spy_settings(**kw):
+        lengths.append(kw["max_new_tokens"])
+        return real_settings(**kw)
+
+    def spy_eval(student, teacher, tokenizer, prompts, new_tokens, *a, **k):
+        eval_lengths.append(new_tokens)
+        return real_eval(student, teacher, tokenizer, prompts, new_tokens, *a, **k)
+
+    monkeypatch.setattr(distill.on_policy, "OnPolicySettings", spy_settings)
+    monkeypatch.setattr(bench, "own_continuation_rkl", spy_eval)
+    teacher, student = _pair()
+    tok, data = tiny_tokenizer(), _tiny_data()
+    generated = []
+    real_generate = distill.on_policy.OnPolicy.generate
+
+    def spy_generate(self, *a, **k):
+        out = real_generate(self, *a, **k)
+        generated.append(int(out["labels"].ne(-100).sum(dim=1).max()))  # tokens the loss sees per row
+        return out
+
+    monkeypatch.setattr(distill.on_policy.OnPolicy, "generate", spy_generate)
+    args = bench.parse_args(["--clock", "steps", "--budget", "2", "--on-cost", "1", "--fraction", "1", "--batch", "2",
+                             "--prompt", "4", "--gen", "6", "--on-gen", "3", "--gen-rows", "1", "--eval-blocks", "4",
+                             "--eval-prompts", "4"])
+    torch.set_num_threads(1)
+    row = bench.run_arm("mix", 1.0, args, teacher, student, tok, data, bench.eval_windows(data.eval, 4, 4))
+    assert row["on_steps"] == 2
+    assert lengths == [3] and eval_lengths == [6]
+    assert generated and max(generated) == 3  # at most 3 (a row may stop early)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--on-gen", "0"])
+    off = _log(tmp_path, "off.log", init=None, off_policy=_arm(60.0, 1.25, 0.025, 0))  # an older log: no on_gen
+    mix = _log(tmp_path, "mix.log", on_gen=32, on_policy=_arm(61.8, 1.10, 0.022, 2))
+    out = bench.compare(off, mix, emit_json=False)
+    assert out["on_gen"] == 32 and "rollout tokens 32" in bench.mix_label(out)

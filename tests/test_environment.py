@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import ast
 import copy
 import json
 import subprocess
+from pathlib import Path
 
 import torch
 
 from core import environment as env_mod
-from core.environment import differences, environment, package_version, source_commit
+from core.environment import differences, environment, json_line, package_version, source_commit
 
 
 def test_environment_records_installed_versions_and_is_json():
@@ -51,3 +53,22 @@ def test_differences_name_what_changed_and_only_that():
     assert differences(a, b) == [f"commit {a['commit']} -> abc", "gguf 0.10.0 -> absent",
                                  f"transformers {a['packages']['transformers']} -> 0.0.1"]  # not the OS string
     assert differences(None, a) == differences(a, {}) == []  # an older checkpoint or log has no record
+
+
+def test_json_line_is_the_result_with_the_environment_it_ran_under():
+    result = {"ppl": 64.43, "arms": {"off": [1, 2]}, "target_met": False}
+    assert json.loads(json_line(result)) == {**result, "environment": environment()}
+    assert "environment" not in result  # the caller's dict is left as it was
+
+
+def test_every_benchmark_prints_its_result_through_json_line():
+    """A benchmark's last line is its result: each script under bench/ prints it through json_line, so every
+    number it reports says which install and commit measured it (bench/patterns.py is a module, and
+    bench/locustfile.py a load profile for locust, not scripts)."""
+    scripts = [p for p in sorted((Path(__file__).resolve().parents[1] / "bench").glob("*.py"))
+               if '__name__ == "__main__"' in p.read_text() and p.name != "locustfile.py"]
+    assert len(scripts) >= 19
+    for path in scripts:
+        calls = {node.func.id for node in ast.walk(ast.parse(path.read_text()))
+                 if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
+        assert "json_line" in calls, f"{path.name} prints its JSON line without json_line"
