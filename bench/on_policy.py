@@ -821,7 +821,7 @@ def report(args, init: dict, off: dict, mix: dict | None, loads: list[float], em
               f"target <= -10%), held-out ppl {ppl_change:+.1%} (target <= +5%)")
         rows = f", {args.gen_rows} rollout rows" if args.gen_rows else ""
         rows += f" (decoded {args.rollout_rows} at a time)" if args.rollout_rows else ""
-        print(f"step cost at {args.gen} generated tokens{rows} (medians, {mix['on_steps']} on / {mix['off_steps']} off "
+        print(f"step cost at {args.on_gen or args.gen} generated tokens{rows} (medians, {mix['on_steps']} on / {mix['off_steps']} off "
               f"steps interleaved): on-policy {mix['on_step_s']:.2f}s vs off-policy {mix['off_step_s']:.2f}s = "
               f"{cost:.2f}x {_clock_name(args)} ({cost_wall:.2f}x wall; means {cost_mean:.2f}x {_clock_name(args)}; "
               f"target <= 2x); "
