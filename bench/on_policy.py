@@ -645,7 +645,15 @@ def measure_init(args, student0, teacher, tokenizer, data, eval_prompts) -> dict
 
 
 def last_json(path: str) -> dict:
-    return json.loads(Path(path).read_text().strip().splitlines()[-1])
+    """A bench log's result: its JSON last line (one-line errors for a missing log or an unfinished run)."""
+    try:
+        lines = Path(path).read_text().strip().splitlines()
+    except OSError as e:
+        raise SystemExit(f"cannot read the bench log {path} ({e.strerror}); pass the log of a finished arm") from None
+    try:
+        return json.loads(lines[-1])
+    except (IndexError, json.JSONDecodeError):
+        raise SystemExit(f"{path} does not end in the bench's JSON line: pass the log of a finished arm") from None
 
 
 def compare(off_log: str, mix_log: str, emit_json: bool = True) -> dict:

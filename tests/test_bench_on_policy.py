@@ -223,6 +223,20 @@ def test_compare_refuses_an_odd_number_of_logs_and_plot_without_logs(capsys):
     assert "--plot draws the pairs of --compare" in capsys.readouterr().err
 
 
+def test_compare_refuses_a_missing_log_and_an_unfinished_run_in_one_line(tmp_path):
+    bench = _bench()
+    off = _log(tmp_path, "off.log", init=None, off_policy=_arm(60.0, 1.25, 0.025, 0))
+    running = tmp_path / "running.log"
+    running.write_text("demo pair: ...\n    on-policy 0.2 step 7: off-policy, 4.1s (cpu), 6/130steps\n")
+    (tmp_path / "empty.log").write_text("")
+    for log, says in ((str(tmp_path / "absent.log"), "cannot read the bench log"),
+                      (str(running), "does not end in the bench's JSON line"),
+                      (str(tmp_path / "empty.log"), "does not end in the bench's JSON line")):
+        with pytest.raises(SystemExit, match=says) as e:
+            bench.compare(off, log)
+        assert "\n" not in str(e.value)
+
+
 def test_lr_schedule_is_the_recipes_warmup_cosine_over_the_budget():
     """Progress = share of the budget; with the step's share it is the recipe's ``warmup_cosine`` exactly."""
     import argparse
