@@ -32,11 +32,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
 from typing import Any
 
 from attention.errors import HybridAttentionError
 
 CONFIG_KEY = "hybrid_attention"
+
+
+def _is_int(value: Any) -> bool:
+    """An integer (numpy's too), not a bool or a float such as 2.5 or 256.0."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass
@@ -52,6 +58,16 @@ class HybridAttentionConfig:
     head_scores: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        # Types first: a spec also comes from hand-edited config.json files and JSON on the command line.
+        for key in ("sink_tokens", "window", "global_every", "max_globals"):
+            value = getattr(self, key)
+            if value is None and key == "max_globals":
+                continue
+            if not _is_int(value):
+                raise HybridAttentionError(f"{key} must be an integer, got {value!r}")
+            setattr(self, key, int(value))
+        if not isinstance(self.global_rows, bool):
+            raise HybridAttentionError(f"global_rows must be true or false, got {self.global_rows!r}")
         if self.sink_tokens < 0:
             raise HybridAttentionError(f"sink_tokens must be >= 0, got {self.sink_tokens}; use 0 to disable sinks")
         if self.window <= 0:
@@ -61,12 +77,19 @@ class HybridAttentionConfig:
         if self.max_globals is not None and self.max_globals < 0:
             raise HybridAttentionError(f"max_globals must be >= 0 or None, got {self.max_globals}")
         if self.window_policy is not None:
-            policy = [(None if b is None else int(b), int(w)) for b, w in self.window_policy]
-            if not policy or any(w <= 0 for _, w in policy):
-                raise HybridAttentionError("window_policy needs [[max_len, window], ...] with windows > 0")
+            try:
+                policy = [(b if b is None or not _is_int(b) else int(b), int(w) if _is_int(w) else w)
+                          for b, w in self.window_policy]
+            except (TypeError, ValueError):
+                policy = []
+            if not policy or not all((b is None or _is_int(b)) and _is_int(w) and w > 0 for b, w in policy):
+                raise HybridAttentionError("window_policy needs [[max_len, window], ...] of integers with windows > 0, "
+                                           f"got {self.window_policy!r}")
             bounds = [b for b, _ in policy if b is not None]
-            if bounds != sorted(bounds) or any(b is None for b, _ in policy[:-1]):
-                raise HybridAttentionError("window_policy bounds must increase; only the last may be None (no limit)")
+            # strictly: with a repeated bound the later window is sampled in training but never served
+            if any(a >= b for a, b in zip(bounds, bounds[1:])) or any(b is None for b, _ in policy[:-1]):
+                raise HybridAttentionError("window_policy bounds must strictly increase; only the last may be None "
+                                           f"(no limit), got {[b for b, _ in policy]}")
             self.window_policy = policy
         if self.full_heads is not None:
             if not isinstance(self.full_heads, dict):

@@ -158,9 +158,10 @@ def build_rescale_baseline(scorer: BertScore, texts: list[str], pairs: int = 100
 
     Procedure (the same idea as BERTScore's published baselines, on our own text): take the
     non-empty texts, draw ``pairs`` ordered pairs ``(i, j)`` with ``i != j`` from a seeded
-    generator, score text ``i`` against text ``j`` with rescaling off, and average.
+    generator, score text ``i`` against text ``j`` with rescaling off, and average. Repeated texts count
+    once: a pair of copies scores 1, and copies alone would make the baseline 1 and the rescaling divide by 0.
     """
-    texts = [t.strip() for t in texts if t.strip()]
+    texts = list(dict.fromkeys(t.strip() for t in texts if t.strip()))  # a copy of a text is no unrelated pair
     if len(texts) < 2:
         raise ValueError("a rescale baseline needs at least two distinct texts")
     rng = np.random.default_rng(seed)

@@ -73,12 +73,14 @@ import dataclasses
 import datetime
 import hashlib
 import json
+import random
 import sys
 import time
 import traceback
 import typing
 from dataclasses import dataclass
 from pathlib import Path
+from statistics import NormalDist
 
 import numpy as np
 
@@ -96,7 +98,7 @@ from eval.generation import (
     load_model,
     load_tokenizer,
 )
-from eval.longctx import load_for_eval, run_longctx
+from eval.longctx import INTERIOR_DEPTHS, LongCtxError, build_sample, load_for_eval, run_longctx
 from eval.metrics import LMStats, text_windows, window_stats
 from eval.prompt_set import GateInputError, Prompt, default_prompts_path, load_prompts, load_references
 from eval.report import histogram, write_markdown, write_samples
@@ -214,9 +216,44 @@ def _load_inputs(cfg: GateConfig) -> tuple[Path, list[Prompt], list[str] | None,
                 raise GateInputError(f"heldout file {hp} is empty; give it some text or drop --heldout")
         except UnicodeDecodeError:
             raise GateInputError(f"heldout file {hp} is not UTF-8 text; convert it") from None
-    if cfg.rescale not in ("none", "prompts") and not Path(cfg.rescale).is_file():
-        raise GateInputError(f"rescale text {cfg.rescale} does not exist; use none, prompts or a text file")
+    if cfg.rescale not in ("none", "prompts"):
+        _check_rescale_text(Path(cfg.rescale))
+    _check_longctx(cfg, models)
     return prompts_path, prompts, refs, models
+
+
+def _check_rescale_text(path: Path) -> None:
+    """A rescale baseline needs two different texts: one text, or copies of one, give a zero denominator."""
+    if not path.is_file():
+        raise GateInputError(f"rescale text {path} does not exist; use none, prompts or a text file")
+    try:
+        lines = {line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()}
+    except UnicodeDecodeError:
+        raise GateInputError(f"rescale text {path} is not UTF-8 text; convert it") from None
+    if len(lines) < 2:
+        raise GateInputError(f"rescale text {path} has {len(lines)} distinct non-empty line(s); a baseline needs "
+                             "at least two different texts (use more lines, or rescale=prompts)")
+
+
+def _check_longctx(cfg: GateConfig, models: dict[str, Path]) -> None:
+    """Each ``longctx`` length against both models' positions and a pass-key prompt's own size."""
+    lengths = cfg.longctx_lengths()
+    if not lengths:
+        return
+    for role in ("candidate", "baseline"):
+        try:
+            limit = json.loads((models[role] / "config.json").read_text()).get("max_position_embeddings")
+        except (OSError, ValueError):  # no readable config here: run_longctx checks the loaded model
+            limit = None
+        if limit is not None and max(lengths) > limit:
+            raise GateInputError(f"longctx length {max(lengths)} exceeds the {role}'s max_position_embeddings="
+                                 f"{limit}; drop it from --longctx")
+    tok = load_tokenizer(models["candidate"])
+    for n in lengths:
+        try:
+            build_sample(tok, "passkey", n, 0.5, random.Random(0))
+        except LongCtxError as err:
+            raise GateInputError(f"longctx: {err}") from None
 
 
 def _verdict(cfg: GateConfig, diff: Interval, threshold: float, n: int, new_below: int) -> tuple[str, list[str]]:
@@ -247,39 +284,49 @@ def _same_vocab(a: Path, b: Path) -> bool:
 def _interval_dict(stats: list[LMStats], metric: str, cfg: GateConfig) -> dict:
     nll = np.array([s.nll_sum for s in stats])
     if metric == "loss":
-        return ratio_bootstrap(nll, np.array([s.tokens for s in stats]), cfg.resamples, cfg.seed).as_dict()
+        return ratio_bootstrap(nll, np.array([s.tokens for s in stats]), cfg.resamples, cfg.seed,
+                               cfg.confidence).as_dict()
     if metric == "perplexity":
-        iv = ratio_bootstrap(nll, np.array([s.tokens for s in stats]), cfg.resamples, cfg.seed)
+        iv = ratio_bootstrap(nll, np.array([s.tokens for s in stats]), cfg.resamples, cfg.seed, cfg.confidence)
         return {**iv.as_dict(), "mean": float(np.exp(iv.mean)), "low": float(np.exp(iv.low)),
                 "high": float(np.exp(iv.high)), "se": float("nan")}
     if metric == "bits_per_byte":
-        return ratio_bootstrap(nll / np.log(2), np.array([s.bytes for s in stats]), cfg.resamples, cfg.seed).as_dict()
+        return ratio_bootstrap(nll / np.log(2), np.array([s.bytes for s in stats]), cfg.resamples, cfg.seed,
+                               cfg.confidence).as_dict()
     if metric == "top1_agreement":
         return ratio_bootstrap(np.array([s.agree for s in stats]), np.array([s.ref_tokens for s in stats]),
-                               cfg.resamples, cfg.seed).as_dict()
+                               cfg.resamples, cfg.seed, cfg.confidence).as_dict()
     if metric == "kl":
         return ratio_bootstrap(np.array([s.kl_sum for s in stats]), np.array([s.ref_tokens for s in stats]),
-                               cfg.resamples, cfg.seed).as_dict()
+                               cfg.resamples, cfg.seed, cfg.confidence).as_dict()
     raise KeyError(metric)
 
 
-def _longctx_check(cfg: GateConfig, models: dict[str, Path]) -> tuple[dict, list[str]]:
-    """Pass-key accuracy per length of candidate and baseline (each loaded as served); failing lengths."""
+def _longctx_check(cfg: GateConfig, models: dict[str, Path]) -> tuple[dict, list[str], list[str]]:
+    """Pass-key accuracy per length of candidate and baseline (each loaded as served); the failing lengths, and
+    notes on the lengths that cannot fail (the baseline finds no key there either).
+
+    The needles sit at interior depths: at depth 0 a needle lies among the sink tokens and at depth 1 inside the
+    local window, where a model that sees nothing else still finds it.
+    """
     if not cfg.longctx:
-        return {"skipped": "no --longctx lengths"}, []
+        return {"skipped": "no --longctx lengths"}, [], []
     lengths = cfg.longctx_lengths()
-    result: dict[str, typing.Any] = {"lengths": lengths, "trials": cfg.longctx_trials, "min_ratio": cfg.longctx_min_ratio}
+    result: dict[str, typing.Any] = {"lengths": lengths, "depths": list(INTERIOR_DEPTHS), "trials": cfg.longctx_trials,
+                                     "min_ratio": cfg.longctx_min_ratio}
     for role in ("candidate", "baseline"):
         model, tok, how = load_for_eval(str(models[role]))
-        run = run_longctx(model, tok, lengths=lengths, depths=4, trials=cfg.longctx_trials, kinds=("passkey",),
-                          seed=cfg.seed, progress=True)
+        run = run_longctx(model, tok, lengths=lengths, depths=list(INTERIOR_DEPTHS), trials=cfg.longctx_trials,
+                          kinds=("passkey",), seed=cfg.seed, progress=True)
         result[role] = {"attention": how, "accuracy": run["accuracy"]["passkey"]}
         del model
     failing = [f"long-context retrieval at {n}: candidate {result['candidate']['accuracy'][str(n)]:.2f} < "
                f"{cfg.longctx_min_ratio:g} × baseline {result['baseline']['accuracy'][str(n)]:.2f}"
                for n in lengths if result["candidate"]["accuracy"][str(n)]
                < cfg.longctx_min_ratio * result["baseline"]["accuracy"][str(n)]]
-    return result, failing
+    notes = [f"long-context retrieval at {n}: the baseline finds no key either, so this length does not tell the "
+             "models apart" for n in lengths if result["baseline"]["accuracy"][str(n)] == 0]
+    return result, failing, notes
 
 
 def _lm_metrics(cfg: GateConfig, models: dict[str, Path], prompts: list[Prompt], refs: list[str]) -> dict:
@@ -419,12 +466,13 @@ def _score(scorer: BertScore, runs: dict[str, GenerationRun], refs: list[str], p
     return cand_f, base_f, long_texts
 
 
-def _warnings(se: float, threshold: float, verdict: str, long_texts: list[dict]) -> list[str]:
+def _warnings(se: float, threshold: float, verdict: str, long_texts: list[dict], confidence: float) -> list[str]:
     """What a reader must know besides the verdict: a prompt set too small to pass, truncated texts."""
     notes = []
-    if 1.96 * se >= threshold and verdict != "fail":
+    z = NormalDist().inv_cdf(0.5 + confidence / 2)  # the interval's half-width in SEs (1.96 at 95 %)
+    if z * se >= threshold and verdict != "fail":
         notes.append(f"this prompt set is too small to certify a pass even for an unchanged model "
-                     f"(1.96·SE = {1.96 * se:.4f} ≥ {threshold:g}); add prompts")
+                     f"({z:.2f}·SE = {z * se:.4f} ≥ {threshold:g}); add prompts")
     if long_texts:
         notes.append(f"warning: {len(long_texts)} texts exceed the scorer's {MAX_TOKENS}-token window "
                      "(scored on their beginning only); see long_texts")
@@ -468,11 +516,11 @@ def run_gate(cfg: GateConfig, scorer: BertScore | None = None, generator: Genera
     base_below = base_f < cfg.floor
     new_below = [i for i, c, b in zip(ids, cand_below, base_below) if c and not b]
     verdict, reasons = _verdict(cfg, diff, threshold, len(prompts), len(new_below))
-    longctx, longctx_failing = _longctx_check(cfg, models)
+    longctx, longctx_failing, longctx_notes = _longctx_check(cfg, models)
     if longctx_failing:
         verdict, reasons = "fail", reasons + longctx_failing
     mde = detectable_effect(diff.se, 1 - cfg.confidence)
-    reasons += _warnings(diff.se, threshold, verdict, long_texts)
+    reasons += longctx_notes + _warnings(diff.se, threshold, verdict, long_texts, cfg.confidence)
 
     t = time.perf_counter()
     lm = _lm_metrics(cfg, models, prompts, refs)
@@ -567,7 +615,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = GateConfig(**vars(args))
         result = run_gate(cfg)
-    except (GateInputError, ConfigError, ScorerMissingError) as err:
+    except (GateInputError, ConfigError, ScorerMissingError, LongCtxError) as err:
         # The gate owns exit codes 0-2, so other libraries' user errors (ConfigError.exit_code = 2) map to 3.
         code = err.exit_code if isinstance(err, GateInputError) else 4 if isinstance(err, ScorerMissingError) else 3
         print(f"error: {err}", file=sys.stderr)

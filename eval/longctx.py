@@ -59,6 +59,9 @@ INTRO = ("There is an important piece of information hidden inside a lot of irre
 FILLER = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.")
 DOORS = ("red", "blue", "green", "white", "black", "yellow", "orange", "purple")
 MULTI_NEEDLES = 4
+# Needle depths that test retrieval: at depth 0 a needle lies among a hybrid model's sink tokens and at depth 1
+# inside its local window, where a model that attends to nothing else still finds it.
+INTERIOR_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 
 
 class LongCtxError(ValueError):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import random
 import sys
 import warnings
 from dataclasses import dataclass
@@ -59,7 +60,7 @@ from distill.training import (
     train_step,
     warmup_cosine,
 )
-from eval.longctx import plot_heatmap, run_longctx
+from eval.longctx import INTERIOR_DEPTHS, LongCtxError, build_sample, plot_heatmap, run_longctx
 
 logger = get_logger(__name__)
 
@@ -142,7 +143,7 @@ class RetrofitConfig:
                                        "(eval.longctx) of the final model and the dense one at these lengths; "
                                        "[] skips it")
     longctx_trials: int = field(3, ge=1, help="pass-key samples per length × depth cell at the end of the run")
-    longctx_depths: list[float] = field(default_factory=lambda: [0.1, 0.3, 0.5, 0.7, 0.9], ge=0, le=1,
+    longctx_depths: list[float] = field(default_factory=lambda: list(INTERIOR_DEPTHS), ge=0, le=1,
                                         help="needle depths of that check: interior ones, since a needle at 0 "
                                         "sits in the sink tokens and one at 1 in the window, where every head "
                                         "sees it (and this demo model echoes \"the pass key\" at depth 1 even dense)")
@@ -339,6 +340,7 @@ def training_function(cfg: RetrofitConfig, accelerator: Accelerator) -> dict:
 
     # ---- models -------------------------------------------------------------------------
     model, teacher, tokenizer = load_models(cfg)
+    check_longctx(cfg, model, tokenizer)
     make_hybrid(cfg, model, spec)
     model.config.use_cache = False
     peft_model = add_adapters(model, cfg)
@@ -511,6 +513,22 @@ def measure_and_summarize(cfg: RetrofitConfig, accelerator: Accelerator, run: Ru
         "final_dir": str(Path(cfg.output_dir) / "final"),
         "environment": state.environment,  # versions, commit, device: what makes the run reproducible
     }
+
+
+def check_longctx(cfg: RetrofitConfig, model: torch.nn.Module, tokenizer) -> None:
+    """The retrieval check's lengths, before training: within the model's positions and long enough for a
+    pass-key prompt (it runs last, and would otherwise fail after the training it was meant to judge)."""
+    if not cfg.longctx_lengths:
+        return
+    limit = model.config.max_position_embeddings
+    if max(cfg.longctx_lengths) > limit:
+        raise ConfigError(f"longctx_lengths up to {max(cfg.longctx_lengths)} exceed the model's maximum of {limit} "
+                          "positions; lower them")
+    for n in cfg.longctx_lengths:
+        try:
+            build_sample(tokenizer, "passkey", n, 0.5, random.Random(0))
+        except LongCtxError as err:
+            raise ConfigError(f"longctx_lengths: {err}") from None
 
 
 def retrieval_check(cfg: RetrofitConfig, merged, teacher, tokenizer) -> dict:

@@ -62,5 +62,6 @@ def test_rescale_baseline_pairs_unrelated_texts(scorer):
     b1 = build_rescale_baseline(scorer, CANDS + REFS, pairs=40, seed=0)
     b2 = build_rescale_baseline(scorer, CANDS + REFS, pairs=40, seed=0)
     assert b1 == b2 and all(0 < v < 1 for v in b1)  # never pairs a text with itself (that would be 1.0)
-    with pytest.raises(ValueError):
-        build_rescale_baseline(scorer, ["only one"])
+    for texts in (["only one"], ["the same text", " the same text ", "the same text"]):
+        with pytest.raises(ValueError, match="two distinct texts"):
+            build_rescale_baseline(scorer, texts)

@@ -263,11 +263,73 @@ def test_longctx_check_fails_a_candidate_that_lost_retrieval(env, monkeypatch, c
         return {"accuracy": {"passkey": {str(n): acc for n in lengths}}}
 
     monkeypatch.setattr(gate, "run_longctx", fake_run)
-    cfg = _cfg(env, f"longctx-{verdict}", candidate=str(env["orig"]), skip_lm_metrics=True, longctx="128,256")
+    cfg = _cfg(env, f"longctx-{verdict}", candidate=str(env["orig"]), skip_lm_metrics=True, longctx="256,512")
     res = run_gate(cfg, scorer=env["scorer"])
     assert res.verdict == verdict and seen["calls"] == 2
     report = res.report["longctx"]
-    assert report["candidate"]["accuracy"] == {"128": cand_acc, "256": cand_acc}
+    assert report["candidate"]["accuracy"] == {"256": cand_acc, "512": cand_acc}
     assert report["candidate"]["attention"] == report["baseline"]["attention"] == "dense"
     if verdict == "fail":
-        assert any("long-context retrieval at 128" in r for r in res.report["reasons"])
+        assert any("long-context retrieval at 256" in r for r in res.report["reasons"])
+
+
+def test_longctx_samples_interior_depths_and_notes_lengths_the_baseline_cannot_pass(env, monkeypatch):
+    """Needles at interior depths only (at 0 and 1 a streaming model finds them anyway); a length where the
+    baseline finds no key cannot fail the candidate, and the report says so instead of passing it silently."""
+    import eval.gate as gate
+    from eval.longctx import INTERIOR_DEPTHS
+
+    depths = []
+
+    def fake_run(model, tok, *, lengths, **kw):
+        depths.append(kw["depths"])
+        return {"accuracy": {"passkey": {"256": 0.0, "512": 0.0 if len(depths) == 1 else 0.5}}}
+
+    monkeypatch.setattr(gate, "run_longctx", fake_run)
+    cfg = _cfg(env, "longctx-zero", candidate=str(env["orig"]), skip_lm_metrics=True, longctx="256,512")
+    res = run_gate(cfg, scorer=env["scorer"])
+    assert depths == [list(INTERIOR_DEPTHS)] * 2 and 0 not in depths[0] and 1 not in depths[0]
+    assert res.report["longctx"]["depths"] == list(INTERIOR_DEPTHS)
+    notes = [r for r in res.report["reasons"] if "does not tell the models apart" in r]
+    assert len(notes) == 1 and "at 256" in notes[0]  # 512: the baseline finds half, the candidate none
+    assert res.verdict == "fail" and any("long-context retrieval at 512: candidate 0.00" in r
+                                         for r in res.report["reasons"])
+
+
+@pytest.mark.parametrize("longctx, says", [("128", "too short for a passkey prompt; use lengths >= "),
+                                           ("256,1024", "exceeds the candidate's max_position_embeddings=512")])
+def test_longctx_lengths_the_models_cannot_run_exit_3_before_any_generation(env, longctx, says, capsys):
+    out = env["root"] / f"bad-longctx-{longctx}"
+    code = main(["--candidate", str(env["orig"]), "--baseline", str(env["orig"]), "--prompts", str(env["prompts"]),
+                 "--out", str(out), "--longctx", longctx])
+    err = capsys.readouterr().err
+    assert code == 3 and says in err and err.count("\n") == 1
+    assert not out.exists()  # nothing generated, nothing written
+
+
+@pytest.mark.parametrize("text", ["just one line\n", "a copy\n\n a copy \na copy\n"])
+def test_rescale_text_without_two_distinct_lines_exits_3_before_any_generation(env, text, capsys):
+    path = env["root"] / "rescale.txt"
+    path.write_text(text)
+    out = env["root"] / "bad-rescale"
+    code = main(["--candidate", str(env["orig"]), "--baseline", str(env["orig"]), "--prompts", str(env["prompts"]),
+                 "--out", str(out), "--rescale", str(path)])
+    err = capsys.readouterr().err
+    assert code == 3 and "distinct non-empty line(s); a baseline needs at least two" in err
+    assert not out.exists()
+
+
+def test_lm_metric_intervals_and_the_small_set_warning_follow_the_confidence_level(env):
+    """--confidence sets every interval the report shows, not only BERTScore's."""
+    from eval.gate import _interval_dict, _warnings
+    from eval.metrics import LMStats
+
+    g = torch.Generator().manual_seed(0)
+    stats = [LMStats(nll_sum=float(v), tokens=100) for v in 300 + 40 * torch.randn(40, generator=g)]
+    widths = {}
+    for conf in (0.8, 0.95):
+        iv = _interval_dict(stats, "loss", _cfg(env, "conf", candidate=str(env["orig"]), confidence=conf))
+        widths[conf] = iv["high"] - iv["low"]
+    assert widths[0.8] < 0.75 * widths[0.95]  # z 1.28 against 1.96: about 0.65 of the width
+    se, threshold = 0.01, 0.015  # 1.28·SE below the threshold, 1.96·SE above it
+    assert _warnings(se, threshold, "pass", [], 0.95) and not _warnings(se, threshold, "pass", [], 0.8)

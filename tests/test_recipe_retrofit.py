@@ -153,10 +153,26 @@ def test_bad_input_exits_2_with_one_line(tmp_path, args, needle):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("args, needle", [
+    (["longctx_lengths=[100]"], "longctx_lengths: length 100 is too short for a passkey prompt; use lengths >="),
+    (["longctx_lengths=[256, 100000]"], "longctx_lengths up to 100000 exceed the model's maximum"),
+])
+def test_retrieval_lengths_the_model_cannot_run_stop_the_run_before_training(tmp_path, args, needle):
+    """The retrieval check runs last: its lengths are checked once the models are loaded, before any step."""
+    proc = run([*TINY, f"output_dir={tmp_path / 'o'}", *args], check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1].startswith("error:") and needle in lines[-1], lines[-1]
+    assert "Traceback" not in proc.stderr
+    assert not [p.name for p in (tmp_path / "o").glob("*") if p.name.startswith(("final", "step-", "summary"))]
+
+
 @pytest.mark.parametrize("argv, match", [
     (["window=-3"], "window must be > 0"),
     (["sink_tokens=-1"], "sink_tokens must be >= 0"),
-    (["window_policy=[[64, 8], [32, 16]]"], "bounds must increase"),
+    (["window_policy=[[64, 8], [32, 16]]"], "bounds must strictly increase"),
+    (["window_policy=[[64, 8], [64, 16], [null, 32]]"], r"bounds must strictly increase.*got \[64, 64, None\]"),
+    (["window_policy=[[64, 8.5]]"], "integers with windows > 0"),
     (["window_policy=[8, 16]"], "pairs"),
     (["lora_r=0"], "lora_r must be >= 1"),
     (["eval_seq_lens=[1]"], "eval_seq_lens"),
