@@ -74,8 +74,8 @@ class ChatUser(HttpUser):
     def _chat(self, cls: str) -> None:
         content, max_tokens = make_prompt(self.rng, cls)
         body = {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": content}],
-                "max_tokens": max_tokens, "stream": True, "temperature": 0.7,
-                "seed": self.rng.randrange(2**31)}
+                "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True},
+                "temperature": 0.7, "seed": self.rng.randrange(2**31)}
         entry = {"class": cls, "words": len(content.split()), "max_tokens": max_tokens, "start": time.time()}
         events_hook = self.environment.events.request
 
@@ -109,7 +109,9 @@ class ChatUser(HttpUser):
                             break
                         now = time.perf_counter()
                         rid = rid or chunk.get("id")
-                        if chunk["choices"][0]["finish_reason"] is None:
+                        if not chunk["choices"]:  # stream_options.include_usage: the last chunk before [DONE]
+                            usage = chunk.get("usage")
+                        elif chunk["choices"][0]["finish_reason"] is None:
                             events += 1
                             if ttft is None:
                                 ttft = now - t0
@@ -118,8 +120,6 @@ class ChatUser(HttpUser):
                                 gaps.append(now - last)
                                 fire("ITL", cls, gaps[-1])
                             last = now
-                        else:
-                            usage = chunk.get("usage")
                 if error is None and not done:
                     error = "stream ended without [DONE]"
                 elif error is None and (usage is None or usage["completion_tokens"] != events):

@@ -51,12 +51,12 @@ async def client_loop(url: str, body: dict, deadline: float, stats: dict) -> Non
                             done = True
                             break
                         chunk = json.loads(data)
-                        if chunk["choices"][0]["finish_reason"] is None:
+                        if not chunk["choices"]:  # stream_options.include_usage: the last chunk before [DONE]
+                            usage = chunk["usage"]
+                        elif chunk["choices"][0]["finish_reason"] is None:
                             token_events += 1
                             if ttft is None:
                                 ttft = time.perf_counter() - t0
-                        else:
-                            usage = chunk["usage"]
             except Exception:  # a broken connection counts as an error, the run goes on
                 stats["errors"] += 1
                 continue
@@ -98,7 +98,7 @@ def main() -> None:
         path = save_tiny(tempfile.mkdtemp(prefix="serve-load-"), arch="llama", layers=4, hidden=128)
     engine = Engine(path, max_batch=args.max_batch, max_seq_len=1024)
     body = {"prompt": "the quick brown fox jumps over the lazy dog", "max_tokens": args.max_tokens,
-            "temperature": 0.8, "stream": True, "ignore_eos": True}
+            "temperature": 0.8, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
     stats = {"requests": 0, "errors": 0, "tokens": 0, "integrity_failures": 0, "ttft": []}
     with ServerThread(create_app(engine, max_queue=max(args.clients, 1))) as srv:
         t0 = time.perf_counter()

@@ -165,7 +165,10 @@ def export(cfg: ExportConfig) -> ExportResult:
 
     # 1. What are we exporting? Refuse a bad target (or gate teacher) before the (slow) load.
     src = ex.resolve_source(cfg.source, cfg.checkpoint)
-    ex.check_target(out, cfg.overwrite, src.path, cfg.base)
+    # The base an adapter records is usually a local model dir too: overwrite must not delete it.
+    base = ex.lora_base(src, cfg.base)
+    local_base = base if base and Path(base).expanduser().is_dir() else None
+    ex.check_target(out, cfg.overwrite, src.path, cfg.base, local_base)
     records = ex.read_run_records(src)
     teacher = gate_teacher(cfg, records) if cfg.quantize != "none" and cfg.quant_gate else None
     print(f"loading {src.describe()}", flush=True)

@@ -95,6 +95,26 @@ class Request:
         return Completion(self.text.text, list(self.out_ids), self.finish_reason or "", len(self.prompt_ids))
 
 
+def device_problem(device: str | None) -> str | None:
+    """What is wrong with a ``--device`` flag, as a sentence naming the fix; None when this machine can run it."""
+    if device is None:
+        return None
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        return f"--device {device!r} is not a torch device; use cpu or cuda (cuda:N for one GPU), or leave it out"
+    if dev.type == "cpu":
+        return None
+    backend = getattr(torch, dev.type, None)  # torch.cuda, torch.mps, torch.xpu, ...
+    if not callable(getattr(backend, "is_available", None)) or not backend.is_available():
+        return (f"--device {device}: this torch ({torch.__version__}) has no {dev.type} device here; use --device cpu "
+                "or leave it out")
+    count = backend.device_count() if callable(getattr(backend, "device_count", None)) else 1
+    if dev.index is not None and dev.index >= count:
+        return f"--device {device}: there are {count} {dev.type} device(s) here, numbered from 0; pick one of them"
+    return None
+
+
 def _placement(model, device, dtype) -> tuple[torch.device, torch.dtype]:
     """Where and in what dtype an engine runs: as asked; else a live ``model`` where it is, in its dtype (``.to``
     works in place, so moving it would change the caller's model too); else CUDA + bf16 when available, CPU + fp32."""

@@ -363,6 +363,13 @@ def _load_weights(src: Source, dtype: torch.dtype | None) -> tuple[Any, torch.dt
     return model.eval(), source_dtype
 
 
+def lora_base(src: Source, base: str | None = None) -> str | None:
+    """The base a LoRA ``src`` merges into: ``base``, else the adapter's ``base_model_name_or_path``."""
+    if src.kind != "lora":
+        return None
+    return base or _read_json(src.path / "adapter_config.json").get("base_model_name_or_path")
+
+
 def load_student(src: Source, dtype: torch.dtype | None = torch.float32, base: str | None = None) -> LoadedStudent:
     """The bare student of ``src`` in ``dtype`` (None keeps the source's), LoRA merged, tokenizer attached.
 
@@ -374,8 +381,7 @@ def load_student(src: Source, dtype: torch.dtype | None = torch.float32, base: s
         tok_dirs = [src.config_dir] + ([src.run_dir / "final"] if src.run_dir else [])
         return LoadedStudent(model, _load_tokenizer(*tok_dirs), src, source_dtype, _hybrid_spec(src.config_dir))
 
-    adapter = _read_json(src.path / "adapter_config.json")
-    base_path = base or adapter.get("base_model_name_or_path")
+    base_path = lora_base(src, base)
     if not base_path:
         raise SourceError(f"adapter {src.path} does not name its base model; pass base=PATH")
     if not Path(base_path).expanduser().is_dir():

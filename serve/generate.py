@@ -34,6 +34,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from serve.engine import device_problem
+
+    problem = device_problem(args.device)
+    if problem:  # before loading anything: a bad flag costs no model load
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     try:
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                 top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))

@@ -4,8 +4,9 @@
         [--api-key KEY] [--served-model-name NAME] [--max-body-bytes N] [--request-timeout S]
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``"stream": true`` gives server-sent
-events: one event per generated token, a final event with ``finish_reason`` and ``usage``, then
-``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text).
+events: one event per generated token, a final event with ``finish_reason``, with ``"stream_options":
+{"include_usage": true}`` one more with ``"choices": []`` and ``usage``, then ``data: [DONE]``),
+``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text).
 
 Why Starlette + uvicorn: the whole server is a handful of routes and one streaming response, so a thin
 ASGI toolkit is enough; Starlette is the maintained core FastAPI itself is built on, its
@@ -58,7 +59,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from serve.engine import Engine, Request
+from serve.engine import Engine, Request, device_problem
 from serve.heap import tune_heap
 from serve.metrics import Metrics, RequestLog, StepLog
 from serve.sampling import MIN_TEMPERATURE, MIN_TOP_P, SamplingParams
@@ -435,14 +436,27 @@ class OpenAIRoutes:
         if name is not None and name != self.model_name:
             raise APIError(404, f"model '{name[:100]}' is not served here; this server serves '{self.model_name}' "
                            "(GET /v1/models)", param="model", code="model_not_found")
-        if body.get("stream_options") is not None and not isinstance(body["stream_options"], dict):
-            raise BadRequest("'stream_options' must be an object", "stream_options", "invalid_type")
+        options = body.get("stream_options")
+        if options is not None:
+            if not isinstance(options, dict):
+                raise BadRequest("'stream_options' must be an object", "stream_options", "invalid_type")
+            if not body.get("stream"):  # as OpenAI: options for a stream that will not be sent are a client bug
+                raise BadRequest("'stream_options' is only allowed with \"stream\": true; leave it out",
+                                 "stream_options")
+            include = options.get("include_usage")
+            if include is not None and not isinstance(include, bool):
+                raise BadRequest(f"'stream_options.include_usage' must be a boolean, got {_type_name(include)}",
+                                 "stream_options.include_usage", "invalid_type")
         _check_unsupported(body)
 
     async def tokenize(self, body: dict[str, Any], chat: bool) -> list[int]:
         loop = asyncio.get_running_loop()
         if chat:
             messages = _chat_messages(body)
+            # A base model's tokenizer: transformers would raise a plain ValueError, answered 500.
+            if not getattr(self.engine.tokenizer, "chat_template", None):
+                raise BadRequest("this model's tokenizer has no chat template, so it cannot take chat messages; "
+                                 "send a plain prompt to /v1/completions", "messages", "unsupported")
             try:
                 return await loop.run_in_executor(self.tokenize_pool, self.engine.encode, messages, True)
             except Exception as e:
@@ -481,7 +495,9 @@ class OpenAIRoutes:
         except ClientDisconnect:
             return Response(status_code=499)
         reply = _Reply(self, req, queue, len(prompt_ids), chat, deadline, received)
-        return reply.stream() if body.get("stream") else await reply.complete(request)
+        if not body.get("stream"):
+            return await reply.complete(request)
+        return reply.stream(include_usage=bool((body.get("stream_options") or {}).get("include_usage")))
 
     # ---- small routes ------------------------------------------------------------------------------
     async def completions(self, request: HTTPRequest) -> Response:
@@ -562,7 +578,13 @@ class _Reply:
             self.api.aengine.metrics.inc("request_errors_total")
             return None
 
-    def stream(self) -> StreamingResponse:
+    def stream(self, include_usage: bool = False) -> StreamingResponse:
+        """Server-sent events: one chunk per token, the finish chunk, then ``[DONE]``. ``include_usage`` (OpenAI's
+        ``stream_options``): every chunk has ``"usage": null`` and one more, ``"choices": []`` with the usage,
+        comes before ``[DONE]``."""
+        head = {"id": self.rid, "object": self.obj + (".chunk" if self.chat else ""), "created": self.created,
+                "model": self.api.model_name}
+
         async def events():
             first = True
             try:
@@ -573,13 +595,14 @@ class _Reply:
                         yield "data: [DONE]\n\n"
                         return
                     delta, _token, finish = event
-                    chunk = {"id": self.rid, "object": self.obj + (".chunk" if self.chat else ""),
-                             "created": self.created, "model": self.api.model_name,
-                             "choices": [self.choice(delta, finish, first)]}
+                    chunk = {**head, "choices": [self.choice(delta, finish, first)]}
+                    if include_usage:
+                        chunk["usage"] = None
                     first = False
                     if finish is not None:
-                        chunk["usage"] = self.usage()
                         yield f"data: {json.dumps(chunk)}\n\n"
+                        if include_usage:
+                            yield f"data: {json.dumps({**head, 'choices': [], 'usage': self.usage()})}\n\n"
                         yield "data: [DONE]\n\n"
                         return
                     if self.first_sent is None:
@@ -727,7 +750,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (>= 1)")
     p.add_argument("--max-queue", type=int, default=32, help="requests waiting beyond the batch before 503")
     p.add_argument("--max-seq-len", type=int, default=None, help="context limit (default: the model's)")
-    p.add_argument("--device", default=None)
+    p.add_argument("--device", default=None, help="cpu / cuda / cuda:N (default: cuda when available)")
     p.add_argument("--served-model-name", "--name", dest="served_model_name", default=None,
                    help="model name in responses and /v1/models (default: the model directory's name)")
     p.add_argument("--api-key", default=None,
@@ -810,7 +833,7 @@ def check_flags(args: argparse.Namespace) -> str | None:
         return f"--overtake-tokens must be >= 0 prompt tokens (0: off), got {args.overtake_tokens}"
     if not (math.isfinite(args.prefill_step_ms) and args.prefill_step_ms >= 0):
         return f"--prefill-step-ms must be >= 0 (0: a fixed --prefill-budget), got {args.prefill_step_ms}"
-    return None
+    return device_problem(args.device)
 
 
 def main(argv: list[str] | None = None) -> int:

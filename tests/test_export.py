@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -206,6 +207,22 @@ def test_lora_adapter_is_merged(tmp_path: Path) -> None:
         run_export(adapter, tmp_path / "x")
     run_export(adapter, tmp_path / "merged2", base=str(moved))
     torch.testing.assert_close(logits(load(tmp_path / "merged2")), ref, atol=1e-5, rtol=0)
+
+
+def test_overwrite_never_replaces_the_base_an_adapter_records(tmp_path: Path) -> None:
+    """The usual LoRA export names no base=: the adapter's base_model_name_or_path is protected all the same."""
+    from peft import LoraConfig, get_peft_model
+
+    base_dir = save_tiny(tmp_path / "base")
+    get_peft_model(load(base_dir), LoraConfig(r=4, target_modules=["q_proj"])).save_pretrained(tmp_path / "adapter")
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] \
+        == str(base_dir)
+    (base_dir / "notes.txt").write_text("mine")
+    weights = (base_dir / "model.safetensors").read_bytes()
+    with pytest.raises(ConfigError, match=re.escape(f"contains the source {base_dir.resolve()}; choose another output_dir")):
+        run_export(tmp_path / "adapter", base_dir, overwrite=True)
+    assert (base_dir / "notes.txt").read_text() == "mine"
+    assert (base_dir / "model.safetensors").read_bytes() == weights
 
 
 def test_hybrid_spec_preserved_and_plain_load_works(tmp_path: Path) -> None:

@@ -98,6 +98,11 @@ def test_quant_gate_passes_the_quantized_model_against_itself_unquantized(tmp_pa
     gate = json.loads((out / "quantization_gate.json").read_text())
     mode = "drift" if teacher == "none" else "teacher"
     assert gate["mode"] == mode
+    assert gate["verdict"] == "pass", gate.get("reasons")
+    # drift or drop = -(F1(quantized) - F1(unquantized)): its 95 % upper bound is what passed, and its mean is
+    # within the shipped default (quant_max_drift 0.10), not only within this test's loose thresholds.
+    diff = gate["bertscore"]["difference"]
+    assert -diff["low"] < gate["threshold"]["value"] and -diff["mean"] < 0.10, diff
     assert ("teacher mode: both models' outputs scored" in card) == (mode == "teacher")
     assert gate["threshold"] == ({"name": "max_drift", "value": 0.4} if mode == "drift" else
                                  {"name": "max_drop", "value": 0.5})

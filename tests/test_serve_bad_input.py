@@ -15,6 +15,7 @@ import time
 
 import httpx
 import pytest
+import torch
 
 from core.tiny import save_tiny
 from serve.engine import Engine
@@ -225,6 +226,19 @@ def test_content_parts_equal_plain_content(client):
     assert parts.json()["model"] == "tiny"
 
 
+def test_chat_without_a_chat_template_gets_400_naming_completions(model_dir):
+    engine = Engine(model_dir, max_batch=1, max_seq_len=64)
+    engine.tokenizer.chat_template = None  # a base model's tokenizer
+    with ServerThread(create_app(engine, model_name="tiny")) as srv, httpx.Client(base_url=srv.url, timeout=60) as c:
+        for stream in (False, True):
+            r = c.post(CHAT, json={"messages": MSG, "max_tokens": 2, "stream": stream})
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", "messages", "unsupported")
+            assert "no chat template" in err["message"] and "/v1/completions" in err["message"]
+        assert c.post(C, json=OK).status_code == 200  # the way the error names
+
+
 def test_a_body_that_never_finishes_gets_408_and_is_closed(server):
     with socket.create_connection((server.host, server.port), timeout=10) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -387,3 +401,17 @@ def test_bad_server_flags_fail_before_loading_the_model(capsys, tmp_path, flags,
     assert main(["--model", str(tmp_path / "missing"), *flags]) == 2
     err = capsys.readouterr().err
     assert fragment in err and err.count("\n") == 1 and err.startswith("error: ")
+
+
+@pytest.mark.parametrize("entry", ["server", "generate"])
+@pytest.mark.parametrize("device, fragment", [("gpu", "--device 'gpu' is not a torch device; use cpu or cuda"),
+                                              ("cuda", "--device cuda: this torch"), ("cuda:0", "no cuda device here")])
+def test_a_device_this_machine_lacks_fails_before_loading_the_model(capsys, monkeypatch, tmp_path, entry, device,
+                                                                     fragment):
+    from serve import generate
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU-only torch, whatever this machine has
+    argv = ["--model", str(tmp_path / "missing"), "--device", device]
+    assert (main(argv) if entry == "server" else generate.main([*argv, "--prompt", "x"])) == 2
+    err = capsys.readouterr().err
+    assert fragment in err and err.count("\n") == 1 and err.startswith("error: --device")

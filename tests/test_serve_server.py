@@ -55,17 +55,42 @@ def test_health_and_models(client):
 def test_streaming_matches_non_streaming_and_counts_tokens(client):
     body = {"prompt": "the quick brown", "max_tokens": 24, "temperature": 0}
     full = client.post("/v1/completions", json=body).json()
-    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True,
+                                                        "stream_options": {"include_usage": True}}) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = sse_events(r.iter_lines())
     assert events[-1] == "[DONE]"
-    chunks = events[:-1]
+    # As OpenAI's include_usage: every chunk has "usage": null, then one with no choices carries the usage.
+    *chunks, usage_chunk = events[:-1]
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"] == full["usage"]
+    assert usage_chunk["id"] == chunks[0]["id"] and all(c["usage"] is None for c in chunks)
     token_events = [c for c in chunks if c["choices"][0]["finish_reason"] is None]
     final = chunks[-1]
-    assert len(token_events) == final["usage"]["completion_tokens"] == full["usage"]["completion_tokens"]
+    assert len(token_events) == usage_chunk["usage"]["completion_tokens"] == full["usage"]["completion_tokens"]
     assert len(chunks) == len(token_events) + 1
     assert "".join(c["choices"][0]["text"] for c in chunks) == full["choices"][0]["text"]
     assert final["choices"][0]["finish_reason"] == full["choices"][0]["finish_reason"]
+
+
+@pytest.mark.parametrize("options", [None, {}, {"include_usage": False}])
+def test_a_stream_carries_no_usage_unless_asked(client, options):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0, "stream": True,
+            **({} if options is None else {"stream_options": options})}
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        events = sse_events(r.iter_lines())
+    assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] is not None
+    assert all("usage" not in c and len(c["choices"]) == 1 for c in events[:-1])
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"prompt": "hi", "stream_options": {"include_usage": True}}, "only allowed with \"stream\": true"),
+    ({"prompt": "hi", "stream": True, "stream_options": {"include_usage": "yes"}},
+     "'stream_options.include_usage' must be a boolean"),
+    ({"prompt": "hi", "stream": True, "stream_options": [1]}, "'stream_options' must be an object"),
+])
+def test_bad_stream_options_get_400(client, body, message):
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 400 and message in r.json()["error"]["message"]
 
 
 def test_chat_completion_and_stream(client):
@@ -164,11 +189,14 @@ def test_request_log_says_where_each_request_spent_its_time(tmp_path):
     times are ordered: tokenized <= prefill start <= first token <= first event sent <= done."""
     path = save_tiny(tmp_path / "tiny", arch="llama")
     log = tmp_path / "requests.jsonl"
-    engine = Engine(path, max_batch=2, max_seq_len=128)
+    block = 4  # prefix-cache block: the 10-token prompt below spans two whole ones and a token
+    engine = Engine(path, max_batch=2, max_seq_len=128, prefix_block=block)
     with ServerThread(create_app(engine, model_name="tiny", request_log=str(log))) as srv, \
             httpx.Client(base_url=srv.url, timeout=60) as c:
-        body = {"prompt": "the quick brown", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
-        with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        body = {"prompt": "the quick brown fox jumps over the lazy dog", "max_tokens": 6, "temperature": 0,
+                "ignore_eos": True}
+        with c.stream("POST", "/v1/completions", json={**body, "stream": True,
+                                                       "stream_options": {"include_usage": True}}) as r:
             events = sse_events(r.iter_lines())
         plain = c.post("/v1/completions", json={**body, "max_tokens": 3}).json()
         c.post("/v1/completions", json={**body, "max_tokens": 0})  # a 400: never reached the engine, no line
@@ -181,9 +209,9 @@ def test_request_log_says_where_each_request_spent_its_time(tmp_path):
     assert all(streamed[k] is not None for k in order)
     assert 0 <= streamed["tokenized_ms"] and all(streamed[a] <= streamed[b] for a, b in zip(order, order[1:]))
     assert whole["first_sent_ms"] is None and whole["first_token_ms"] <= whole["done_ms"]
-    # The second request shares the first's prompt: the prefix cache restored whole blocks of it, or none
-    # when the prompt is shorter than one block (tiny prompt here) — never more than the prompt.
-    assert 0 <= whole["cached_tokens"] < whole["prompt_tokens"]
+    # The second request repeats the first's prompt: the prefix cache restored its whole blocks, leaving the
+    # last token to prefill (its logits give the first new token).
+    assert whole["prompt_tokens"] == 10 and streamed["cached_tokens"] == 0 and whole["cached_tokens"] == 2 * block
 
 
 def test_step_log_accounts_for_every_forward_of_a_request(tmp_path):
