@@ -11,6 +11,7 @@ recipe config) and ``trainer_state.json`` (step, loss history, initial metrics).
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -90,11 +91,20 @@ def finalize(output_dir: str | Path, step: int, state: dict[str, Any], keep_last
 
 
 def clean_partial(output_dir: str | Path) -> None:
-    """Remove temporary folders left by a killed run (never a complete ``step-N`` checkpoint)."""
+    """Remove temporary folders left by a killed run (never a complete ``step-N`` checkpoint).
+
+    A run killed between :func:`core.fsio.replace_dir`'s two renames left a complete ``step-N`` only under
+    its aside name ``.old-step-N-<hex>``: that one is renamed back, not removed.
+    """
     root = checkpoint_root(output_dir)
-    if root.is_dir():
-        for p in [*root.glob(".tmp-step-*"), *root.glob(".old-step-*")]:
-            shutil.rmtree(p, ignore_errors=True)
+    if not root.is_dir():
+        return
+    for old in sorted(root.glob(".old-step-*")):
+        target = root / old.name[len(".old-"):].rsplit("-", 1)[0]
+        if not target.exists() and (old / COMPLETE).is_file():
+            os.replace(old, target)
+    for p in [*root.glob(".tmp-step-*"), *root.glob(".old-step-*")]:
+        shutil.rmtree(p, ignore_errors=True)
 
 
 def read_state(path: Path) -> dict[str, Any]:

@@ -11,7 +11,10 @@ and then checks only the rules that relate several fields.
   purpose: configs are flat so that every key is visible in one place);
 * an unknown key, in YAML or on the command line, is an error that lists the close matches;
 * values are parsed as YAML scalars/lists (``hidden_layers=[15:20]``, ``lr=3e-4``, ``gate=true``)
-  and then coerced to the field's declared type, then range-checked.
+  and then coerced to the field's declared type, then range-checked; a text field's ``key=value``
+  keeps the text as typed, and in a YAML file a text field that YAML reads as a number or a boolean
+  (``output_dir: 007``, ``mixed_precision: no``) is an error that says to quote it;
+* a YAML file that sets a key twice is an error (YAML itself keeps the last).
 
 Resuming compares the new config with the one saved in the checkpoint (:func:`check_resume_config`):
 only the keys a recipe lists as safe (cadence, logging, where outputs go) may change.
@@ -52,6 +55,23 @@ _Loader.add_implicit_resolver(
     re.compile(r"^[-+]?(\.[0-9]+|[0-9][0-9_]*(\.[0-9_]*)?)([eE][-+]?[0-9]+)?$|^[-+]?\.(inf|Inf|INF)$|^\.(nan|NaN|NAN)$"),
     list("-+0123456789."),
 )
+
+
+class DuplicateKeyError(yaml.YAMLError):
+    """A mapping sets one key twice: YAML would keep the last silently."""
+
+
+def _mapping_without_duplicates(loader: _Loader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: set = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        if key in seen:
+            raise DuplicateKeyError(f"sets '{key}' twice (line {key_node.start_mark.line + 1}); keep one")
+        seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
 
 
 def yaml_load(text: str):
@@ -161,6 +181,9 @@ def _coerce(name: str, value: Any, tp: Any) -> Any:
         if optional or tp is Any:
             return None
         raise ConfigError(f"config key '{name}' cannot be empty; give it a value")
+    if tp is str and isinstance(value, (bool, int, float)):  # YAML read the text as a number or a boolean
+        raise ConfigError(f"config key '{name}' expects text, got {value!r} (YAML reads 007, 1e3, 0x10, no and on "
+                          "as numbers or booleans); quote the value")
     origin = typing.get_origin(tp)
     try:
         if tp is Any:
@@ -227,6 +250,8 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path} does not exist; pass an existing YAML with --config")
     try:
         data = yaml_load(path.read_text()) or {}
+    except DuplicateKeyError as err:
+        raise ConfigError(f"config file {path} {err}") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"config file {path} is not valid YAML ({err.__class__.__name__}); fix its syntax") from None
     if not isinstance(data, dict):
@@ -250,6 +275,7 @@ def build_config(cls: type[T], values: dict[str, Any], where: str = "config") ->
 def parse_config(cls: type[T], argv: list[str] | None = None, default_config: str | Path | None = None) -> T:
     """``[--config PATH] [key=value ...]`` → an instance of ``cls``."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    hints = typing.get_type_hints(cls)
     config_path: str | Path | None = default_config
     overrides: dict[str, Any] = {}
     i = 0
@@ -268,7 +294,10 @@ def parse_config(cls: type[T], argv: list[str] | None = None, default_config: st
             config_path = arg.split("=", 1)[1]
         elif "=" in arg and not arg.startswith("-"):
             key, value = arg.split("=", 1)
-            overrides[key.strip()] = _parse_scalar(value)
+            key = key.strip()
+            # A text field takes the text as typed: YAML would turn output_dir=007 into 7 and teacher=no into False.
+            text = key in hints and _unwrap_optional(hints[key])[0] is str
+            overrides[key] = value if text else _parse_scalar(value)
         else:
             raise ConfigError(f"cannot parse argument '{arg}'; use key=value or --config PATH")
         i += 1

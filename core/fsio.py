@@ -60,8 +60,10 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 def replace_dir(tmp: str | os.PathLike, target: str | os.PathLike) -> Path:
     """Move the finished folder ``tmp`` to ``target`` durably; an old ``target`` goes only afterwards.
 
-    The old folder is first renamed aside, so at every instant either the old or the new folder
-    exists under a name a reader trusts (the aside name starts with a dot, like every temp name).
+    The old folder is first renamed aside (``.old-<name>-<hex>``, a dot name like every temp name), then the
+    new one takes its name; if that second rename fails the old folder is put back. A process killed
+    between the two renames leaves the old folder only under the aside name: whoever cleans up after a
+    killed run must restore it (:func:`core.checkpoint.clean_partial` does), not delete it.
     """
     tmp, target = Path(tmp), Path(target)
     fsync_tree(tmp)
@@ -69,7 +71,12 @@ def replace_dir(tmp: str | os.PathLike, target: str | os.PathLike) -> Path:
     if target.exists():
         old = target.with_name(f".old-{target.name}-{uuid.uuid4().hex[:8]}")
         os.replace(target, old)
-    os.replace(tmp, target)
+    try:
+        os.replace(tmp, target)
+    except BaseException:
+        if old is not None and not target.exists():
+            os.replace(old, target)
+        raise
     fsync_dir(target.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)

@@ -55,6 +55,33 @@ def test_bad_input_is_one_line(argv, match):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("typed, want", [("output_dir=007", "007"), ("output_dir=1e3", "1e3"),
+                                         ("output_dir=0x10", "0x10"), ("teacher=no", "no"), ("teacher=true", "true")])
+def test_a_text_key_keeps_the_text_as_typed(typed, want):
+    key = typed.split("=")[0]
+    assert getattr(parse_config(DistillConfig, [typed]), key) == want
+    assert parse_config(DistillConfig, ["tokenizer=none"]).tokenizer is None  # optional text: none still unsets
+
+
+@pytest.mark.parametrize("line, got", [("output_dir: 007", "7"), ("output_dir: 1e3", "1000.0"),
+                                       ("mixed_precision: no", "False"), ("teacher: on", "True")])
+def test_a_text_key_yaml_reads_as_a_number_or_bool_must_be_quoted(tmp_path, line, got):
+    p = tmp_path / "c.yaml"
+    p.write_text(line + "\n")
+    with pytest.raises(ConfigError, match=f"expects text, got {got}.*quote the value") as err:
+        parse_config(DistillConfig, ["--config", str(p)])
+    assert "\n" not in str(err.value)
+    p.write_text(line.replace(": ", ": '") + "'\n")
+    assert getattr(parse_config(DistillConfig, ["--config", str(p)]), line.split(":")[0]) == line.split(": ")[1]
+
+
+def test_a_key_set_twice_in_yaml_is_refused(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("max_steps: 2\nlr: 1.0e-3\nlr: 0.5\n")
+    with pytest.raises(ConfigError, match=r"sets 'lr' twice \(line 3\); keep one"):
+        parse_config(DistillConfig, ["--config", str(p)])
+
+
 def test_unknown_key_in_yaml(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text("max_steps: 2\nlearning_rate: 1\n")
@@ -175,7 +202,9 @@ def _recipe_configs():
 
 
 def _numeric(tp) -> bool:
-    tp = typing.get_args(tp)[0] if typing.get_origin(tp) in (list, typing.Union, types.UnionType) else tp
+    """int / float, or a list or optional of them (``list[int] | None`` too)."""
+    while typing.get_origin(tp) in (list, typing.Union, types.UnionType):
+        tp = next(a for a in typing.get_args(tp) if a is not type(None))
     return tp in (int, float)
 
 
