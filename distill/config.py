@@ -168,6 +168,12 @@ class DistillConfig:
                                             cached_teacher=bool(self.teacher_cache),
                                             micro_batch_size=self.micro_batch_size)
 
+    def data_args(self) -> dict:
+        """The config's data keys for :func:`~distill.data.build_data`: the recipe and prune's calibration read the same data."""
+        return {"dataset": self.dataset, "datasets": self.datasets, "eval_dataset": self.eval_dataset,
+                "text_field": self.text_field, "max_train_blocks": self.max_train_blocks,
+                "completion_only": self.completion_only, "streaming": self.streaming, "data_cache": self.data_cache}
+
     def losses(self) -> LossConfig:
         return LossConfig(
             kd_weight=self.kd_weight, kd_kind=self.kd_kind, temperature=self.temperature, beta=self.beta,

@@ -30,6 +30,7 @@ the same choice (DDP ranks stay in step) and a resumed run makes the same choice
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import time
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from core.config import ConfigError
+from distill.data.text import SourceSpec, parse_sources
 from distill.distributed import gathered_replica, is_zero3
 from serve.engine import Engine
 from serve.sampling import SamplingParams
@@ -108,29 +110,40 @@ def prefix_prompts(blocks: torch.Tensor, prompt_tokens: int) -> list[list[int]]:
     return [row[:prompt_tokens].tolist() for row in blocks]
 
 
-def chat_prompts(dataset: str, tokenizer, prompt_tokens: int, max_records: int | None = None,
+def chat_prompts(dataset: str | list[SourceSpec], tokenizer, prompt_tokens: int, max_records: int | None = None,
                  seed: int = 0) -> list[list[int]]:
     """Each chat record's conversation up to its first user turn, rendered for generation.
 
-    Records longer than ``prompt_tokens`` are skipped (never truncated). A dataset of more than
-    ``max_records`` records contributes a seeded sample of that many (in dataset order), so start time
-    and memory stay bounded whatever its size. One-line error when the dataset has no chat records or
-    none fits.
+    ``dataset``: one source, or the run's sources (:func:`~distill.data.text.parse_sources` of its
+    ``datasets:`` mixture); sources without chat records are passed over. Records longer than
+    ``prompt_tokens`` are skipped (never truncated). A source of more than ``max_records`` records
+    contributes a seeded sample of that many (in dataset order; a streamed one, its first records), so
+    start time and memory stay bounded whatever its size. One-line error when no source has chat
+    records or none fits.
     """
     import numpy as np
 
     from distill.data.text import load_records
 
-    records = load_records(dataset, None)
-    if "messages" not in records.column_names:
-        raise OnPolicyError(f"{dataset} has no chat records ('messages'); use gen_prompts=prefix")
+    specs = [SourceSpec(dataset)] if isinstance(dataset, str) else list(dataset)
+    names = ", ".join(s.source for s in specs)
+    pools = []
+    for spec in specs:
+        records = load_records(spec.source, spec.split, streaming=spec.streaming)
+        if spec.streaming:
+            records = list(itertools.islice(records, max_records))
+        elif max_records is not None and len(records) > max_records:
+            pick = np.random.default_rng(seed).choice(len(records), size=max_records, replace=False)
+            records = records.select(np.sort(pick).tolist())
+        columns = set(records[0]) if isinstance(records, list) and records else set(records.column_names or ())
+        if "messages" in columns:
+            pools.append(records)
+    if not pools:
+        raise OnPolicyError(f"{names} has no chat records ('messages'); use gen_prompts=prefix")
     if getattr(tokenizer, "chat_template", None) is None:
         raise OnPolicyError("gen_prompts=chat needs a tokenizer with a chat template; use gen_prompts=prefix")
-    if max_records is not None and len(records) > max_records:
-        pick = np.random.default_rng(seed).choice(len(records), size=max_records, replace=False)
-        records = records.select(np.sort(pick).tolist())
     out, seen = [], 0
-    for r in records:
+    for r in itertools.chain.from_iterable(pools):
         msgs = r["messages"] or []
         first = next((i for i, m in enumerate(msgs) if m.get("role") == "user" and m.get("content")), None)
         if first is None:
@@ -142,7 +155,7 @@ def chat_prompts(dataset: str, tokenizer, prompt_tokens: int, max_records: int |
             out.append(list(ids))
     if not out:
         why = "no record has a user turn" if not seen else f"no user turn fits in gen_prompt_tokens={prompt_tokens}"
-        raise OnPolicyError(f"{dataset} has no usable prompts ({why}); raise gen_prompt_tokens or use gen_prompts=prefix")
+        raise OnPolicyError(f"{names} has no usable prompts ({why}); raise gen_prompt_tokens or use gen_prompts=prefix")
     return out
 
 
@@ -358,7 +371,8 @@ def build(cfg, accelerator, model, tokenizer) -> OnPolicy | None:
     if settings.prompt_tokens + settings.max_new_tokens > limit:
         raise OnPolicyError(f"gen_prompt_tokens + gen_max_new_tokens exceeds the student's context of {limit} "
                             "tokens; lower them")
-    pool = (chat_prompts(cfg.dataset, tokenizer, settings.prompt_tokens, cfg.gen_prompt_pool, cfg.seed)
+    sources = parse_sources(cfg.datasets, cfg.dataset, text_field=cfg.text_field, streaming=cfg.streaming)
+    pool = (chat_prompts(sources, tokenizer, settings.prompt_tokens, cfg.gen_prompt_pool, cfg.seed)
             if settings.prompts == "chat" else None)
     return OnPolicy(settings, model, unwrapped, tokenizer, cfg.micro_batch_size, accelerator.process_index, pool,
                     sharded=is_zero3(accelerator))

@@ -73,7 +73,7 @@ from attention.integration import SUPPORTED_MODEL_TYPES as SUPPORTED
 from core.config import ConfigError
 from core.models import load_causal_lm, load_tokenizer
 from distill.config import DistillConfig
-from distill.data import BlockOrder, build_data
+from distill.data import BlockOrder, build_data, parse_sources
 from distill.model import DistillModel, LossConfig
 from distill.student import KEPT_KEY, PRUNE_KEY
 from distill.training import warmup_cosine
@@ -802,8 +802,9 @@ def save_pruned(model: PreTrainedModel, tokenizer, out: Path, overwrite: bool = 
     if out.exists() and any(out.iterdir()):
         if not overwrite:
             raise PruneError(f"{out} is not empty; choose another --out or pass --overwrite")
-        if not (out / "config.json").is_file():
-            raise PruneError(f"{out} holds files but no model; refusing to replace it, choose another --out")
+        if not _written_by_prune(out):
+            raise PruneError(f"{out} holds files distill.prune did not write; refusing to replace it, choose "
+                             "another --out")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".tmp-{out.name}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -821,16 +822,32 @@ def save_pruned(model: PreTrainedModel, tokenizer, out: Path, overwrite: bool = 
         raise
 
 
+def _written_by_prune(folder: Path) -> bool:
+    """A model folder this module saved: its ``search.json``, or the pruning record in ``config.json``."""
+    if (folder / "search.json").is_file():
+        return True
+    try:
+        return "distill_pruning" in json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+
+
 # --------------------------------------------------------------------------------------------
 # Recipe entry point and CLI
 # --------------------------------------------------------------------------------------------
 
-def calibration_data(tokenizer, dataset: str, seq_len: int, calib_blocks: int, eval_blocks: int,
-                     train_blocks: int | None = None, text_field: str = "text"):
-    """``(calibration, held-out, distill)`` blocks from a dataset (the distill recipe's data rules)."""
-    data = build_data(tokenizer, dataset=dataset, seq_len=seq_len, eval_blocks=eval_blocks, text_field=text_field)
-    # Calibration and distillation both use training text; the held-out split only ranks.
-    calib = data.train[:calib_blocks]
+def calibration_data(tokenizer, dataset: str | None, seq_len: int, calib_blocks: int, eval_blocks: int,
+                     train_blocks: int | None = None, text_field: str = "text", **data_args: Any):
+    """``(calibration, held-out, distill)`` blocks from a dataset (the distill recipe's data rules).
+
+    ``data_args``: the rest of :func:`~distill.data.build_data`'s data keys (``datasets``, ``eval_dataset``,
+    ``data_cache``, ...; ``DistillConfig.data_args()``), so a recipe prunes on the data it trains on.
+    """
+    data = build_data(tokenizer, dataset=dataset, seq_len=seq_len, eval_blocks=eval_blocks, text_field=text_field,
+                      **data_args)
+    # Calibration and distillation both use training text; the held-out split only ranks. A mixture's blocks
+    # are its sources one after another: calibrate on a weighted draw, as the recipe's first step takes.
+    calib = data.train[:calib_blocks] if len(data.weights) == 1 else data.train[data.order(calib_blocks, 0).step_indices(0)]
     return calib, data.eval, data.train if train_blocks is None else data.train[:train_blocks]
 
 
@@ -851,15 +868,21 @@ def prune_for_recipe(teacher: PreTrainedModel, tokenizer, cfg: Any, log: Callabl
     if key in _recipe_memo:
         return copy.deepcopy(_recipe_memo[key])
     axes = parse_axes(cfg.prune_axes)
-    calib, held, train = calibration_data(tokenizer, cfg.dataset, cfg.seq_len, cfg.prune_calib_blocks,
-                                          cfg.prune_eval_blocks, text_field=cfg.text_field)
+    data_args = cfg.data_args()
+    specs = parse_sources(cfg.datasets, cfg.dataset, text_field=cfg.text_field, streaming=cfg.streaming)
+    if any(s.streaming for s in specs):  # the search indexes and slices blocks; a stream has no length
+        raise PruneError("student_init=prune calibrates on prepared blocks, and a streamed source has none: set "
+                         "streaming=false, or prune once with python -m distill.prune and pass student=DIR")
+    calib, held, train = calibration_data(tokenizer, seq_len=cfg.seq_len, calib_blocks=cfg.prune_calib_blocks,
+                                          eval_blocks=cfg.prune_eval_blocks, **data_args)
     ratio = cfg.target_ratio if cfg.target_params is not None or cfg.target_ratio is not None else DEFAULT_RATIO
     s = SearchSettings(target_params=cfg.target_params, target_ratio=ratio, axes=axes,
                        search_steps=cfg.prune_search_steps, top_k=cfg.prune_top_k, lr=cfg.lr,
                        max_candidates=getattr(cfg, "prune_max_candidates", 64),
                        block_score=getattr(cfg, "prune_block_score", "bi"),
                        batch_size=cfg.micro_batch_size, seed=cfg.seed,
-                       calibration={"dataset": cfg.dataset, "blocks": int(calib.shape[0]), "seq_len": cfg.seq_len})
+                       calibration={"dataset": ", ".join(s.source for s in specs), "blocks": int(calib.shape[0]),
+                                    "seq_len": cfg.seq_len})
     result = search(teacher, calib, held, train, s, log)
     log(format_table(result.table, result.winner))
     log(f"pruned student: {result.winner.arch.label()} ({result.winner.params:,} non-embedding, "
@@ -869,7 +892,8 @@ def prune_for_recipe(teacher: PreTrainedModel, tokenizer, cfg: Any, log: Callabl
     return result.model
 
 
-_RECIPE_KEYS = ("teacher", "dataset", "text_field", "seq_len", "target_params", "target_ratio", "prune_axes",
+_RECIPE_KEYS = ("teacher", "dataset", "datasets", "eval_dataset", "text_field", "max_train_blocks", "completion_only",
+                "streaming", "data_cache", "seq_len", "target_params", "target_ratio", "prune_axes",
                 "prune_search_steps", "prune_top_k", "prune_calib_blocks", "prune_eval_blocks",
                 "prune_max_candidates", "prune_block_score", "lr",
                 "micro_batch_size", "seed")
@@ -919,6 +943,8 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out)
         if out.exists() and any(out.iterdir()) and not args.overwrite:
             raise PruneError(f"{out} is not empty; choose another --out or pass --overwrite")
+        if out.resolve() == Path(args.model).resolve():
+            raise PruneError(f"--out {out} is the --model folder; choose another --out")
         axes = parse_axes(args.axes)
 
         device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device

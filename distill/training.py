@@ -56,6 +56,11 @@ def launched_with_deepspeed() -> bool:
     return os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true"
 
 
+def launched_with_fsdp() -> bool:
+    """``accelerate launch`` with an FSDP config (exported, like DeepSpeed's flag, before any ``Accelerator``)."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
 def make_accelerator(cfg: Any, project_dir: Path) -> Accelerator:
     """An ``Accelerator`` from a recipe config (``mixed_precision``, ``grad_accum``, ``tracker``).
 
@@ -82,7 +87,8 @@ def make_accelerator(cfg: Any, project_dir: Path) -> Accelerator:
 
 
 def start_run(config_cls: type, argv: list[str] | None = None, *, resume_safe: Iterable[str] = (),
-              without_deepspeed: str | None = None) -> tuple[Any, Accelerator, Path]:
+              without_deepspeed: str | None = None, without_fsdp: str | None = None
+              ) -> tuple[Any, Accelerator, Path]:
     """``(cfg, accelerator, output_dir)``: the config parsed and checked, the run folder claimed.
 
     Every process checks the folder before anything loads (:func:`core.rundir.check_output_dir`);
@@ -90,11 +96,14 @@ def start_run(config_cls: type, argv: list[str] | None = None, *, resume_safe: I
     folder carries our marker, so a mistyped ``output_dir`` never loses files we did not write. A
     resume is checked here too: a config that differs from the checkpoint's outside ``resume_safe``
     is refused before any model or data loads. ``without_deepspeed``: the error for a recipe that does
-    not run under DeepSpeed, raised before the folder is touched when a DeepSpeed config launched it.
+    not run under DeepSpeed, raised before the folder is touched when a DeepSpeed config launched it;
+    ``without_fsdp`` the same for an FSDP config.
     """
     cfg = parse_config(config_cls, argv)
     if without_deepspeed and launched_with_deepspeed():
         raise ConfigError(without_deepspeed)
+    if without_fsdp and launched_with_fsdp():
+        raise ConfigError(without_fsdp)
     out = rundir.check_output_dir(cfg.output_dir, cfg.overwrite, cfg.resume)
     if cfg.resume is not None:
         # A token budget sets max_steps at run time, so the saved max_steps is derived: compare max_tokens.

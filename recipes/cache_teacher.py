@@ -11,8 +11,9 @@ top-k tail-bucket approximation and the unbiased sampled estimate.
 
 At corpus scale: ``accelerate launch recipes/cache_teacher.py ...`` splits the shards across processes
 (GPU i writes shards i, i + world, ...; the teacher in bf16 on GPUs). Shards are written whole into
-``.NAME.partial/`` next to the output; a killed run rerun with the same settings keeps them and writes
-only the rest, and the folder becomes ``output_dir`` once every shard is there.
+``.NAME.partial/`` next to the output; a killed run rerun with the same settings keeps the shards whose
+blocks are unchanged (each shard records a fingerprint of its blocks) and writes the rest, and the folder
+becomes ``output_dir`` once every shard is there.
 """
 
 from __future__ import annotations
@@ -115,7 +116,8 @@ def claim_work(cfg: CacheTeacherConfig, work: Path) -> int:
     """The folder shards are written into until the cache is whole (main process); returns shards already in it.
 
     An unfinished folder from a killed run with the same settings is resumed (its finished shards are
-    kept); one with other settings is refused unless ``overwrite=true`` starts over.
+    kept if their blocks still match, see :func:`shards_to_write`); one with other settings is refused;
+    ``overwrite=true`` starts it over either way.
     """
     saved = work / "config.yaml"
     if work.exists() and not saved.is_file():
@@ -126,13 +128,32 @@ def claim_work(cfg: CacheTeacherConfig, work: Path) -> int:
             listed = ", ".join(f"{k}: {o!r} → {n!r}" for k, (o, n) in changes.items())
             raise ConfigError(f"{work} holds an unfinished cache with other settings ({listed}); rerun with its "
                               "settings to finish it, or overwrite=true to start over")
-        if changes:
+        if changes or cfg.overwrite:
             shutil.rmtree(work)
     work.mkdir(parents=True, exist_ok=True)
     for stale in work.glob(".shard-*"):  # a shard being written when the run was killed
         stale.unlink()
     save_config(cfg, saved)
     return len(list(work.glob("shard-*.safetensors")))
+
+
+def shard_blocks(cfg: CacheTeacherConfig, train, i: int) -> torch.Tensor:
+    """Shard ``i``'s training blocks ``[n, seq]``."""
+    return train[i * cfg.shard_blocks: min(train.shape[0], (i + 1) * cfg.shard_blocks)]
+
+
+def shards_to_write(cfg: CacheTeacherConfig, train, work: Path, rank: int, world: int) -> list[int]:
+    """This process's shards (``i mod world == rank``) not yet in ``work`` for the data as it is now.
+
+    A kept shard counts only if its recorded block fingerprint matches: a dataset file regenerated under
+    the same name changes no setting, and its old shards must not be mixed with the new data.
+    """
+    todo = []
+    for i in range(rank, math.ceil(train.shape[0] / cfg.shard_blocks), world):
+        path = work / shard_name(i)
+        if not path.is_file() or shard_metadata(path).get("blocks") != fingerprint(shard_blocks(cfg, train, i)):
+            todo.append(i)
+    return todo
 
 
 def cache_shard(cfg: CacheTeacherConfig, teacher, blocks: torch.Tensor, shard: int, path: Path, bar) -> None:
@@ -160,8 +181,10 @@ def cache_shard(cfg: CacheTeacherConfig, teacher, blocks: torch.Tensor, shard: i
             val.append(v)
             bar.update(batch.numel())
     tmp = path.with_name(f".{path.name}")
-    write_shard(tmp, torch.cat(idx), torch.cat(val), torch.cat(cnt) if cnt else None,
-                metadata={"tail_sum": repr(tail_sum), "tokens": str(tokens)} if cfg.mode == "topk" else None)
+    meta = {"blocks": fingerprint(blocks)}  # what shards_to_write checks on a rerun
+    if cfg.mode == "topk":
+        meta |= {"tail_sum": repr(tail_sum), "tokens": str(tokens)}
+    write_shard(tmp, torch.cat(idx), torch.cat(val), torch.cat(cnt) if cnt else None, metadata=meta)
     os.replace(tmp, path)
 
 
@@ -204,14 +227,12 @@ def main() -> None:
     if cfg.mode == "topk" and cfg.topk > vocab:
         raise ConfigError(f"topk {cfg.topk} exceeds the vocabulary ({vocab})")
     t0, n = time.time(), data.train.shape[0]
-    # Shard i goes to process i mod world; shards already written (a resumed run) are skipped.
-    todo = [i for i in range(math.ceil(n / cfg.shard_blocks))
-            if i % state.num_processes == state.process_index and not (work / shard_name(i)).is_file()]
+    # Shard i goes to process i mod world; shards already written for these blocks (a resumed run) are skipped.
+    todo = shards_to_write(cfg, data.train, work, state.process_index, state.num_processes)
     total = sum(min(n, (i + 1) * cfg.shard_blocks) - i * cfg.shard_blocks for i in todo) * cfg.seq_len
     with tqdm(total=total, unit="tok", desc=f"teacher {cfg.mode}", disable=not state.is_main_process) as bar:
         for written, i in enumerate(todo, 1):
-            blocks = data.train[i * cfg.shard_blocks: min(n, (i + 1) * cfg.shard_blocks)]
-            cache_shard(cfg, teacher, blocks, i, work / shard_name(i), bar)
+            cache_shard(cfg, teacher, shard_blocks(cfg, data.train, i), i, work / shard_name(i), bar)
             if written == cfg.debug_exit_after_shards:
                 os._exit(137)
     state.wait_for_everyone()
@@ -223,9 +244,11 @@ def main() -> None:
 def finish(cfg: CacheTeacherConfig, teacher, tokenizer, data, work: Path, out: Path, seconds: float) -> None:
     """Every shard is written: the teacher's held-out perplexity, ``meta.json``, then the folder goes in place."""
     n = data.train.shape[0]
-    shards = sorted(work.glob("shard-*.safetensors"))
-    if len(shards) != math.ceil(n / cfg.shard_blocks):
-        raise ConfigError(f"{work} has {len(shards)} shards of {math.ceil(n / cfg.shard_blocks)}; rerun to finish it")
+    shards = [work / shard_name(i) for i in range(math.ceil(n / cfg.shard_blocks))]
+    if missing := sum(not s.is_file() for s in shards):
+        raise ConfigError(f"{work} lacks {missing} of {len(shards)} shards; rerun to finish it")
+    for extra in set(work.glob("shard-*.safetensors")) - set(shards):  # the data shrank since they were written
+        extra.unlink()
     device = next(teacher.parameters()).device
     teacher_ppl = evaluate_lm(teacher, eval_batches(data.eval, cfg.batch_size, mask=data.eval_mask),
                               device=device)[0].perplexity

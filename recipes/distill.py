@@ -30,7 +30,7 @@ from core.models import enable_checkpointing
 from distill import on_policy
 from distill.config import RESUME_SAFE, DistillConfig
 from distill.data import build_data, steps_for_tokens
-from distill.distributed import configure_deepspeed, deepspeed_settings, is_zero3, prepare_teacher
+from distill.distributed import configure_deepspeed, deepspeed_settings, is_fsdp, is_zero3, prepare_teacher
 from distill.model import DistillModel, LossConfig
 from distill.sources import load_pair
 from distill.teacher_cache import TeacherCache, check_meta, read_meta
@@ -45,6 +45,11 @@ from distill.training import (
 )
 
 logger = get_logger(__name__)
+
+# DistillModel calls the teacher's inner model and reads head weights outside the modules' forward, which
+# FSDP2's per-module sharding does not allow; DeepSpeed ZeRO-3 is handled (distill/distributed.py).
+NO_FSDP = ("recipes/distill.py does not run under FSDP; launch with launch/gpu_ddp.yaml (DDP) or "
+           "launch/deepspeed_zero2.yaml / launch/deepspeed_zero3.yaml (DeepSpeed ZeRO-2/3)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -81,6 +86,8 @@ def losses_for(cfg: DistillConfig, accelerator: Accelerator) -> LossConfig:
 
 def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: dict | None = None) -> dict:
     """Train one student; ``known_init`` reuses held-out metrics already measured on the same pair."""
+    if is_fsdp(accelerator):
+        raise ConfigError(NO_FSDP)
     main = accelerator.is_main_process
     set_seed(cfg.seed)
     run = Run(cfg, accelerator, tracker_project="hybrid-distill", progress="distill")
@@ -93,11 +100,8 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: 
     if cfg.max_tokens:  # a token budget sets the step count
         cfg.max_steps = steps_for_tokens(cfg.max_tokens, global_batch, cfg.seq_len)
     with accelerator.main_process_first():  # one process prepares, the others map the cache
-        data = build_data(tokenizer, dataset=cfg.dataset, datasets=cfg.datasets, eval_dataset=cfg.eval_dataset,
-                          seq_len=cfg.seq_len, eval_blocks=cfg.eval_blocks, text_field=cfg.text_field,
-                          min_train_blocks=global_batch, max_train_blocks=cfg.max_train_blocks,
-                          completion_only=cfg.completion_only, streaming=cfg.streaming, data_cache=cfg.data_cache,
-                          progress=main)
+        data = build_data(tokenizer, **cfg.data_args(), seq_len=cfg.seq_len, eval_blocks=cfg.eval_blocks,
+                          min_train_blocks=global_batch, progress=main)
     order = data.order(global_batch, cfg.seed)
 
     # ---- teacher–student module, optimizer, schedule -------------------------------------
@@ -251,7 +255,7 @@ def print_summary(summary: dict, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg, accelerator, out = start_run(DistillConfig, argv, resume_safe=RESUME_SAFE)
+    cfg, accelerator, out = start_run(DistillConfig, argv, resume_safe=RESUME_SAFE, without_fsdp=NO_FSDP)
     summary = training_function(cfg, accelerator)
 
     if cfg.compare_ce_only:

@@ -540,6 +540,30 @@ def test_a_mixture_with_a_stream_keeps_weights_reads_forward_and_resumes(tmp_pat
     assert all(torch.equal(g, w) for (_, g), (_, w) in zip(got, run[(5, 1)]))
 
 
+@pytest.mark.filterwarnings("ignore:streamed data resumes")
+@pytest.mark.filterwarnings("error:stream rewound")  # the recipe reads blocks[index], then loss_mask(index)
+def test_streamed_chat_masks_follow_their_blocks_without_rewinding_at_micro_batch_2(tmp_path, tok):
+    src = _chat(tmp_path / "chat.jsonl", 120)
+    prepared = D.build_data(tok, dataset=src, seq_len=32, eval_blocks=2, data_cache=str(tmp_path / "c"), progress=False)
+    b = _jsonl(tmp_path / "b.jsonl", _texts(300, 22))
+    mix = [{"source": src, "weight": 1, "streaming": True}, {"source": b, "weight": 1}]
+    for data in (D.build_data(tok, dataset=src, seq_len=32, eval_blocks=2, streaming=True),
+                 D.build_data(tok, datasets=mix, seq_len=32, eval_blocks=2, data_cache=str(tmp_path / "c"),
+                              progress=False)):
+        order, parts = data.order(8, seed=0), len(data.train.sizes)
+        for t in range(3):
+            for r in range(2):
+                for index, blocks in order.micro_batches(data.train, t, r, 2, 2):
+                    mask = data.train.loss_mask(index)  # None: every token is a target
+                    mask = torch.ones_like(blocks, dtype=torch.bool) if mask is None else mask
+                    for i, row, m in zip(index.tolist(), blocks, mask):
+                        if i % parts == 0:  # the stream's block k is the prepared k-th block, with its mask
+                            k = i // parts
+                            assert torch.equal(row, prepared.train[k]) and torch.equal(m, prepared.train.loss_mask([k])[0])
+                        else:
+                            assert m.all()  # a source without a mask: every token is a target
+
+
 # -- the prepare command -------------------------------------------------------------------------
 
 def test_prepare_command_reads_a_recipe_config_and_reports(tmp_path, capsys):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -288,6 +290,21 @@ def test_search_output_loads_within_budget_and_stays_tied(tmp_path):
         save_pruned(result.model, None, tmp_path / "student")
 
 
+def test_overwrite_replaces_only_a_folder_prune_wrote(tmp_path):
+    model = tiny_model("llama", layers=2)
+    ours = tmp_path / "pruned"
+    save_pruned(model, None, ours, extra={"winner": "a"})
+    save_pruned(model, None, ours, overwrite=True, extra={"winner": "b"})  # our own output: replaced
+    assert json.loads((ours / "search.json").read_text()) == {"winner": "b"}
+    user = tmp_path / "my-model"  # e.g. the teacher's own folder: a model, but not ours
+    model.save_pretrained(user)
+    (user / "notes.txt").write_text("keep me")
+    with pytest.raises(PruneError, match="did not write.*choose another --out"):
+        save_pruned(model, None, user, overwrite=True, extra={"winner": "c"})
+    assert (user / "notes.txt").read_text() == "keep me" and (user / "config.json").is_file()
+    assert not (user / "search.json").exists()
+
+
 def test_iterative_rounds_cut_at_most_the_round_limit():
     teacher = tiny_model("llama", layers=4).requires_grad_(False)
     blocks = _blocks(6, 32)
@@ -388,6 +405,35 @@ def test_cli_writes_a_loadable_pruned_model(tmp_path, capsys):
     table = json.loads((out / "search.json").read_text())["candidates"]
     assert len(table) >= 2 and (out / "tokenizer.json").is_file()
     assert model.config.distill_pruning["rounds"][0]["calibration"]["dataset"] == str(tmp_path / "text.txt")
+
+
+def test_recipe_prune_calibrates_on_the_datasets_mixture_and_refuses_a_stream(tmp_path, monkeypatch):
+    import dataclasses
+
+    from core.tiny import tiny_tokenizer
+    from distill import prune
+    from distill.config import DistillConfig
+    from distill.data import build_data
+
+    class Searched(Exception):
+        pass
+
+    def fake_search(teacher, calib, held, train, s, log):  # what the search was given; no search run
+        raise Searched(calib, held, s.calibration)
+
+    monkeypatch.setattr(prune, "search", fake_search)
+    tok = tiny_tokenizer()
+    text = tmp_path / "a.jsonl"
+    text.write_text("\n".join(json.dumps({"text": f"the fox {i} jumps over the lazy dog " * 3}) for i in range(60)))
+    cfg = DistillConfig(datasets=[str(text)], seq_len=16, prune_calib_blocks=4, prune_eval_blocks=2,
+                        data_cache=str(tmp_path / "c"))  # `dataset` stays the built-in corpus
+    with pytest.raises(Searched) as got:
+        prune.prune_for_recipe(tiny_model("llama", layers=2), tok, cfg, log=lambda _msg: None)
+    calib, held, record = got.value.args
+    want = build_data(tok, **cfg.data_args(), seq_len=16, eval_blocks=2, progress=False)
+    assert torch.equal(calib, want.train[:4]) and torch.equal(held, want.eval) and record["dataset"] == str(text)
+    with pytest.raises(PruneError, match="streamed source.*set streaming=false"):
+        prune.prune_for_recipe(tiny_model("llama", layers=2), tok, dataclasses.replace(cfg, streaming=True))
 
 
 def test_recipe_config_checks_prune_fields():

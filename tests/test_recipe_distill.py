@@ -148,10 +148,72 @@ def test_grad_accum_equals_big_batch(tmp_path):
     sa, sb = (json.loads((p / "summary.json").read_text()) for p in (a, b))
     assert sa["final_loss"] == pytest.approx(sb["final_loss"], rel=1e-5)
     wa, wb = final_weights(a), final_weights(b)
-    # Adam moves every weight by ~lr = 1e-3 per step; summation-order noise stays 100x below that,
-    # while a wrong accumulation scale would show at the size of a step.
+    # Adam moves every weight by ~lr = 1e-3 per step; summation-order noise stays 100x below that. Adam and
+    # clipping are blind to a uniform gradient scale: test_grad_accum_scales_gradients_like_one_big_batch checks it.
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5)
+
+
+def test_grad_accum_scales_gradients_like_one_big_batch(tmp_path):
+    """The recipe's accelerator and train_step under SGD without clipping: 4 micro-batches of 1, and one batch
+    of 4, take the hand-computed step, so a wrong gradient scale (or a step per micro-batch) moves the weights
+    by another amount."""
+    from types import SimpleNamespace
+
+    from accelerate.state import AcceleratorState, GradientState
+
+    from core.tiny import tiny_model
+    from distill.training import make_accelerator, train_step
+
+    ids = torch.randint(3, 320, (4, 16), generator=torch.Generator().manual_seed(0))
+    reference = tiny_model(seed=0, layers=2)  # plain SGD by hand: w - lr · ∇(mean loss over the 4 rows)
+    init = {k: v.detach().clone() for k, v in reference.state_dict().items()}
+    reference(input_ids=ids, labels=ids).loss.backward()
+    with torch.no_grad():
+        for p in reference.parameters():
+            p -= p.grad
+    want = reference.state_dict()
+
+    def one_step(micro: int, accum: int) -> dict[str, torch.Tensor]:
+        acc = make_accelerator(SimpleNamespace(mixed_precision="no", grad_accum=accum, tracker="none"), tmp_path)
+        model = tiny_model(seed=0, layers=2)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+        model, opt, sched = acc.prepare(model, opt, sched)
+
+        def forward(rows):  # a mean over the micro-batch's tokens, as DistillModel's loss is
+            return SimpleNamespace(loss=model(input_ids=rows, labels=rows).loss, terms=dict)
+
+        train_step(acc, model, opt, sched, list(model.parameters()), ids.split(micro), forward, grad_accum=accum,
+                   max_grad_norm=0.0)
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    try:
+        small, big = one_step(1, 4), one_step(4, 1)
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+    assert any((want[k] - init[k]).abs().max() > 1e-3 for k in want)  # the step is large next to the tolerance
+    for k in want:
+        torch.testing.assert_close(big[k], want[k], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(small[k], want[k], rtol=1e-5, atol=1e-6)
+
+
+def test_an_fsdp_launch_is_refused_up_front_naming_ddp_and_deepspeed(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from core.config import ConfigError
+    from recipes import distill
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # what `accelerate launch` with an FSDP config exports
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match="does not run under FSDP; launch with .*gpu_ddp.*ZeRO-2/3") as err:
+        distill.main([*TINY, f"output_dir={out}"])
+    assert "\n" not in str(err.value) and not out.exists()  # refused before the run folder is claimed
+    monkeypatch.delenv("ACCELERATE_USE_FSDP")
+    fsdp = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=object(), deepspeed_plugin=None), is_main_process=True)
+    with pytest.raises(ConfigError, match="does not run under FSDP"):  # an Accelerator built in code
+        distill.training_function(distill.DistillConfig(output_dir=str(out)), fsdp)
 
 
 @pytest.mark.slow

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -232,6 +234,26 @@ def _shards(path: Path) -> dict[str, tuple]:
 
     return {p.name: ({k: (v.dtype, v.shape, v.numpy().tobytes()) for k, v in load_file(str(p)).items()},
                      shard_metadata(p)) for p in sorted(path.glob("shard-*.safetensors"))}
+
+
+def test_a_rerun_keeps_only_shards_of_the_same_blocks_and_overwrite_starts_over(tmp_path):
+    from core.tiny import tiny_teacher
+    from recipes.cache_teacher import CacheTeacherConfig, cache_shard, claim_work, shard_name, shards_to_write
+
+    cfg = CacheTeacherConfig(teacher="tiny-random", seq_len=8, shard_blocks=2, mode="topk", topk=3)
+    teacher, bar = tiny_teacher(0).eval(), SimpleNamespace(update=lambda n: None)
+    work = tmp_path / ".cache.partial"
+    old = torch.randint(0, 40, (5, 8), generator=torch.Generator().manual_seed(0))
+    assert claim_work(cfg, work) == 0 and shards_to_write(cfg, old, work, 0, 1) == [0, 1, 2]
+    for i in (0, 1):
+        cache_shard(cfg, teacher, old[2 * i: 2 * i + 2], i, work / shard_name(i), bar)
+    assert claim_work(cfg, work) == 2  # a resume with the same settings keeps them
+    assert shards_to_write(cfg, old, work, 0, 1) == [2] and shards_to_write(cfg, old, work, 1, 2) == []
+    new = old.clone()
+    new[3, 0] += 1  # the dataset file regenerated under the same name: same settings, other blocks in shard 1
+    assert shards_to_write(cfg, new, work, 0, 1) == [1, 2]
+    assert claim_work(dataclasses.replace(cfg, overwrite=True), work) == 0  # starts an unfinished cache over
+    assert not list(work.glob("shard-*")) and (work / "config.yaml").is_file()
 
 
 @pytest.mark.slow

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
+from collections import OrderedDict
 from collections.abc import Iterator
 
 import numpy as np
@@ -77,7 +78,10 @@ class StreamBlocks:
         self.sizes = [None]
         self._it: Iterator | None = None
         self._pos = 0  # block number the iterator yields next
-        self._last: tuple[np.ndarray, np.ndarray | None] | None = None
+        # The blocks of the latest reads, so loss_mask(index) after blocks[index] re-reads none of them;
+        # as large as the largest index asked for (one micro-batch), never the whole stream.
+        self._recent: OrderedDict[int, tuple[np.ndarray, np.ndarray | None]] = OrderedDict()
+        self.window = 1
         self.restarts = 0
 
     @property
@@ -123,8 +127,8 @@ class StreamBlocks:
                 yield from packer.add(ids, out["mask"][j] if "mask" in out else None)
 
     def _read(self, k: int) -> tuple[np.ndarray, np.ndarray | None]:
-        if self._last is not None and k == self._pos - 1:
-            return self._last
+        if (hit := self._recent.get(k)) is not None:
+            return hit
         if self._it is None or k < self._pos:
             if self._it is not None:
                 warnings.warn(f"stream rewound to block {k}: re-reading from the start", stacklevel=3)
@@ -141,15 +145,22 @@ class StreamBlocks:
                 continue
             self._pos += 1
             if self._pos - 1 == k:
-                self._last = block
+                self._recent[k] = block
+                while len(self._recent) > self.window:
+                    self._recent.popitem(last=False)
                 return block
 
-    def __getitem__(self, index) -> torch.Tensor:
+    def _indices(self, index) -> np.ndarray:
         ks = np.asarray(index, dtype=np.int64).reshape(-1)
+        self.window = max(self.window, len(ks))
+        return ks
+
+    def __getitem__(self, index) -> torch.Tensor:
+        ks = self._indices(index)
         return torch.from_numpy(np.stack([self._read(int(k))[0] for k in ks]))
 
     def loss_mask(self, index) -> torch.Tensor | None:
-        ks = np.asarray(index, dtype=np.int64).reshape(-1)
+        ks = self._indices(index)
         rows = [self._read(int(k))[1] for k in ks]
         if all(r is None for r in rows):
             return None
