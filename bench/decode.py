@@ -9,7 +9,11 @@ hybrid copy of the same weights (spec sink 128 / window 512 / global_every 1024 
 config) with the bounded cache. HF always attends densely: the hybrid copy only changes our engine.
 
 Throughput is *decode* tokens/s: generated tokens after the first, over the time from the first to the
-last token (the prompt's prefill is excluded, it is reported separately as time to first token).
+last token (the prompt's prefill is excluded, it is reported separately as time to first token). At batch
+8 the engine prefills the rows over several steps and the rows done first decode meanwhile, so its window
+starts at the last row's first token and counts only the tokens made after it (:func:`decode_rate`); HF
+prefills the batch in one forward (timed by a 1-token run and subtracted). No engine keeps a prefix cache:
+every repeat reuses the case's prompt, and each arm's time to first token is a full prefill.
 
 JSON keys:
 * ``speedup_512_b1``, ``speedup_512_b8``: engine dense / HF, decode tokens/s (same attention, so this
@@ -77,16 +81,23 @@ def hf_decode(model, prompts: torch.Tensor, new: int) -> tuple[float, float]:
     return ttft, prompts.shape[0] * (new - 1) / (total - ttft)
 
 
+def decode_rate(stamps: list[list[float]]) -> tuple[float, float]:
+    """(start, decode tokens/s) from each row's token times: the tokens made after ``start``, the last
+    row's first token, over the time from it to the last token of any row."""
+    # Rows whose prefill ended earlier already decode before start: their tokens then are not counted.
+    start = max(s[0] for s in stamps)
+    end = max(s[-1] for s in stamps)
+    return start, sum(t > start for s in stamps for t in s) / (end - start)
+
+
 def engine_decode(engine: Engine, prompts: torch.Tensor, new: int) -> tuple[float, float]:
-    """(time to first token of the last row, decode tokens/s summed over the batch) of the engine."""
-    first: dict[int, float] = {}
-    last: dict[int, float] = {}
+    """(time to first token of the last row, decode tokens/s summed over the batch: :func:`decode_rate`)."""
+    stamps: list[list[float]] = [[] for _ in range(len(prompts))]
 
     def cb(i):
         def on_event(_delta, token, _finish):
             if token is not None:
-                last[i] = time.perf_counter()
-                first.setdefault(i, last[i])
+                stamps[i].append(time.perf_counter())
         return on_event
 
     sp = SamplingParams(max_new_tokens=new, ignore_eos=True)
@@ -94,9 +105,8 @@ def engine_decode(engine: Engine, prompts: torch.Tensor, new: int) -> tuple[floa
     reqs = [engine.submit(p.tolist(), sp, cb(i)) for i, p in enumerate(prompts)]
     while not all(r.done for r in reqs):
         engine.step()
-    start = max(first.values())  # all rows decode together once the last prefill is done
-    end = max(last.values())
-    return start - t0, len(reqs) * (new - 1) / (end - start)
+    start, rate = decode_rate(stamps)
+    return start - t0, rate
 
 
 def main() -> None:
@@ -130,13 +140,14 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(path)
     model.config.hybrid_attention = SPEC.to_dict()  # the hybrid copy: same weights, spec in the config
     max_len = long_len + new
-    dense = Engine(model=model, tokenizer=tok, max_batch=8, max_seq_len=max_len, dense=True)
-    hybrid = Engine(model=model, tokenizer=tok, max_batch=8, max_seq_len=max_len)
+    # No prefix cache: each repeat reuses its case's prompt, and every arm's TTFT is a full prefill.
+    dense = Engine(model=model, tokenizer=tok, max_batch=8, max_seq_len=max_len, dense=True, prefix_cache_bytes=0)
+    hybrid = Engine(model=model, tokenizer=tok, max_batch=8, max_seq_len=max_len, prefix_cache_bytes=0)
     mixed_sp = mixed_spec(model.config.num_hidden_layers, model.config.num_key_value_heads, args.full_share,
                           args.roles)
     mixed_full = mixed_sp.full_head_count(model.config.num_hidden_layers, model.config.num_key_value_heads)
     model.config.hybrid_attention = mixed_sp.to_dict()  # the engine reads the spec once, at construction
-    mixed = Engine(model=model, tokenizer=tok, max_batch=8, max_seq_len=max_len)
+    mixed = Engine(model=model, tokenizer=tok, max_batch=8, max_seq_len=max_len, prefix_cache_bytes=0)
     model.config.hybrid_attention = SPEC.to_dict()
     vocab = model.config.vocab_size
 

@@ -9,8 +9,10 @@ it. The engines decode the same prompts, alternately (so machine noise hits all 
 fused oneDNN-packed decode copies (the CPU default), fp32 on the model's own weights, and per scheme the
 fused int8 copies (the default for that export: ``int8`` through ``torch._weight_int8pack_mm`` with
 activations rounded to bf16, ``w8a8`` through oneDNN's int8 GEMM) and, without ``--defaults-only``,
-torchao's own linears (``fast_weights=False``). Decode tokens/s = tokens after the first over the time after the last
-prefill, median over ``--reps``; prefill tokens/s of one ``--prompt``-token prompt likewise. Also:
+torchao's own linears (``fast_weights=False``). Decode tokens/s = the tokens made after the last row's first token
+over the time from it to the last token (``bench/decode.py``'s ``decode_rate``), median over ``--reps``; prefill
+tokens/s of one ``--prompt``-token prompt likewise, from the batch-1 runs (none without 1 in ``--batch``; the
+warm-up run is not counted). Also:
 decoder-layer weight bytes int8 / fp32 (embeddings excluded) and how many greedy tokens int8 shares
 with fp32 before the first difference. Targets (issue 16): bytes <= 0.4x; int8 decode tokens/s not lower
 than fp32 (the default engines: fused fp32 vs fused int8 / w8a8).
@@ -28,6 +30,26 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from core.environment import json_line  # noqa: E402
+
+
+def run_batch(engine, prompts: list[list[int]], sp) -> tuple[float, float]:
+    """(decode tokens/s: ``bench/decode.py``'s ``decode_rate``, the first prompt's prefill tokens/s) of one
+    batch run to the end."""
+    from bench.decode import decode_rate
+
+    stamps: list[list[float]] = [[] for _ in prompts]
+
+    def cb(i):
+        def on_event(_d, token, _f):
+            if token is not None:
+                stamps[i].append(time.perf_counter())
+        return on_event
+
+    t0 = time.perf_counter()
+    reqs = [engine.submit(p, sp, cb(i)) for i, p in enumerate(prompts)]
+    while not all(r.done for r in reqs):
+        engine.step()
+    return decode_rate(stamps)[1], len(prompts[0]) / (stamps[0][0] - t0)
 
 
 def main() -> None:
@@ -84,36 +106,21 @@ def main() -> None:
     vocab = min(tok.vocab_size, fp32.config.vocab_size)
     sp = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
 
-    def decode_rate(engine: Engine, batch: int) -> tuple[float, list[list[int]]]:
-        prompts = torch.randint(100, vocab, (batch, args.prompt), generator=g).tolist()
-        first, last = {}, {}
-
-        def cb(i):
-            def on_event(_d, token, _f):
-                if token is not None:
-                    last[i] = time.perf_counter()
-                    first.setdefault(i, last[i])
-            return on_event
-
-        t0 = time.perf_counter()
-        reqs = [engine.submit(p, sp, cb(i)) for i, p in enumerate(prompts)]
-        while not all(r.done for r in reqs):
-            engine.step()
-        start, end = max(first.values()), max(last.values())
-        if batch == 1:
-            prefill.setdefault(engine, []).append(args.prompt / (first[0] - t0))
-        return batch * (args.new_tokens - 1) / (end - start), [r.out_ids for r in reqs]
-
-    prefill: dict[Engine, list[float]] = {}
+    def decode(engine: Engine, batch: int) -> tuple[float, float]:
+        return run_batch(engine, torch.randint(100, vocab, (batch, args.prompt), generator=g).tolist(), sp)
 
     rates: dict[tuple[str, int], list[float]] = {}
+    prefill: dict[str, list[float]] = {}
     with torch.inference_mode():
         for e in engines.values():
-            decode_rate(e, 1)  # warm-up
+            decode(e, 1)  # warm-up, not recorded
         for b in args.batch:
             for _ in range(args.reps):
                 for name, e in engines.items():
-                    rates.setdefault((name, b), []).append(decode_rate(e, b)[0])
+                    rate, pre = decode(e, b)
+                    rates.setdefault((name, b), []).append(rate)
+                    if b == 1:
+                        prefill.setdefault(name, []).append(pre)
         chat = tok.apply_chat_template([{"role": "user", "content": "Explain what a compiler does."}],
                                        add_generation_prompt=True, tokenize=True)
         chat = list(chat["input_ids"]) if hasattr(chat, "keys") else list(chat)  # a BatchEncoding in transformers 5
@@ -129,10 +136,11 @@ def main() -> None:
         print(f"decoder-layer weight bytes: fp32 {base['other']:,}, {scheme} {sizes[scheme]['other']:,} "
               f"({ratio[scheme]:.3f}x, target <= 0.4); embeddings {base['embeddings']:,} -> "
               f"{sizes[scheme]['embeddings']:,}")
-    pre = {name: statistics.median(prefill[e]) for name, e in engines.items() if prefill.get(e)}
+    pre = {name: statistics.median(v) for name, v in prefill.items()}
     print(f"{'engine':<32}" + "".join(f"{f'b{b} tok/s':>12}" for b in args.batch) + f"{'prefill tok/s':>15}")
     for name in engines:
-        print(f"{name:<32}" + "".join(f"{med[(name, b)]:>12.1f}" for b in args.batch) + f"{pre.get(name, 0):>15.1f}")
+        print(f"{name:<32}" + "".join(f"{med[(name, b)]:>12.1f}" for b in args.batch)
+              + (f"{pre[name]:>15.1f}" if name in pre else f"{'-':>15}"))
     for scheme in args.schemes:
         print(f"greedy chat answer: {scheme} equals fp32 for the first {same[scheme]} of {len(a)} tokens")
     vs = {scheme: {f"b{b}": round(med[(fused_names[scheme], b)] / med[(fp32_name, b)], 3) for b in args.batch}
