@@ -21,6 +21,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -119,13 +120,21 @@ def start_run(config_cls: type, argv: list[str] | None = None, *, resume_safe: I
 
 def finish_run(cfg: Any, accelerator: Accelerator, out: Path, summary: dict[str, Any],
                print_summary: Callable[[dict[str, Any], Path], None]) -> None:
-    """Run the release gate when ``cfg.gate`` asks, then write ``summary.json`` and print the summary."""
+    """Run the release gate when ``cfg.gate`` asks, then write ``summary.json`` and print the summary.
+
+    A gate that does not pass ends the process with exit code 1 (after everything is written), so a CI job
+    that trains with ``gate=true`` fails with it; the verdict and the report are in ``summary.json``.
+    """
     if cfg.gate and accelerator.is_main_process:
-        summary["gate"] = gate_against_teacher(cfg, out)
+        summary["gate"] = gate_against_teacher(cfg, out, summary)
     if accelerator.is_main_process:
         atomic_write_text(out / "summary.json", json.dumps(summary, indent=1))
         print_summary(summary, out)
     accelerator.wait_for_everyone()
+    if accelerator.is_main_process and cfg.gate and summary["gate"]["verdict"] != "pass":
+        print(f"error: the release gate says {summary['gate']['verdict'].upper()} (report: "
+              f"{summary['gate']['report']}); the run's outputs are kept", file=sys.stderr)
+        raise SystemExit(1)
 
 
 def teacher_dir(cfg: Any, out: Path) -> Path:
@@ -139,16 +148,30 @@ def teacher_dir(cfg: Any, out: Path) -> Path:
     return Path(resolve_model_path(cfg.teacher))
 
 
-def gate_against_teacher(cfg: Any, out: Path) -> dict[str, Any]:
-    """Run the release gate: the final student against the teacher, on the bundled prompts."""
+def gate_against_teacher(cfg: Any, out: Path, summary: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run the release gate: the final student against the teacher, on the bundled prompts.
+
+    The bundled prompts are short enough to fit a hybrid model's window, so a retrofit's gate also judges the
+    pass-key retrieval its closing check measured (``summary["longctx"]``) at ``longctx_lengths``.
+    """
     teacher = teacher_dir(cfg, out)
     prompts = default_prompts_path()
     lines = [line for line in prompts.read_text().splitlines() if line.strip()]
     if cfg.gate_prompts < len(lines):  # a smaller, fixed subset of the bundled set
         prompts = out / "gate_prompts.jsonl"
         prompts.write_text("\n".join(lines[: cfg.gate_prompts]) + "\n")
-    result = run_gate(GateConfig(candidate=str(out / "final"), baseline=str(teacher), out=str(out / "gate"),
-                                 prompts=str(prompts)))
+    retrieval = (summary or {}).get("longctx")
+    lengths = getattr(cfg, "longctx_lengths", None)
+    measured = None
+    if retrieval and lengths:
+        measured = {"candidate": {"attention": "hybrid", "accuracy": retrieval["hybrid"]},
+                    "baseline": {"attention": "dense", "accuracy": retrieval["dense"]},
+                    "depths": retrieval["depths"], "trials": retrieval["trials"],
+                    "measured_by": "the retrofit's closing check (summary.json: longctx)"}
+    gate_cfg = GateConfig(candidate=str(out / "final"), baseline=str(teacher), out=str(out / "gate"),
+                          prompts=str(prompts), longctx=",".join(map(str, lengths)) if measured else None,
+                          longctx_trials=retrieval["trials"] if measured else GateConfig.longctx_trials)
+    result = run_gate(gate_cfg, longctx=measured)
     return {"verdict": result.verdict, "exit_code": result.exit_code, "report": str(result.report_md)}
 
 
@@ -205,15 +228,18 @@ def reduce_stats(accelerator: Accelerator, stats: LMStats) -> LMStats:
 
 
 def evaluate(accelerator: Accelerator, model: torch.nn.Module, blocks: torch.Tensor, batch_size: int,
-             reference: torch.nn.Module | None = None, mask: torch.Tensor | None = None
-             ) -> tuple[LMStats, LMStats | None]:
+             reference: torch.nn.Module | None = None, mask: torch.Tensor | None = None,
+             progress: str | None = None) -> tuple[LMStats, LMStats | None]:
     """:func:`eval.metrics.evaluate_lm` over this rank's share of ``blocks`` ``[n, seq]``, summed over ranks.
 
     ``mask`` ``[n, seq]`` bool (``PackedData.eval_mask``): only targets count, as in training
     (completion-only chat data scores the assistant's tokens). None: every token.
+    ``progress``: label of a progress bar, shown by the main process only (None: silent).
     """
-    batches = eval_batches(blocks, batch_size, accelerator.process_index, accelerator.num_processes, mask=mask)
-    stats, ref_stats = evaluate_lm(model, batches, reference, device=accelerator.device)
+    # A list (of views, no copies) so that the bar knows its length.
+    batches = list(eval_batches(blocks, batch_size, accelerator.process_index, accelerator.num_processes, mask=mask))
+    stats, ref_stats = evaluate_lm(model, batches, reference, device=accelerator.device,
+                                   progress=progress if accelerator.is_main_process else None)
     return reduce_stats(accelerator, stats), (reduce_stats(accelerator, ref_stats) if ref_stats else None)
 
 

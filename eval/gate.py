@@ -302,24 +302,34 @@ def _interval_dict(stats: list[LMStats], metric: str, cfg: GateConfig) -> dict:
     raise KeyError(metric)
 
 
-def _longctx_check(cfg: GateConfig, models: dict[str, Path]) -> tuple[dict, list[str], list[str]]:
+def _longctx_check(cfg: GateConfig, models: dict[str, Path], measured: dict | None = None
+                   ) -> tuple[dict, list[str], list[str]]:
     """Pass-key accuracy per length of candidate and baseline (each loaded as served); the failing lengths, and
     notes on the lengths that cannot fail (the baseline finds no key there either).
 
     The needles sit at interior depths: at depth 0 a needle lies among the sink tokens and at depth 1 inside the
-    local window, where a model that sees nothing else still finds it.
+    local window, where a model that sees nothing else still finds it. ``measured``: accuracies the caller
+    already has for these models (:func:`run_gate`), used instead of running the check again.
     """
     if not cfg.longctx:
         return {"skipped": "no --longctx lengths"}, [], []
     lengths = cfg.longctx_lengths()
     result: dict[str, typing.Any] = {"lengths": lengths, "depths": list(INTERIOR_DEPTHS), "trials": cfg.longctx_trials,
                                      "min_ratio": cfg.longctx_min_ratio}
-    for role in ("candidate", "baseline"):
-        model, tok, how = load_for_eval(str(models[role]))
-        run = run_longctx(model, tok, lengths=lengths, depths=list(INTERIOR_DEPTHS), trials=cfg.longctx_trials,
-                          kinds=("passkey",), seed=cfg.seed, progress=True)
-        result[role] = {"attention": how, "accuracy": run["accuracy"]["passkey"]}
-        del model
+    if measured is not None:
+        missing = [n for n in lengths for role in ("candidate", "baseline")
+                   if str(n) not in measured[role]["accuracy"]]
+        if missing:
+            raise GateInputError(f"the measured long-context accuracies lack lengths {sorted(set(missing))}")
+        result.update({k: measured[k] for k in ("candidate", "baseline", "depths", "trials") if k in measured})
+        result["measured_by"] = measured.get("measured_by", "the caller")
+    else:
+        for role in ("candidate", "baseline"):
+            model, tok, how = load_for_eval(str(models[role]))
+            run = run_longctx(model, tok, lengths=lengths, depths=list(INTERIOR_DEPTHS), trials=cfg.longctx_trials,
+                              kinds=("passkey",), seed=cfg.seed, progress=True)
+            result[role] = {"attention": how, "accuracy": run["accuracy"]["passkey"]}
+            del model
     failing = [f"long-context retrieval at {n}: candidate {result['candidate']['accuracy'][str(n)]:.2f} < "
                f"{cfg.longctx_min_ratio:g} × baseline {result['baseline']['accuracy'][str(n)]:.2f}"
                for n in lengths if result["candidate"]["accuracy"][str(n)]
@@ -479,12 +489,16 @@ def _warnings(se: float, threshold: float, verdict: str, long_texts: list[dict],
     return notes
 
 
-def run_gate(cfg: GateConfig, scorer: BertScore | None = None, generator: Generator | None = None) -> GateResult:
+def run_gate(cfg: GateConfig, scorer: BertScore | None = None, generator: Generator | None = None,
+             longctx: dict | None = None) -> GateResult:
     """Run the whole gate and write the report; raises :class:`GateInputError` on broken input.
 
     ``scorer`` reuses a loaded :class:`BertScore` (layer must match; its rescale baseline is reset).
     ``generator`` produces every output (default :class:`eval.generation.TransformersGenerator`;
     ``serve.offline.EngineGenerator``: the serving engine); recorded in ``generation.backend``.
+    ``longctx``: pass-key accuracies already measured on these two models at ``cfg.longctx``'s lengths
+    (``{"candidate": {"attention", "accuracy": {length: acc}}, "baseline": {...}, "depths", "trials",
+    "measured_by"}``, e.g. the retrofit's closing check), so the gate judges them without a second run.
     """
     generator = generator or TransformersGenerator()
     t_start = time.perf_counter()
@@ -516,7 +530,7 @@ def run_gate(cfg: GateConfig, scorer: BertScore | None = None, generator: Genera
     base_below = base_f < cfg.floor
     new_below = [i for i, c, b in zip(ids, cand_below, base_below) if c and not b]
     verdict, reasons = _verdict(cfg, diff, threshold, len(prompts), len(new_below))
-    longctx, longctx_failing, longctx_notes = _longctx_check(cfg, models)
+    longctx, longctx_failing, longctx_notes = _longctx_check(cfg, models, longctx)
     if longctx_failing:
         verdict, reasons = "fail", reasons + longctx_failing
     mde = detectable_effect(diff.se, 1 - cfg.confidence)

@@ -24,6 +24,7 @@ is served; transformers runs torchao's int8 linears far slower on CPU).
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -201,5 +202,16 @@ def main(argv: list[str] | None = None) -> ExportResult:
     return export(parse_config(ExportConfig, argv))
 
 
+def gate_exit_code(result: ExportResult) -> int:
+    """1 when the export's quantization gate ran and did not pass (the export is kept), else 0."""
+    path = result.output_dir / "quantization_gate.json"
+    verdict = json.loads(path.read_text()).get("verdict") if path.is_file() else "pass"
+    if verdict == "pass":
+        return 0
+    print(f"error: the quantization gate says {str(verdict).upper()} (see {path} and the model card); the export "
+          "is kept", file=sys.stderr)
+    return 1
+
+
 if __name__ == "__main__":
-    run_cli(main)
+    run_cli(lambda: sys.exit(gate_exit_code(main())))

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from core.tiny import save_tiny
 from eval.bertscore import BertScore
 from eval.gate import GateConfig, main, run_gate
-from eval.prompt_set import default_prompts_path
+from eval.prompt_set import GateInputError, default_prompts_path
 
 N_PROMPTS = 32
 FAST = dict(max_new_tokens=8, batch_size=N_PROMPTS, resamples=2000)
@@ -294,6 +294,26 @@ def test_longctx_samples_interior_depths_and_notes_lengths_the_baseline_cannot_p
     assert len(notes) == 1 and "at 256" in notes[0]  # 512: the baseline finds half, the candidate none
     assert res.verdict == "fail" and any("long-context retrieval at 512: candidate 0.00" in r
                                          for r in res.report["reasons"])
+
+
+def test_longctx_accuracies_measured_by_the_caller_are_judged_without_running_the_check(env, monkeypatch):
+    import eval.gate as gate
+
+    def refuse(*a, **k):
+        raise AssertionError("the gate ran the pass-key check again")
+
+    monkeypatch.setattr(gate, "run_longctx", refuse)
+    measured = {"candidate": {"attention": "hybrid", "accuracy": {"256": 1.0, "512": 0.4}},
+                "baseline": {"attention": "dense", "accuracy": {"256": 1.0, "512": 0.8}},
+                "depths": [0.1, 0.5, 0.9], "trials": 3, "measured_by": "the retrofit's closing check"}
+    cfg = _cfg(env, "longctx-measured", candidate=str(env["orig"]), skip_lm_metrics=True, longctx="256,512")
+    res = run_gate(cfg, scorer=env["scorer"], longctx=measured)
+    report = res.report["longctx"]
+    assert report["measured_by"] == "the retrofit's closing check" and report["depths"] == [0.1, 0.5, 0.9]
+    assert res.verdict == "fail" and any("retrieval at 512: candidate 0.40" in r for r in res.report["reasons"])
+    with pytest.raises(GateInputError, match=r"lack lengths \[400\]"):
+        run_gate(_cfg(env, "longctx-measured-2", candidate=str(env["orig"]), skip_lm_metrics=True,
+                      longctx="256,400"), scorer=env["scorer"], longctx=measured)
 
 
 @pytest.mark.parametrize("longctx, says", [("128", "too short for a passkey prompt; use lengths >= "),

@@ -498,3 +498,17 @@ def test_exports_a_real_distill_run(tmp_path: Path) -> None:
     summary = json.loads((run / "summary.json").read_text())
     assert f"| steps | {summary['steps']} |" in card and "student_ppl_final" in card
     assert "builtin:stdlib-docs" in card  # the data table
+
+
+@pytest.mark.parametrize("gate, code", [(None, 0), ({"verdict": "pass"}, 0), ({"verdict": "fail"}, 1),
+                                        ({"verdict": "inconclusive"}, 1)])
+def test_the_cli_exits_1_when_the_quantization_gate_does_not_pass(tmp_path, capsys, gate, code):
+    """A CI job that exports with quantize= fails with its gate; the export stays for inspection."""
+    from recipes.export import ExportResult, gate_exit_code
+
+    if gate is not None:
+        (tmp_path / "quantization_gate.json").write_text(json.dumps(gate))
+    result = ExportResult(tmp_path, 0, torch.float32, 0, None, 1, None)
+    assert gate_exit_code(result) == code
+    err = capsys.readouterr().err
+    assert ("quantization gate says" in err) == (code == 1)

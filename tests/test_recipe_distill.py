@@ -249,11 +249,17 @@ def test_teacher_cache_round_trip(tmp_path):
 @pytest.mark.slow
 def test_gate_at_the_end_against_the_teacher(tmp_path):
     out = tmp_path / "gated"
-    proc = run([*TINY, f"output_dir={out}", "max_steps=2", "save_every=0", "gate=true", "gate_prompts=12"])
+    proc = run([*TINY, f"output_dir={out}", "max_steps=2", "save_every=0", "gate=true", "gate_prompts=12"],
+               check=False)
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["gate"]["verdict"] in ("pass", "fail", "inconclusive")
+    verdict = summary["gate"]["verdict"]
     report = json.loads((out / "gate" / "report.json").read_text())
-    assert report["verdict"] == summary["gate"]["verdict"] and "release gate" in proc.stdout
+    assert report["verdict"] == verdict and "release gate" in proc.stdout
+    # a CI job that trains with gate=true fails with its gate; the outputs are kept either way
+    assert proc.returncode == (0 if verdict == "pass" else 1), proc.stderr[-2000:]
+    if verdict != "pass":
+        assert f"release gate says {verdict.upper()}" in proc.stderr.strip().splitlines()[-1]
+    assert (out / "final" / "model.safetensors").is_file()
 
 
 @pytest.mark.slow
