@@ -132,7 +132,8 @@ class DistillConfig:
     output_dir: str = field("runs/smollm2-demo", help="run folder: checkpoints/, final/, summary.json, loss.png")
     overwrite: bool = field(False, help="replace an existing run in output_dir")
     resume: str | None = field(None, help="'latest' or a checkpoint folder to continue from")
-    save_every: int = field(0, ge=0, help="checkpoint every N steps (0: only at the end)")
+    save_every: int = field(500, ge=0, help="checkpoint every N steps (0: only at the end, so a killed run has "
+                                            "nothing to resume from)")
     keep_checkpoints: int = field(2, ge=1, help="complete checkpoints kept on disk")
     compare_ce_only: bool = field(True, help="also train a CE-only student for the same steps and report both")
     gate: bool = field(False, help="run the release gate (eval.gate) against the teacher at the end")
