@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -115,6 +116,24 @@ def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
     if name not in DTYPES:
         raise ConfigError(f"dtype '{name}' is unknown; use auto, {', '.join(DTYPES)}")
     return DTYPES[name]
+
+
+def resolve_device(name: str) -> str:
+    """``auto`` → ``cuda`` when torch sees a GPU, else ``cpu``; ``cpu`` / ``cuda`` / ``cuda:N`` are checked.
+
+    A CUDA device that is not there fails here, in one line, rather than deep inside the first ``.to()``.
+    """
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", name):
+        raise ConfigError(f"device '{name}' is unknown; use auto, cpu, cuda or cuda:N")
+    if name.startswith("cuda"):
+        index = int(name.partition(":")[2] or 0)
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device '{name}' asked for, but torch sees no CUDA GPU; use auto or cpu")
+        if index >= torch.cuda.device_count():
+            raise ConfigError(f"device '{name}' asked for, but torch sees {torch.cuda.device_count()} CUDA GPU(s)")
+    return name
 
 
 def load_causal_lm(name_or_path: str, dtype: torch.dtype = torch.float32, *, dense: bool = False, **kwargs):

@@ -44,11 +44,13 @@ from typing import Any
 import torch
 
 import attention
+from core.config import ConfigError
 from core.models import (
     ModelSourceError,
     cache_kwargs,
     load_causal_lm,
     load_tokenizer,
+    resolve_device,
     resolve_model_path,
     returned_cache,
 )
@@ -303,8 +305,9 @@ def _ints(text: str) -> list[int]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m eval.longctx", description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m eval.longctx", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", required=True, help="HF model directory (hybrid if its config carries a spec) "
                    "or 'smollm2-135m-instruct'")
     p.add_argument("--lengths", default="1024,2048,4096,8192", help="comma-separated prompt lengths in tokens")
@@ -313,15 +316,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trials", type=int, default=2, help="samples per length × depth cell (different keys)")
     p.add_argument("--kinds", default="passkey", help=f"comma-separated: {', '.join(KINDS)}")
     p.add_argument("--seed", type=int, default=0, help="seed of keys, filler order and distractor depths")
-    p.add_argument("--out", default=None, help="folder for longctx.json and longctx.png (default: no files)")
+    p.add_argument("--out", default=None, help="folder for longctx.json and longctx.png; without it, no files")
     p.add_argument("--dense", action="store_true", help="load dense even when the config carries a hybrid spec")
     p.add_argument("--retrofit", default=None, help="switch the model to a hybrid spec first: 'default' or JSON")
-    p.add_argument("--device", default="cpu", help="cpu | cuda")
+    p.add_argument("--device", default="auto", help="auto (cuda when torch sees a GPU, else cpu) | cpu | cuda | "
+                   "cuda:N")
     p.add_argument("--scoring", default="exact", help="exact: the greedy answer starts with the key (one "
                    "forward pass); first_number: the first number of the greedy continuation is the key")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         from attention.errors import HybridAttentionError
+
+        device = resolve_device(args.device)
 
         kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
         bad = [k for k in kinds if k not in KINDS]
@@ -332,10 +342,10 @@ def main(argv: list[str] | None = None) -> int:
             model, tok, attn = load_for_eval(args.model, dense=args.dense, retrofit=args.retrofit)
         except HybridAttentionError as err:
             raise LongCtxError(str(err).splitlines()[0]) from None
-        model.to(args.device)
+        model.to(device)
         result = run_longctx(model, tok, lengths=lengths, depths=args.depths, trials=args.trials, kinds=kinds,
-                             seed=args.seed, device=args.device, scoring=args.scoring)
-    except LongCtxError as err:
+                             seed=args.seed, device=device, scoring=args.scoring)
+    except (LongCtxError, ConfigError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 3
     result["model"], result["attention"] = args.model, attn

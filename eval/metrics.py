@@ -125,19 +125,24 @@ def batch_stats(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: t
 @torch.inference_mode()
 @torch.no_grad()
 def evaluate_lm(model: torch.nn.Module, batches: Iterable[dict[str, torch.Tensor]],
-                reference: torch.nn.Module | None = None, device: torch.device | str | None = None
-                ) -> tuple[LMStats, LMStats | None]:
+                reference: torch.nn.Module | None = None, device: torch.device | str | None = None,
+                progress: str | None = None) -> tuple[LMStats, LMStats | None]:
     """Stats of ``model`` over ``batches`` (with top-1 agreement and KL to ``reference``) and of ``reference``.
 
     Each batch is a dict with ``input_ids`` ``[batch, seq]`` and optionally ``attention_mask`` and
     ``loss_mask`` (``[batch, seq]`` bool: only positions whose label is a target count). The
     reference runs once per batch and only statistics are kept, never logits, so memory holds one
     batch of ``[batch, seq, vocab]`` whatever the number of batches.
+
+    ``progress``: label of a tqdm bar over the batches on stderr (None: silent). Long-context
+    evaluations take minutes; callers under several processes pass it on the main one only.
     """
+    from tqdm.auto import tqdm
+
     was_training = model.training
     model.eval()
     total, ref_total = LMStats(), (LMStats() if reference is not None else None)
-    for batch in batches:
+    for batch in tqdm(batches, desc=progress, disable=progress is None, unit="batch"):
         ids = batch["input_ids"].to(device) if device is not None else batch["input_ids"]
         am, lm = batch.get("attention_mask"), batch.get("loss_mask")
         if am is not None and device is not None:

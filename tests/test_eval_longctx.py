@@ -148,3 +148,21 @@ def test_cache_keyword_follows_the_installed_transformers():
         kw = cache_kwargs(model, "kv")
         assert kw == {name: "kv"}
         assert returned_cache(model(torch.zeros(1), **kw)) == "kv"
+
+
+def test_device_defaults_to_auto_and_a_bad_one_is_one_line(monkeypatch, capsys):
+    from core.models import resolve_device
+
+    args = longctx.build_parser().parse_args(["--model", "m"])
+    assert args.device == "auto"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device(args.device) == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device("auto") == "cuda"
+    assert "(default: auto)" in longctx.build_parser().format_help()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for bad, says in (("tpu", "unknown"), ("cuda", "no CUDA GPU")):
+        # The device is checked before the model loads: "m" is never looked up.
+        assert longctx.main(["--model", "m", "--device", bad]) == 3
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith("error: ") and says in err

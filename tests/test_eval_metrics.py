@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from core.tiny import tiny_model, tiny_tokenizer
+from core.tiny import VOCAB, tiny_model, tiny_tokenizer
 from eval.metrics import LMStats, batch_stats, evaluate_text, text_windows, window_stats
 
 TEXT = "the quick brown fox jumps over the lazy dog. héllo wörld ✓ naïve café. distill the teacher! " * 4
@@ -99,3 +99,17 @@ def test_chunked_rows_give_the_same_stats(monkeypatch):
     naive_kl = (p * (p.log() - torch.log_softmax(lg.double(), -1))).sum().item()
     assert small.kl_sum == pytest.approx(naive_kl, rel=1e-5)
     assert small.agree == int((lg.argmax(-1) == rf.argmax(-1)).sum())
+
+
+def test_evaluate_lm_progress_shows_a_bar_and_changes_nothing(capsys):
+    from eval.metrics import evaluate_lm
+
+    model, ref = tiny_model(seed=0), tiny_model(seed=1)
+    ids = torch.randint(3, VOCAB, (6, 16), generator=torch.Generator().manual_seed(0))
+    batches = [{"input_ids": ids[i:i + 2]} for i in range(0, 6, 2)]
+    quiet = evaluate_lm(model, batches, ref)
+    assert capsys.readouterr().err == ""  # the default stays silent for library callers
+    shown = evaluate_lm(model, batches, ref, progress="held-out 16")
+    err = capsys.readouterr().err
+    assert "held-out 16" in err and "3/3" in err
+    assert shown == quiet  # the same sums, field by field
