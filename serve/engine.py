@@ -34,7 +34,8 @@ from pathlib import Path
 
 import torch
 
-from core.models import load_causal_lm, load_tokenizer
+from core.config import ConfigError
+from core.models import load_causal_lm, load_tokenizer, resolve_device
 from serve.heap import malloc_trim
 from serve.kv_cache import KVCache, MixedKVCache
 from serve.model import DecoderModel
@@ -96,28 +97,20 @@ class Request:
 
 
 def device_problem(device: str | None) -> str | None:
-    """What is wrong with a ``--device`` flag, as a sentence naming the fix; None when this machine can run it."""
+    """What is wrong with a ``--device`` flag, as a sentence naming the fix; None when this machine has it."""
     if device is None:
         return None
     try:
-        dev = torch.device(device)
-    except RuntimeError:
-        return f"--device {device!r} is not a torch device; use cpu or cuda (cuda:N for one GPU), or leave it out"
-    if dev.type == "cpu":
-        return None
-    backend = getattr(torch, dev.type, None)  # torch.cuda, torch.mps, torch.xpu, ...
-    if not callable(getattr(backend, "is_available", None)) or not backend.is_available():
-        return (f"--device {device}: this torch ({torch.__version__}) has no {dev.type} device here; use --device cpu "
-                "or leave it out")
-    count = backend.device_count() if callable(getattr(backend, "device_count", None)) else 1
-    if dev.index is not None and dev.index >= count:
-        return f"--device {device}: there are {count} {dev.type} device(s) here, numbered from 0; pick one of them"
+        resolve_device(device)
+    except ConfigError as err:
+        return f"--device: {err}"
     return None
 
 
 def _placement(model, device, dtype) -> tuple[torch.device, torch.dtype]:
     """Where and in what dtype an engine runs: as asked; else a live ``model`` where it is, in its dtype (``.to``
     works in place, so moving it would change the caller's model too); else CUDA + bf16 when available, CPU + fp32."""
+    device = None if device == "auto" else device
     if model is not None and (first := next(model.parameters(), None)) is not None:
         device = device or first.device
         dtype = dtype or (first.dtype if first.is_floating_point() else None)

@@ -28,7 +28,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--max-seq-len", type=int, default=None, help="context limit (default: the model's)")
-    p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
+    p.add_argument("--device", default=None, help="auto / cpu / cuda / cuda:N (default: cuda when available)")
     return p.parse_args(argv)
 
 

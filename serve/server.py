@@ -750,7 +750,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (>= 1)")
     p.add_argument("--max-queue", type=int, default=32, help="requests waiting beyond the batch before 503")
     p.add_argument("--max-seq-len", type=int, default=None, help="context limit (default: the model's)")
-    p.add_argument("--device", default=None, help="cpu / cuda / cuda:N (default: cuda when available)")
+    p.add_argument("--device", default=None, help="auto / cpu / cuda / cuda:N (default: cuda when available)")
     p.add_argument("--served-model-name", "--name", dest="served_model_name", default=None,
                    help="model name in responses and /v1/models (default: the model directory's name)")
     p.add_argument("--api-key", default=None,

@@ -404,8 +404,8 @@ def test_bad_server_flags_fail_before_loading_the_model(capsys, tmp_path, flags,
 
 
 @pytest.mark.parametrize("entry", ["server", "generate"])
-@pytest.mark.parametrize("device, fragment", [("gpu", "--device 'gpu' is not a torch device; use cpu or cuda"),
-                                              ("cuda", "--device cuda: this torch"), ("cuda:0", "no cuda device here")])
+@pytest.mark.parametrize("device, fragment", [("gpu", "device 'gpu' is unknown; use auto, cpu, cuda or cuda:N"),
+                                              ("cuda", "torch sees no CUDA GPU"), ("cuda:0", "torch sees no CUDA GPU")])
 def test_a_device_this_machine_lacks_fails_before_loading_the_model(capsys, monkeypatch, tmp_path, entry, device,
                                                                      fragment):
     from serve import generate
