@@ -85,7 +85,7 @@ from statistics import NormalDist
 import numpy as np
 
 from core.config import ConfigError, check_fields, field
-from core.models import DTYPES
+from core.models import DTYPES, resolve_device
 from eval.bertscore import MAX_TOKENS, BertScore, ScorerMissingError
 from eval.fingerprint import DigestMemo, json_hash
 from eval.generation import (
@@ -168,8 +168,7 @@ class GateConfig:
         self.longctx_lengths()
         if self.do_sample and (self.temperature <= 0 or not 0 < self.top_p <= 1):
             raise ConfigError("with do_sample, temperature must be > 0 and top_p in (0, 1]")
-        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
-            raise ConfigError(f"device '{self.device}' is not auto, cpu, cuda or cuda:N")
+        resolve_device(self.device)  # an unknown device, or a GPU this machine lacks: one line, before any load
 
     def generation_settings(self) -> GenerationSettings:
         return GenerationSettings(self.max_new_tokens, self.do_sample, self.temperature, self.top_p, self.seed,

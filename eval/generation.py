@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from core.models import DTYPES, ModelSourceError, load_causal_lm, resolve_model_path
+from core.models import DTYPES, ModelSourceError, load_causal_lm, resolve_device, resolve_model_path
 from eval.fingerprint import DigestMemo, directory_fingerprint, json_hash
 from eval.prompt_set import GateInputError, ModelLoadError, Prompt
 
@@ -48,9 +48,7 @@ class GenerationSettings:
     device: str = "auto"
 
     def resolved(self) -> GenerationSettings:
-        device = self.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = resolve_device(self.device)
         dtype = self.dtype
         if dtype == "auto":
             dtype = "bf16" if device.startswith("cuda") else "fp32"

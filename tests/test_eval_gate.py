@@ -353,3 +353,14 @@ def test_lm_metric_intervals_and_the_small_set_warning_follow_the_confidence_lev
     assert widths[0.8] < 0.75 * widths[0.95]  # z 1.28 against 1.96: about 0.65 of the width
     se, threshold = 0.01, 0.015  # 1.28·SE below the threshold, 1.96·SE above it
     assert _warnings(se, threshold, "pass", [], 0.95) and not _warnings(se, threshold, "pass", [], 0.8)
+
+
+@pytest.mark.parametrize("device, says", [("tpu", "device 'tpu' is unknown"), ("cuda", "torch sees no CUDA GPU"),
+                                          ("cuda:1", "torch sees no CUDA GPU")])
+def test_a_device_this_machine_lacks_is_a_config_error_before_any_load(monkeypatch, device, says):
+    from core.config import ConfigError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=says):
+        GateConfig(candidate="c", baseline="b", device=device)
+    assert GateConfig(candidate="c", baseline="b", device="auto").generation_settings().resolved().device == "cpu"
