@@ -107,6 +107,18 @@ def clean_partial(output_dir: str | Path) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
+def model_config(path: Path) -> dict[str, Any] | None:
+    """The model's ``config.json`` saved in checkpoint ``path`` (``student/``), or None when unreadable.
+
+    It records what the run decided before training and must not decide again on resume: a pruned
+    student's shape and kept units, a retrofit's head roles.
+    """
+    try:
+        return json.loads((Path(path) / "student" / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
 def read_state(path: Path) -> dict[str, Any]:
     try:
         return json.loads((path / "trainer_state.json").read_text())

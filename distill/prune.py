@@ -70,8 +70,10 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from attention.integration import SUPPORTED_MODEL_TYPES as SUPPORTED
+from core import checkpoint as ckpt
 from core.config import ConfigError
-from core.models import load_causal_lm, load_tokenizer
+from core.fsio import replace_dir
+from core.models import load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
 from distill.config import DistillConfig
 from distill.data import BlockOrder, build_data, parse_sources
 from distill.model import DistillModel, LossConfig
@@ -814,9 +816,7 @@ def save_pruned(model: PreTrainedModel, tokenizer, out: Path, overwrite: bool = 
             tokenizer.save_pretrained(tmp)
         if extra is not None:
             (tmp / "search.json").write_text(json.dumps(extra, indent=1))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        replace_dir(tmp, out)  # fsynced, then renamed; an old folder goes only once the new one is in place
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -854,13 +854,21 @@ def calibration_data(tokenizer, dataset: str | None, seq_len: int, calib_blocks:
 DEFAULT_RATIO = 1 / 3  # the recipe's budget when it names none: a third of the teacher's non-embedding size
 
 
+PRUNED_DIR = "pruned"  # under a recipe's output_dir: the student its search picked, read back on resume
+
+
 def prune_for_recipe(teacher: PreTrainedModel, tokenizer, cfg: Any, log: Callable[[str], None] = print
                      ) -> PreTrainedModel:
     """``student_init: prune`` in ``recipes/distill.py``: search a student at the config's budget.
 
-    The result is kept per process for the same settings, so the recipe's CE-only ablation starts
-    from the very same student without searching twice.
+    The search decides the student's shape and which teacher layers the ``"derived"`` hidden-state
+    map pairs, and it need not land on the same student twice (other threads, another machine). So a
+    fresh run saves its winner once to ``output_dir/pruned`` (an HF directory with ``search.json``),
+    and a resume (``cfg.resume``) reads the student back instead of searching (:func:`resumed_student`).
+    The result is also kept per process for the same settings.
     """
+    if getattr(cfg, "resume", None) is not None and (student := resumed_student(teacher, cfg, log)) is not None:
+        return student
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # ranks could pick different students on a GPU
         raise PruneError("student_init=prune runs in one process; prune once with python -m distill.prune "
                          "--out DIR, then launch with student=DIR")
@@ -889,7 +897,55 @@ def prune_for_recipe(teacher: PreTrainedModel, tokenizer, cfg: Any, log: Callabl
         f"{result.winner.params_total:,} total) in {result.seconds:.0f}s")
     _recipe_memo.clear()
     _recipe_memo[key] = copy.deepcopy(result.model)
+    if getattr(cfg, "output_dir", None):
+        save_pruned(result.model, tokenizer, Path(cfg.output_dir) / PRUNED_DIR, overwrite=True,
+                    extra=result.to_json())
     return result.model
+
+
+def student_from_record(teacher: PreTrainedModel, record: dict[str, Any]) -> PreTrainedModel:
+    """The student a pruning ``record`` (``config.distill_pruning``, teacher numbering) describes, cut from ``teacher``.
+
+    Exactly the winner's shape and kept units, with the teacher's weights in them (not the weights the
+    search's short distillation left): for a resume, whose checkpoint replaces them.
+    """
+    check_supported(teacher)
+    if record.get("teacher_shape") != asdict(arch_of(teacher)):
+        raise PruneError(f"the pruning record was cut from a {record.get('teacher_shape')} teacher, not this "
+                         f"{asdict(arch_of(teacher))} one; resume with the teacher the run started with")
+    sel = Selection(layers=list(record["kept_layers"]), channels=list(record["kept_channels"]),
+                    kv_heads=[list(x) for x in record["kept_kv_heads"]],
+                    q_heads=[list(x) for x in record["kept_q_heads"]], neurons=[list(x) for x in record["kept_neurons"]])
+    kv = len(sel.kv_heads[0])
+    arch = Arch(layers=len(sel.layers), hidden=len(sel.channels), kv_heads=kv, group=len(sel.q_heads[0]) // kv,
+                intermediate=len(sel.neurons[0]))
+    return prune_model(teacher, sel, arch, copy.deepcopy(record))
+
+
+def resumed_student(teacher: PreTrainedModel, cfg: Any, log: Callable[[str], None] = print
+                    ) -> PreTrainedModel | None:
+    """The student a resumed ``student_init: prune`` run trained, without searching again (None: search).
+
+    The checkpoint resumed from names it: its ``student/config.json`` holds the pruning record (kept
+    layers, channels, heads, neurons). ``output_dir/pruned`` holds the very student the fresh run
+    searched; when its record is the checkpoint's it is loaded, else (a run from before it was saved)
+    the record is cut from the teacher again. A checkpoint without a record (an older run) searches
+    again, with a warning: the search may pick another student than the one the checkpoint holds.
+    """
+    path = ckpt.resolve_resume(cfg.resume, cfg.output_dir)
+    record = (ckpt.model_config(path) or {}).get(RECORD_KEY)
+    if not record:
+        log(f"warning: {path} holds no pruning record (an older run); searching the student again, which may "
+            "not pick the one the checkpoint trained")
+        return None
+    saved = Path(cfg.output_dir) / PRUNED_DIR
+    try:
+        same = json.loads((saved / "config.json").read_text()).get(RECORD_KEY) == record
+    except (OSError, ValueError):
+        same = False
+    if same:
+        return load_causal_lm(str(saved), dtype=next(teacher.parameters()).dtype)
+    return student_from_record(teacher, record)
 
 
 _RECIPE_KEYS = ("teacher", "dataset", "datasets", "eval_dataset", "text_field", "max_train_blocks", "completion_only",
@@ -901,7 +957,8 @@ _recipe_memo: dict[tuple[str, ...], PreTrainedModel] = {}
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m distill.prune", description=__doc__.split("\n\n")[2])
+    p = argparse.ArgumentParser(prog="python -m distill.prune", description=__doc__.split("\n\n")[2],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", required=True, help="teacher: HF directory, hub name or 'smollm2-135m-instruct'")
     p.add_argument("--out", required=True, help="output HF directory for the pruned student")
     p.add_argument("--target-params", type=float, help="budget in parameters (non-embedding unless --count-embeddings)")
@@ -924,8 +981,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(one pass per layer)")
     p.add_argument("--iterative", action="store_true", help="prune at most --max-round-cut per round, distill, repeat")
     p.add_argument("--max-round-cut", type=float, default=0.3, help="largest fraction cut per iterative round")
-    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="model dtype (bf16 on GPUs)")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default="auto",
+                   help="model dtype; auto: bf16 on CUDA, fp32 on CPU (bf16 matmul is slow on CPUs)")
+    p.add_argument("--device", default="auto", help="auto (cuda when torch sees a GPU, else cpu) | cpu | cuda | cuda:N")
     p.add_argument("--offload", action="store_true", help="load the teacher with device_map=auto (layer offload)")
     p.add_argument("--seed", type=int, default=0, help="seed for the short distillation")
     p.add_argument("--overwrite", action="store_true", help="replace an existing pruned model in --out")
@@ -947,8 +1005,8 @@ def main(argv: list[str] | None = None) -> int:
             raise PruneError(f"--out {out} is the --model folder; choose another --out")
         axes = parse_axes(args.axes)
 
-        device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-        dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+        device = resolve_device(args.device)
+        dtype = resolve_dtype(args.dtype, device)
         kw = {"device_map": "auto"} if args.offload else {}
         teacher = load_causal_lm(args.model, dtype=dtype, **kw)
         check_supported(teacher)

@@ -33,8 +33,8 @@ def load_pair(cfg: Any) -> tuple[torch.nn.Module | None, torch.nn.Module, Any]:
 
     The teacher is loaded in fp32 (the accelerator casts for mixed precision) and frozen. Without
     ``cfg.student`` the student is derived from the teacher: by keeping ``cfg.keep_layers``, or by
-    importance pruning + search (``student_init=prune``, :mod:`distill.prune`). With
-    ``cfg.teacher_cache`` set the returned teacher is ``None``.
+    importance pruning + search (``student_init=prune``, :mod:`distill.prune`; a resume reads back the
+    student the fresh run searched). With ``cfg.teacher_cache`` set the returned teacher is ``None``.
     """
     cached = bool(getattr(cfg, "teacher_cache", None))
     try:

@@ -488,6 +488,16 @@ def _warnings(se: float, threshold: float, verdict: str, long_texts: list[dict],
     return notes
 
 
+def _samples(prompts: list[Prompt], refs: list[str], runs: dict[str, GenerationRun], cand_f, base_f, cand_below,
+             base_below) -> list[dict]:
+    """One row per prompt for ``samples.jsonl``: both outputs, their F1, the difference, the floor flags."""
+    return [{"id": p.id, "category": p.category, "kind": p.kind, "prompt": p.prompt, "reference": r,
+             "candidate": c, "baseline": b, "candidate_f1": float(cf), "baseline_f1": float(bf),
+             "difference": float(cf - bf), "candidate_below_floor": bool(cb), "baseline_below_floor": bool(bb)}
+            for p, r, c, b, cf, bf, cb, bb in zip(prompts, refs, runs["candidate"].outputs, runs["baseline"].outputs,
+                                                  cand_f, base_f, cand_below, base_below)]
+
+
 def run_gate(cfg: GateConfig, scorer: BertScore | None = None, generator: Generator | None = None,
              longctx: dict | None = None) -> GateResult:
     """Run the whole gate and write the report; raises :class:`GateInputError` on broken input.
@@ -541,11 +551,7 @@ def run_gate(cfg: GateConfig, scorer: BertScore | None = None, generator: Genera
 
     t = time.perf_counter()
     order = sorted(range(len(prompts)), key=lambda i: (cand_f[i] - base_f[i], cand_f[i]))
-    samples = [{"id": p.id, "category": p.category, "kind": p.kind, "prompt": p.prompt, "reference": r,
-                "candidate": c, "baseline": b, "candidate_f1": float(cf), "baseline_f1": float(bf),
-                "difference": float(cf - bf), "candidate_below_floor": bool(cb), "baseline_below_floor": bool(bb)}
-               for p, r, c, b, cf, bf, cb, bb in zip(prompts, refs, runs["candidate"].outputs,
-                                                     runs["baseline"].outputs, cand_f, base_f, cand_below, base_below)]
+    samples = _samples(prompts, refs, runs, cand_f, base_f, cand_below, base_below)
     report = {
         "schema": SCHEMA,
         "verdict": verdict,

@@ -32,6 +32,7 @@ from distill.config import RESUME_SAFE, DistillConfig
 from distill.data import build_data, steps_for_tokens
 from distill.distributed import configure_deepspeed, deepspeed_settings, is_fsdp, is_zero3, prepare_teacher
 from distill.model import DistillModel, LossConfig
+from distill.prune import PRUNED_DIR
 from distill.sources import load_pair
 from distill.teacher_cache import TeacherCache, check_meta, read_meta
 from distill.training import (
@@ -259,11 +260,14 @@ def main(argv: list[str] | None = None) -> None:
     summary = training_function(cfg, accelerator)
 
     if cfg.compare_ce_only:
-        # The ablation: same student init, steps, data order and schedule; CE on the data only.
+        # The ablation: same student init, steps, data order and schedule; CE on the data only. A searched
+        # student is the one the fresh run saved (a resumed run searched nothing, and must not search again).
+        searched = not cfg.student and cfg.student_init == "prune" and (out / PRUNED_DIR).is_dir()
         base = dataclasses.replace(
             cfg, output_dir=str(out / "ce_only"), kd_weight=0.0, hidden_weight=0.0, attn_weight=0.0,
             focal_weight=0.0, ce_weight=1.0, compare_ce_only=False, gate=False, resume=None, overwrite=True,
             save_every=0, teacher_cache=None, debug_exit_at_step=None, on_policy_fraction=0.0,
+            student=str(out / PRUNED_DIR) if searched else cfg.student,
         )
         if accelerator.is_main_process:
             print("\nablation: training a CE-only student for the same steps")

@@ -42,7 +42,8 @@ from accelerate.utils import set_seed
 import attention
 from attention.errors import HybridAttentionError
 from attention.gates import CONTEXTS as GATE_CONTEXTS
-from attention.spec import HybridAttentionConfig
+from attention.spec import CONFIG_KEY, HybridAttentionConfig
+from core import checkpoint as ckpt
 from core.config import ConfigError, check_fields, field, run_cli
 from core.models import ModelSourceError, enable_checkpointing, load_causal_lm
 from core.tiny import TINY, tiny_teacher
@@ -364,7 +365,8 @@ def training_function(cfg: RetrofitConfig, accelerator: Accelerator) -> dict:
             heldout[length] = heldout_blocks(cfg, tokenizer, length)
 
     if cfg.full_head_share > 0:  # which KV heads keep full attention, scored on the dense teacher
-        spec = choose_head_roles(cfg, model, teacher, tokenizer, spec, data.train, accelerator.is_main_process)
+        spec = (resumed_head_roles(cfg, model, spec, accelerator.is_main_process)
+                or choose_head_roles(cfg, model, teacher, tokenizer, spec, data.train, accelerator.is_main_process))
 
     # ---- teacher–student module, optimizer, schedule -------------------------------------
     # The student is the retrofitted model with its LoRA layers; DistillModel runs the dense
@@ -453,6 +455,32 @@ def choose_head_roles(cfg: RetrofitConfig, model, teacher, tokenizer, spec: Hybr
     return spec
 
 
+def resumed_head_roles(cfg: RetrofitConfig, model, spec: HybridAttentionConfig, main: bool
+                       ) -> HybridAttentionConfig | None:
+    """On resume: the spec with the head roles the run trained with, applied to ``model`` (None: choose them).
+
+    The roles decide which heads stream, and choosing them again (minutes of gate training) need not
+    give the same split: the checkpoint's ``student/config.json`` holds the spec with its
+    ``full_heads`` and ``head_scores``, and that is what LoRA goes on training under. A checkpoint
+    without them (an older run) chooses again, with a warning.
+    """
+    if cfg.resume is None:
+        return None
+    path = ckpt.resolve_resume(cfg.resume, cfg.output_dir)
+    raw = (ckpt.model_config(path) or {}).get(CONFIG_KEY)
+    try:
+        saved = HybridAttentionConfig.from_dict(dict(raw)) if raw else None
+    except (HybridAttentionError, TypeError):
+        saved = None
+    if saved is None or saved.head_scores is None or saved.streaming() != spec.streaming():
+        if main:
+            print(f"warning: {path} holds no head roles for this spec (an older run); choosing them again, which "
+                  "may not give the split the checkpoint trained with")
+        return None
+    attention.retrofit(model, saved)  # the same model object under the LoRA wrapper: the saved spec applies
+    return saved
+
+
 def initial_perplexity(cfg: RetrofitConfig, accelerator: Accelerator, run: Run, model, teacher,
                        heldout: dict[int, torch.Tensor]) -> dict:
     """Dense and hybrid-before perplexity at every held-out length.
@@ -461,7 +489,8 @@ def initial_perplexity(cfg: RetrofitConfig, accelerator: Accelerator, run: Run, 
     """
     init = {"dense": {}, "hybrid_before": {}}
     for length, blocks in sorted(heldout.items()):
-        s, d = evaluate(accelerator, model, blocks, cfg.micro_batch_size, reference=teacher)
+        s, d = evaluate(accelerator, model, blocks, cfg.micro_batch_size, reference=teacher,
+                        progress=f"held-out {length}, dense and hybrid")
         init["dense"][str(length)] = d.perplexity
         init["hybrid_before"][str(length)] = s.perplexity
         run.write(f"held-out perplexity at {length}: dense {d.perplexity:.3f}, hybrid before fine-tune "
@@ -478,7 +507,7 @@ def measure_and_summarize(cfg: RetrofitConfig, accelerator: Accelerator, run: Ru
     after, agreement = {}, None
     for length, blocks in sorted(heldout.items()):
         s, _ = evaluate(accelerator, merged, blocks, cfg.micro_batch_size,
-                        reference=teacher if length == cfg.seq_len else None)
+                        reference=teacher if length == cfg.seq_len else None, progress=f"held-out {length}, merged")
         after[str(length)] = s.perplexity
         if length == cfg.seq_len:
             agreement = s

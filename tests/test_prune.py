@@ -26,9 +26,11 @@ from distill.prune import (
     parse_axes,
     prune_to,
     resolve_target,
+    resumed_student,
     save_pruned,
     search,
     select,
+    student_from_record,
 )
 from distill.student import kept_channels, kept_layers
 
@@ -305,6 +307,59 @@ def test_overwrite_replaces_only_a_folder_prune_wrote(tmp_path):
     assert not (user / "search.json").exists()
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_saved_record_cuts_the_same_student_again(tied):
+    """A resume rebuilds the searched student from its saved record alone (one round or composed): the same
+    config, shape and kept weights; a record of another teacher is refused."""
+    teacher = tiny_model("llama", layers=4, tie_word_embeddings=tied)
+    once = prune_to(teacher, importance(teacher, _blocks(), progress=False), Arch(3, 56, 2, 2, 100))
+    twice = prune_to(once, importance(once, _blocks(seed=2), progress=False), Arch(2, 48, 1, 2, 64))
+    ids = _blocks(2, seed=1)
+    for pruned in (once, twice):
+        record = json.loads(json.dumps(pruned.config.distill_pruning))  # as read back from config.json
+        again = student_from_record(teacher, record)
+        assert again.config.to_dict() == pruned.config.to_dict()
+        want = pruned.state_dict()
+        assert again.state_dict().keys() == want.keys()
+        for k, v in again.state_dict().items():
+            torch.testing.assert_close(v, want[k], rtol=0, atol=0)
+        torch.testing.assert_close(_logits(again, ids), _logits(pruned, ids), rtol=0, atol=0)
+    with pytest.raises(PruneError, match="resume with the teacher the run started with"):
+        student_from_record(tiny_model("llama", layers=3), record)
+
+
+def test_resume_reads_the_searched_student_back(tmp_path):
+    """``resumed_student``: the saved student when ``output_dir/pruned`` holds the checkpoint's record, else the
+    record cut from the teacher; a checkpoint without a record (an older run) searches again, with a warning."""
+    from types import SimpleNamespace
+
+    out = tmp_path / "run"
+    step = out / "checkpoints" / "step-2"
+    (step / "student").mkdir(parents=True)
+    (step / "COMPLETE").write_text("")
+    (step / "trainer_state.json").write_text("{}")
+    cfg = SimpleNamespace(resume="latest", output_dir=str(out))
+    teacher = tiny_model("llama", layers=4)
+    logged: list[str] = []
+    teacher.config.save_pretrained(step / "student")  # no pruning record
+    assert resumed_student(teacher, cfg, logged.append) is None
+    assert len(logged) == 1 and logged[0].startswith("warning:") and "searching the student again" in logged[0]
+
+    searched = prune_to(teacher, importance(teacher, _blocks(), progress=False), Arch(3, 56, 2, 2, 100))
+    with torch.no_grad():  # as the search's short distillation leaves it: not a plain cut of the teacher
+        for p in searched.parameters():
+            p.add_(0.01)
+    searched.config.save_pretrained(step / "student")
+    cut = resumed_student(teacher, cfg, logged.append)  # no pruned/ (a run from before it was saved)
+    assert cut.config.distill_pruning == searched.config.distill_pruning and kept_layers(cut) == kept_layers(searched)
+    assert count_params(cut) == count_params(searched) and len(logged) == 1
+    save_pruned(searched, None, out / "pruned")
+    back = resumed_student(teacher, cfg, logged.append)
+    for k, v in searched.state_dict().items():
+        torch.testing.assert_close(back.state_dict()[k], v, rtol=0, atol=0)
+    assert len(logged) == 1
+
+
 def test_iterative_rounds_cut_at_most_the_round_limit():
     teacher = tiny_model("llama", layers=4).requires_grad_(False)
     blocks = _blocks(6, 32)
@@ -447,3 +502,28 @@ def test_recipe_config_checks_prune_fields():
                     ({"student_init": "cut"}, "student_init must be one of prune, keep_layers")]:
         with pytest.raises(ConfigError, match=msg):
             DistillConfig(**kw)
+
+
+def test_cli_dtype_auto_is_fp32_on_cpu_and_bf16_on_cuda(tmp_path, monkeypatch, capsys):
+    import distill.prune as prune
+
+    seen = []
+
+    def load(name, dtype, **kw):  # stop before any model is built: only the resolution is under test
+        seen.append(dtype)
+        raise PruneError("stop")
+
+    monkeypatch.setattr(prune, "load_causal_lm", load)
+    argv = ["--model", "m", "--out", str(tmp_path / "out"), "--target-ratio", "0.5"]
+    for cuda, want in ((False, torch.float32), (True, torch.bfloat16)):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
+        assert main(argv) == 2 and seen[-1] == want
+    assert main([*argv, "--dtype", "fp32"]) == 2 and seen[-1] == torch.float32  # explicit wins on CUDA too
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    capsys.readouterr()
+    assert main([*argv, "--device", "cuda"]) == 2 and len(seen) == 3  # fails before loading, in one line
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "no CUDA GPU" in err and len(err.splitlines()) == 1
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "auto: bf16 on CUDA, fp32 on CPU" in capsys.readouterr().out

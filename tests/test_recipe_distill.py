@@ -23,6 +23,27 @@ def run(args, check=True, env=None):
     return proc
 
 
+# Runs a recipe with one function replaced by one that fails if called: proves a resume reads back what the
+# fresh run decided instead of deciding it again. argv: the function ("module:name"), the recipe, its arguments.
+REFUSING = """import importlib, runpy, sys
+module, name = sys.argv[1].split(":")
+def refuse(*args, **kwargs):
+    raise AssertionError(f"{module}.{name} ran again")
+setattr(importlib.import_module(module), name, refuse)
+sys.argv = sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def run_refusing(function: str, args, recipe: str = "recipes/distill.py", env=None):
+    """``recipe`` run with ``args``, ``function`` ("module:name") failing the run if it is called."""
+    proc = subprocess.run([sys.executable, "-c", REFUSING, function, recipe, *args], cwd=ROOT, capture_output=True,
+                          text=True, env={**os.environ, **(env or {})}, timeout=600)
+    if proc.returncode != 0:
+        raise AssertionError(f"recipe failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return proc
+
+
 def final_weights(out: Path) -> dict[str, torch.Tensor]:
     return load_file(str(out / "final" / "model.safetensors"))
 
@@ -114,6 +135,34 @@ def test_resume_after_kill_equals_uninterrupted(tmp_path):
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=1e-6)
     assert not torn.exists()
+
+
+@pytest.mark.slow
+def test_pruned_student_resume_reads_the_searched_student_back(tmp_path):
+    """``student_init=prune``: a resume takes the student (shape, kept units, the derived layer map) and the
+    CE-only ablation's start from what the fresh run saved; the search, whose pick may differ on another
+    machine, never runs again, and the run ends as an uninterrupted one does."""
+    common = [*TINY, "student_init=prune", "target_ratio=0.5", "prune_search_steps=1", "prune_top_k=1",
+              "prune_calib_blocks=4", "prune_eval_blocks=2", "attn_weight=0", "max_steps=4", "save_every=2",
+              "eval_every=0", "compare_ce_only=true"]
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    run([*common, f"output_dir={full}"])
+    assert run([*common, f"output_dir={killed}", "debug_exit_at_step=3"], check=False).returncode == 137
+    searched = json.loads((killed / "pruned" / "config.json").read_text())
+    assert (killed / "pruned" / "search.json").is_file() and searched["distill_pruning"]["kept_layers"]
+    proc = run_refusing("distill.prune:search", [*common, f"output_dir={killed}", "resume=latest"])
+    assert "calibrated on" not in proc.stdout and "warning" not in proc.stdout
+    config = json.loads((killed / "final" / "config.json").read_text())
+    for key in ("distill_pruning", "distill_kept_layers", "num_hidden_layers", "hidden_size", "intermediate_size"):
+        assert config[key] == searched[key], key
+    a, b = (json.loads((p / "summary.json").read_text()) for p in (full, killed))
+    assert b["final_loss"] == pytest.approx(a["final_loss"], rel=1e-6, abs=1e-7)
+    assert b["ce_only_ppl_final"] == pytest.approx(a["ce_only_ppl_final"], rel=1e-6)
+    for sub in ("final", "ce_only/final"):
+        wa, wb = (load_file(str(p / sub / "model.safetensors")) for p in (full, killed))
+        assert wa.keys() == wb.keys()
+        for k in wa:
+            torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ from attention.spec import CONFIG_KEY, HybridAttentionConfig
 from core.config import ConfigError, parse_config
 from core.tiny import tiny_teacher
 from recipes.retrofit import RetrofitConfig, training_window
+from tests.test_recipe_distill import run_refusing
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--config", "recipes/configs/retrofit_tiny.yaml"]
@@ -130,14 +131,49 @@ def test_resume_after_kill_equals_uninterrupted(tiny_run, tmp_path):
     killed = tmp_path / "killed"
     proc = run([*TINY, f"output_dir={killed}", "max_steps=4", "save_every=2", "debug_exit_at_step=3"], check=False)
     assert proc.returncode == 137 and not (killed / "final").exists()
-    run([*TINY, f"output_dir={killed}", "max_steps=4", "save_every=2", "resume=latest"])
+    # The head roles (gate training) are read back from the checkpoint, never chosen again: another pick would
+    # go on training LoRA under another full/streaming split.
+    proc = run_refusing("attention.heads:find_head_roles",
+                        [*TINY, f"output_dir={killed}", "max_steps=4", "save_every=2", "resume=latest"],
+                        recipe="recipes/retrofit.py", env={"OMP_NUM_THREADS": "2"})
+    assert "head gates" not in proc.stderr and "warning" not in proc.stdout
     a, b = (json.loads((p / "summary.json").read_text()) for p in (out, killed))
+    assert b["hybrid_attention"] == a["hybrid_attention"] and a["hybrid_attention"]["full_heads"]
     assert b["final_loss"] == pytest.approx(a["final_loss"], rel=1e-5)
     for length, row in a["perplexity"].items():
         assert b["perplexity"][length] == pytest.approx(row, rel=1e-5), length
     wa, wb = (load_file(str(p / "final" / "model.safetensors")) for p in (out, killed))
     for k in wa:
         torch.testing.assert_close(wb[k], wa[k], rtol=1e-5, atol=1e-6)
+
+
+def test_resume_takes_the_head_roles_the_checkpoint_trained_with(tmp_path, capsys):
+    """The checkpoint's config.json spec (full heads + scores) is applied as saved; one without roles (an older
+    run) or of another pattern makes the recipe choose them again, with a warning."""
+    import dataclasses
+
+    from recipes.retrofit import resumed_head_roles
+
+    step = tmp_path / "checkpoints" / "step-2"
+    (step / "student").mkdir(parents=True)
+    (step / "COMPLETE").write_text("")
+    (step / "trainer_state.json").write_text("{}")
+    cfg = parse_config(RetrofitConfig, [*TINY, f"output_dir={tmp_path}", "resume=latest"])
+    spec = cfg.spec()
+    saved = tiny_teacher(cfg.seed)
+    attention.retrofit(saved, spec)
+    saved.config.save_pretrained(step / "student")  # no roles
+    model = tiny_teacher(cfg.seed)
+    attention.retrofit(model, spec)
+    assert resumed_head_roles(cfg, model, spec, main=True) is None
+    assert capsys.readouterr().out.startswith("warning:")
+    roles = dataclasses.replace(spec, full_heads={1: [0], 3: [1]}, head_scores={"method": "gates", "scores": [[0.5]]})
+    attention.retrofit(saved, roles)
+    saved.config.save_pretrained(step / "student")
+    assert resumed_head_roles(cfg, model, spec, main=True) == roles
+    assert getattr(model.config, CONFIG_KEY) == roles.to_dict() and capsys.readouterr().out == ""
+    other = dataclasses.replace(spec, window=spec.window + 1)
+    assert resumed_head_roles(cfg, model, other, main=True) is None and "warning:" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("args, needle", [
