@@ -159,7 +159,7 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: 
         run.record(step, terms, scheduler.get_last_lr()[0], tokens=global_batch * cfg.seq_len)
         if run.due(step, cfg.eval_every) or run.last(step):
             s, _ = evaluate(accelerator, unwrapped.student, data.eval, cfg.micro_batch_size,
-                            reference=None if cache else teacher, mask=data.eval_mask)
+                            reference=None if cache else teacher, mask=data.eval_mask, progress="held-out")
             state.evals.append({"step": step + 1, "perplexity": s.perplexity, "top1_agreement": s.top1_agreement,
                                 "kl_to_teacher": s.kl, "teacher_perplexity": state.init.get("teacher_ppl")})
             if cfg.tracker != "none":
@@ -196,7 +196,8 @@ def initial_metrics(cfg: DistillConfig, accelerator: Accelerator, run: Run, stud
         init = dict(known)
         kl = None
     else:
-        s, t = evaluate(accelerator, student, heldout, cfg.micro_batch_size, reference=teacher, mask=heldout_mask)
+        s, t = evaluate(accelerator, student, heldout, cfg.micro_batch_size, reference=teacher, mask=heldout_mask,
+                        progress="held-out, before training")
         teacher_ppl = t.perplexity if t is not None else (cache.meta.get("teacher_ppl") if cache else None)
         init = {"teacher_ppl": teacher_ppl, "student_ppl_init": s.perplexity, "top1_agreement_init": s.top1_agreement}
         kl = s.kl
