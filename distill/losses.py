@@ -355,8 +355,10 @@ def focal_loss(logits: Tensor, labels: Tensor, *, alpha: float = 0.25, gamma: fl
     if gamma == 0:
         # Skip pow: d/dx x^0 evaluates 0 * x^-1, which is NaN at p = 1.
         return _mean(-alpha * log_p)
-    # 1 - p computed as -expm1(log p): exact for p close to 1, where the focal weight matters most.
-    weight = (-torch.expm1(log_p)).clamp(min=0.0).pow(gamma)
+    # 1 - p computed as -expm1(log p): exact for p close to 1, where the focal weight matters most. Clamped
+    # at the smallest normal float, not 0: at p == 1 (a confident token in fp32) pow's gradient for gamma < 1
+    # is gamma * 0^(gamma - 1) = inf, and inf * 0 turns the whole step's gradient into NaN.
+    weight = (-torch.expm1(log_p)).clamp(min=torch.finfo(log_p.dtype).tiny).pow(gamma)
     return _mean(-alpha * weight * log_p)
 
 

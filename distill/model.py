@@ -196,15 +196,19 @@ def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def _kd_path(cfg: LossConfig, cached_teacher: bool) -> str:
-    """How the logits term is computed, decided once: none, cached, full, chunked or chunked+ce."""
+def _kd_path(cfg: LossConfig, cached_teacher: bool, head_rows_shared: bool = True) -> str:
+    """How the logits term is computed, decided once: none, cached, full, chunked or chunked+ce.
+
+    ``head_rows_shared``: the student's head has no rows past the shared vocabulary. Only then can CE ride
+    in the chunked KD pass, which sees the shared rows alone; CE is over the student's whole head either way.
+    """
     if cfg.kd_weight == 0:
         return "none"
     if cached_teacher:
         return "cached"
     if cfg.kd_chunk_size is None:
         return "full"
-    return "chunked+ce" if cfg.ce_weight > 0 else "chunked"
+    return "chunked+ce" if cfg.ce_weight > 0 and head_rows_shared else "chunked"
 
 
 class DistillModel(nn.Module):
@@ -336,7 +340,9 @@ class DistillModel(nn.Module):
     @property
     def kd_path(self) -> str:
         """How the logits term is computed (:func:`_kd_path`); follows ``loss_config`` if it is swapped."""
-        return _kd_path(self.loss_config, self.cached_teacher)
+        weight = self.student.get_output_embeddings().weight
+        rows = getattr(weight, "ds_shape", weight.shape)[0]  # ZeRO-3 leaves an empty shard in .shape
+        return _kd_path(self.loss_config, self.cached_teacher, head_rows_shared=rows == self.vocab)
 
     @property
     def _live_teacher(self) -> bool:

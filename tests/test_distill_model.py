@@ -114,6 +114,24 @@ def test_chunked_and_full_kd_paths_agree_with_gradients():
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-8, atol=1e-12)
 
 
+def test_ce_is_over_the_students_whole_head_whichever_kd_path_computes_it():
+    """A student head with rows past the shared vocabulary (padding): CE is its full softmax on every path, so
+    kd_chunk_size does not change the objective."""
+    teacher = tiny_model(layers=2, seed=0, vocab_size=320).double()
+    student = tiny_model(layers=2, seed=1, vocab_size=400).double()
+    x = ids()
+    outs = []
+    for chunk in (None, 8):
+        with pytest.warns(UserWarning, match="comparing the first 320 logits"):
+            m = DistillModel(student, teacher, loss_config(kd_chunk_size=chunk, ce_weight=1.0), tokenizer_size=300)
+        outs.append(m(x))
+        m.remove_hooks()
+    torch.testing.assert_close(outs[0].ce, outs[1].ce, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(outs[0].kd, outs[1].kd, rtol=1e-10, atol=1e-12)
+    full = F.cross_entropy(student(x).logits[:, :-1].reshape(-1, 400), x[:, 1:].reshape(-1))
+    torch.testing.assert_close(outs[1].ce, full, rtol=1e-10, atol=1e-12)
+
+
 def test_padding_never_counts():
     teacher, student = pair()
     m = DistillModel(student, teacher, loss_config(kd_weight=1.0, ce_weight=1.0, hidden_weight=1.0,

@@ -362,6 +362,19 @@ def test_focal_matches_naive(alpha, gamma):
     assert_rel(grads_of(out, logits)[0], grads_of(ref, logits)[0], 1e-9)
 
 
+@pytest.mark.parametrize("gamma", [0.5, 1.0, 2.0])
+def test_focal_gradient_stays_finite_on_a_token_the_student_is_sure_of(gamma):
+    """At a logit margin of 30, p_y is exactly 1 in fp32: the focal weight's gradient must not become NaN."""
+    logits = torch.tensor([[30.0, 0.0, 0.0], [0.0, 1.0, 2.0]], requires_grad=True)
+    labels = torch.tensor([0, 2])
+    out = focal_loss(logits, labels, alpha=1.0, gamma=gamma)
+    (g,) = grads_of(out, logits)
+    assert torch.isfinite(g).all()
+    ref = logits.detach().double().requires_grad_()
+    (g_ref,) = grads_of(naive_focal(ref, labels, 1.0, gamma), ref)
+    torch.testing.assert_close(g.double(), g_ref, rtol=1e-5, atol=1e-7)
+
+
 def test_focal_gamma0_alpha1_is_ce_and_ce_matches_torch():
     logits, labels = make_labels(dtype=torch.float32)
     logits.requires_grad_()
