@@ -488,8 +488,9 @@ def normalized_mse(student_h: Tensor, teacher_h: Tensor, mask: Tensor) -> Tensor
 
     Residual streams of real LMs carry a few huge "massive activation" features (hundreds in
     SmolLM2), so raw MSE is in the thousands and swamps every other term; normalizing each token by
-    its own teacher state makes it scale-free and keeps the term a plain token mean, so gradient
-    accumulation stays exact (a batch-level normalizer would not). Shapes: ``[batch, seq, d]`` and
+    its own teacher state makes it scale-free and keeps the term a plain token mean, so the recipes'
+    token-weighted accumulation (:func:`distill.training.token_weights`) stays exact (a batch-level
+    normalizer would not). Shapes: ``[batch, seq, d]`` and
     ``mask`` ``[batch, seq]``; no counted token gives 0 with a graph.
     """
     t = teacher_h.float()

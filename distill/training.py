@@ -189,20 +189,45 @@ def warmup_cosine(warmup_steps: int, max_steps: int, min_lr_ratio: float):
     return f
 
 
+def target_count(loss_mask: torch.Tensor | None, shape: tuple[int, int]) -> int:
+    """The targets a data micro-batch's loss averages over: ``loss_mask`` ``[rows, seq]``'s shifted ones, or
+    every next token of its ``shape`` ``(rows, seq)`` blocks."""
+    return int(loss_mask[:, 1:].sum()) if loss_mask is not None else shape[0] * (shape[1] - 1)
+
+
+def token_weights(accelerator: Accelerator, counts: list[int | None]) -> list[float]:
+    """Loss weights that make a step's gradient a mean over its data tokens, not over its micro-batches.
+
+    Each loss term is a mean over its own micro-batch's targets, so with completion-only chat masks a token
+    in a micro-batch of few assistant tokens would weigh more than one in a full micro-batch. ``counts``: the
+    targets of each of this rank's micro-batches (:func:`target_count`; None: one outside the data, an
+    on-policy micro-batch, weight 1). A counted one gets its count over the mean count of the step's counted
+    micro-batches on every rank: equal counts (plain packed text) give exactly 1.
+    """
+    known = [c for c in counts if c is not None]
+    total = torch.tensor([float(sum(known)), float(len(known))], dtype=torch.float64, device=accelerator.device)
+    total_sum, total_n = accelerator.reduce(total, reduction="sum").tolist()
+    mean = total_sum / total_n if total_sum > 0 else 1.0
+    return [1.0 if c is None else c / mean for c in counts]
+
+
 def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer, scheduler, params: list,
                micro_batches: Iterable[Any], forward: Callable[[Any], Any], *, grad_accum: int,
-               max_grad_norm: float, keep: Iterable[str] | None = None) -> dict[str, float]:
+               max_grad_norm: float, keep: Iterable[str] | None = None,
+               weights: list[float] | None = None) -> dict[str, float]:
     """One optimizer step over ``micro_batches``; the loss terms, averaged over micro-batches and ranks.
 
     ``forward(micro_batch)`` returns a :class:`distill.model.DistillOutput`; ``keep`` names the terms
-    reported (default: every non-zero one) besides ``loss``.
+    reported (default: every non-zero one) besides ``loss``. ``weights`` (:func:`token_weights`, one per
+    micro-batch): each micro-batch's loss is scaled by it, in the gradient and in the reported terms.
     """
     sums: dict[str, float] = {}
-    for micro in micro_batches:
+    for i, micro in enumerate(micro_batches):
+        w = 1.0 if weights is None else weights[i]
         with accelerator.accumulate(model):
             output = forward(micro)
             loss = output.loss
-            accelerator.backward(loss)
+            accelerator.backward(loss if w == 1.0 else loss * w)
             if accelerator.sync_gradients and max_grad_norm > 0:
                 accelerator.clip_grad_norm_(params, max_grad_norm)
             optimizer.step()
@@ -214,7 +239,7 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer, sche
             terms = {k: v for k, v in terms.items() if k in keep}
         terms["loss"] = float(loss.detach())
         for k, v in terms.items():
-            sums[k] = sums.get(k, 0.0) + v / grad_accum
+            sums[k] = sums.get(k, 0.0) + v * w / grad_accum
     reduced = accelerator.reduce(torch.tensor(list(sums.values()), device=accelerator.device), reduction="mean")
     return {k: float(v) for k, v in zip(sums, reduced.tolist())}
 

@@ -41,6 +41,8 @@ from distill.training import (
     finish_run,
     save_hf_dir,
     start_run,
+    target_count,
+    token_weights,
     train_step,
     warmup_cosine,
 )
@@ -150,10 +152,14 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: 
     # ---- loop ---------------------------------------------------------------------------
     model.train()
     for step in run.steps():
-        micro = enumerate(order.micro_batches(data.train, step, accelerator.process_index,
-                                              accelerator.num_processes, cfg.micro_batch_size))
+        micro = list(enumerate(order.micro_batches(data.train, step, accelerator.process_index,
+                                                   accelerator.num_processes, cfg.micro_batch_size)))
+        # a mean over the step's data tokens, whatever each micro-batch's share of completion-only targets
+        weights = token_weights(accelerator, [
+            None if policy is not None and policy.wants(step, j, cfg.grad_accum)
+            else target_count(data.train.loss_mask(index), tuple(blocks.shape)) for j, (index, blocks) in micro])
         terms = train_step(accelerator, model, optimizer, scheduler, params, micro, forward,
-                           grad_accum=cfg.grad_accum, max_grad_norm=cfg.max_grad_norm)
+                           grad_accum=cfg.grad_accum, max_grad_norm=cfg.max_grad_norm, weights=weights)
         if policy is not None:  # rollout tokens/s and share of time generating so far (this rank, this step included)
             terms |= policy.stats(run.loop_seconds_now())
         run.record(step, terms, scheduler.get_last_lr()[0], tokens=global_batch * cfg.seq_len)

@@ -58,6 +58,8 @@ from distill.training import (
     finish_run,
     save_hf_dir,
     start_run,
+    target_count,
+    token_weights,
     train_step,
     warmup_cosine,
 )
@@ -405,10 +407,14 @@ def training_function(cfg: RetrofitConfig, accelerator: Accelerator) -> dict:
     for step in run.steps():
         window, length = training_window(spec, cfg.seq_len, cfg.seed, step)
         step_window["window"] = window
-        micro = order.micro_batches(data.train, step, accelerator.process_index, accelerator.num_processes,
-                                    cfg.micro_batch_size)
+        micro = list(order.micro_batches(data.train, step, accelerator.process_index, accelerator.num_processes,
+                                         cfg.micro_batch_size))
+        weights = token_weights(accelerator, [  # a mean over the step's tokens (completion-only masks differ)
+            target_count(None if (m := data.train.loss_mask(index)) is None else m[:, :length],
+                         (blocks.shape[0], length)) for index, blocks in micro])
         terms = train_step(accelerator, distill_model, optimizer, scheduler, params, micro, forward,
-                           grad_accum=cfg.grad_accum, max_grad_norm=cfg.max_grad_norm, keep=("kd", "ce"))
+                           grad_accum=cfg.grad_accum, max_grad_norm=cfg.max_grad_norm, keep=("kd", "ce"),
+                           weights=weights)
         run.record(step, terms, scheduler.get_last_lr()[0], tokens=global_batch * length, window=window,
                    tokens_per_block=length)
         if run.due(step, cfg.eval_every) and not run.last(step):

@@ -12,7 +12,9 @@ Documents are tokenized with every core (local ``.jsonl``: forked workers over b
 :mod:`distill.data.parallel`; other sources: ``datasets.map(num_proc=...)``), joined with EOS, and
 packed into fixed ``[seq_len]`` blocks stored as uint16/uint32 in memory-mapped files under the
 data cache (:mod:`distill.data.prepare`); no padding, so every micro-batch holds the same number of
-tokens and gradient accumulation is exact. Held-out documents are chosen per document, before
+tokens. With completion-only masks the number of targets differs, and the recipes weight each
+micro-batch's loss by its targets (:func:`distill.training.token_weights`) so that a step is still a mean
+over its tokens. Held-out documents are chosen per document, before
 packing, so no document straddles the split. Several sources mix by weight
 (:class:`~distill.data.order.MixtureOrder`), the order a pure function of ``(seed, step)``; a source
 marked ``streaming`` is read on the fly instead (:mod:`distill.data.stream`), alone or in a mixture.
