@@ -87,6 +87,14 @@ def losses_for(cfg: DistillConfig, accelerator: Accelerator) -> LossConfig:
 # The training function
 # --------------------------------------------------------------------------------------------
 
+def step_weights(accelerator: Accelerator, data, micro: list, policy, step: int, grad_accum: int) -> list[float]:
+    """Each micro-batch's loss weight: a step is a mean over its data tokens, whatever each micro-batch's share
+    of completion-only targets (:func:`distill.training.token_weights`); on-policy micro-batches weigh 1."""
+    return token_weights(accelerator, [
+        None if policy is not None and policy.wants(step, j, grad_accum)
+        else target_count(data.train.loss_mask(index), tuple(blocks.shape)) for j, (index, blocks) in micro])
+
+
 def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: dict | None = None) -> dict:
     """Train one student; ``known_init`` reuses held-out metrics already measured on the same pair."""
     if is_fsdp(accelerator):
@@ -154,10 +162,7 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: 
     for step in run.steps():
         micro = list(enumerate(order.micro_batches(data.train, step, accelerator.process_index,
                                                    accelerator.num_processes, cfg.micro_batch_size)))
-        # a mean over the step's data tokens, whatever each micro-batch's share of completion-only targets
-        weights = token_weights(accelerator, [
-            None if policy is not None and policy.wants(step, j, cfg.grad_accum)
-            else target_count(data.train.loss_mask(index), tuple(blocks.shape)) for j, (index, blocks) in micro])
+        weights = step_weights(accelerator, data, micro, policy, step, cfg.grad_accum)
         terms = train_step(accelerator, model, optimizer, scheduler, params, micro, forward,
                            grad_accum=cfg.grad_accum, max_grad_norm=cfg.max_grad_norm, weights=weights)
         if policy is not None:  # rollout tokens/s and share of time generating so far (this rank, this step included)
