@@ -322,8 +322,10 @@ def test_project_conflict_removes_only_a_conflicting_component():
     assert math.isnan(bench.project_conflict(params, [None] * len(params)))  # no reference yet
 
 
-def test_projected_arms_run_the_same_steps_and_change_the_student_only_through_conflicts():
-    """--project data / momentum: the same steps as none; the trained student differs iff some rollout conflicted."""
+def test_projected_arms_run_the_same_steps_and_change_the_student_when_rollouts_conflict():
+    """--project data / momentum: the same steps as none; on this pair rollouts conflict, and the projection then
+    changes the trained student (that it leaves a non-conflicting gradient alone is
+    test_project_conflict_removes_only_a_conflicting_component's)."""
     bench = _bench()
     teacher, student = _pair()
     tok = tiny_tokenizer()
@@ -339,7 +341,7 @@ def test_projected_arms_run_the_same_steps_and_change_the_student_only_through_c
         assert -1 <= row["rollout_cos"] <= 1, how
         if how != "none":
             assert row["rollout_conflicts"] > 0, how  # the tiny pair conflicts: the projection is exercised
-            assert (row["ppl"] != rows["none"]["ppl"]) == (row["rollout_conflicts"] > 0), how
+            assert row["ppl"] != rows["none"]["ppl"], how
 
 
 def _trained_state(bench, tmp_path, student, extra: list[str], fraction: float) -> dict[str, torch.Tensor]:
