@@ -215,20 +215,25 @@ class Rollouts:
                              prefix_cache_bytes=0)
         student.train(was)  # the engine puts its model in eval mode; training continues in train mode
         self._synced = self._weights_version()
+        self._copies_step: int | None = None  # the optimizer step the decode copies were built at
         self.syncs = 0  # decode-copy refreshes so far
 
     def _weights_version(self) -> tuple[tuple[int, int], ...]:
         """Changes whenever a parameter is replaced or updated in place (``Tensor._version``)."""
         return tuple((q.data_ptr(), q._version) for q in self.model.parameters())
 
-    def sync(self) -> None:
-        """Refresh the engine's decode copies if the student's weights changed since the last sync."""
+    def sync(self, step: int | None = None) -> None:
+        """Refresh the engine's decode copies if the student's weights changed since the last sync.
+
+        A new optimizer ``step`` always refreshes: some updates change a parameter without bumping its
+        ``_version`` (``AdamW(fused=True)``, writes through ``.data``), and the copies must not go stale.
+        """
         if self.engine.model.fast_weight_bytes() == 0:
             return
         version = self._weights_version()
-        if version != self._synced:
+        if version != self._synced or (step is not None and step != self._copies_step):
             self.engine.model.refresh_fast_weights()
-            self._synced = version
+            self._synced, self._copies_step = version, step
             self.syncs += 1
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams], step: int | None = None
@@ -244,10 +249,14 @@ class Rollouts:
         was = self.student.training
         self.student.eval()
         try:
-            self.sync()
-            return [c.token_ids for c in self.engine.generate(prompts, params)]
+            self.sync(step)
+            done = self.engine.generate(prompts, params)
         finally:
             self.student.train(was)
+        if failed := [i for i, c in enumerate(done) if c.finish_reason == "error"]:
+            raise OnPolicyError(f"the engine failed on rollout rows {failed} (see its log: e.g. non-finite logits "
+                                "from diverged weights); lower lr or check the run")
+        return [c.token_ids for c in done]
 
 
 class OnPolicy:

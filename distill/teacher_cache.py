@@ -233,7 +233,9 @@ class TeacherCache:
                 f"teacher cache {path} was made from other data (dataset/seq_len/tokenizer differ); rerun "
                 "recipes/cache_teacher.py with this run's dataset and seq_len"
             )
-        shards = [shard_arrays(s) for s in sorted(path.glob("shard-*.safetensors"))]
+        # numeric order: from shard 100000 on the names grow a digit and string order is not shard order
+        shards = [shard_arrays(s) for s in sorted(path.glob("shard-*.safetensors"),
+                                                   key=lambda p: int(p.stem.split("-", 1)[1]))]
         if not shards:
             raise TeacherCacheError(f"teacher cache {path} has no shards; rerun recipes/cache_teacher.py")
         blocks = sum(sh["index"][1][0] for sh in shards)

@@ -165,6 +165,26 @@ def test_queued_rollout_rows_feed_the_next_on_policy_micro_batches():
     assert len(policy.queue) == 2 and policy.stats(1.0)["rollout_calls"] == 2 and policy.micro_batches == 4
 
 
+def test_rollouts_follow_weights_that_fused_adamw_updates_without_a_version_bump():
+    """AdamW(fused=True) writes parameters without bumping Tensor._version: a new optimizer step must still
+    rebuild the decode copies, or the rollouts come from the old weights."""
+    _, student, model = _pair("forward_kl")
+    blocks = torch.randint(3, 320, (3, 16), generator=torch.Generator().manual_seed(2))
+    policy = _policy(model, temperature=0.8, max_new=8, prompt=8)
+    opt = torch.optim.AdamW(student.parameters(), lr=0.05, fused=True)
+    policy.generate(blocks, 0, 0)
+    versions = [q._version for q in student.parameters()]
+    policy.forward(blocks, 0, 1, torch.device("cpu")).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    assert [q._version for q in student.parameters()] == versions  # what made the version check blind
+    during = policy.generate(blocks, 1, 0)
+    prompts = [row[:8].tolist() for row in blocks]
+    fresh = Engine(model=copy.deepcopy(student), tokenizer=tiny_tokenizer(), max_batch=3, max_seq_len=16)
+    alone = rollout_batch(prompts, [c.token_ids for c in fresh.generate(prompts, policy.params_for(3, 1, 0))], 0)
+    assert torch.equal(during["input_ids"], alone["input_ids"])
+
+
 def test_rollouts_during_training_follow_the_live_weights():
     """After optimizer steps the training engine's rollouts equal a fresh engine's on a copy of the weights."""
     _, student, model = _pair("forward_kl")
@@ -177,14 +197,14 @@ def test_rollouts_during_training_follow_the_live_weights():
     opt = torch.optim.AdamW(student.parameters(), lr=0.05)
     before = policy.generate(blocks, 0, 0)
     policy.generate(blocks, 0, 1)
-    assert rollouts.syncs == 0  # unchanged weights: the decode copies are not rebuilt
+    assert rollouts.syncs == 1  # built for step 0's weights once; the same step does not rebuild them
     for step in range(2):
         policy.forward(blocks, step, 0, torch.device("cpu")).loss.backward()
         opt.step()
         opt.zero_grad()
     assert student.training  # rollouts leave the student in train mode
     during = policy.generate(blocks, 5, 0)
-    assert rollouts.syncs == 2  # once after each update seen by a rollout (step 1's rollout saw step 0's)
+    assert rollouts.syncs == 3  # once per step that rolled out: 0, 1 (inside forward) and 5
     prompts = [row[:40].tolist() for row in blocks]
     fresh = Engine(model=copy.deepcopy(student), tokenizer=tiny_tokenizer(), max_batch=3, max_seq_len=48)
     alone = rollout_batch(prompts, [c.token_ids for c in fresh.generate(prompts, policy.params_for(3, 5, 0))], 0)
@@ -208,14 +228,25 @@ def test_stale_decode_copies_would_change_rollouts():
     with torch.no_grad():
         for q in student.parameters():
             q.add_(torch.randn_like(q) * 0.5)
-    policy.rollouts._synced = policy.rollouts._weights_version()  # pretend nothing changed
-    stale = policy.generate(blocks, 1, 0)
+    policy.rollouts._synced = policy.rollouts._weights_version()  # pretend nothing changed (the same step)
+    stale = policy.generate(blocks, 0, 1)
     prompts = [row[:4].tolist() for row in blocks]
     fresh = Engine(model=copy.deepcopy(student), tokenizer=tiny_tokenizer(), max_batch=3, max_seq_len=12)
-    alone = rollout_batch(prompts, [c.token_ids for c in fresh.generate(prompts, policy.params_for(3, 1, 0))], 0)
+    alone = rollout_batch(prompts, [c.token_ids for c in fresh.generate(prompts, policy.params_for(3, 0, 1))], 0)
     assert not torch.equal(stale["input_ids"], alone["input_ids"])
     policy.rollouts._synced = ()  # now let it see the change
-    assert torch.equal(policy.generate(blocks, 1, 0)["input_ids"], alone["input_ids"])
+    assert torch.equal(policy.generate(blocks, 0, 1)["input_ids"], alone["input_ids"])
+
+
+def test_a_rollout_row_the_engine_failed_on_stops_the_step_in_one_line():
+    """Non-finite logits make the engine finish a row with "error": that must not become an empty rollout."""
+    _, student, model = _pair("forward_kl")
+    policy = _policy(model, temperature=1.0, max_new=4)
+    blocks = torch.randint(3, 320, (3, 8), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        student.get_output_embeddings().weight[5] = float("nan")
+    with pytest.raises(OnPolicyError, match=r"the engine failed on rollout rows \[0, 1, 2\]"):
+        policy.generate(blocks, 0, 0)
 
 
 def test_settings_errors_are_one_line_and_early():

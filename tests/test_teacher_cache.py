@@ -221,6 +221,24 @@ def test_cache_reads_rows_from_the_shards_on_demand(tmp_path):
     assert fingerprint(blocks) == fingerprint(blocks, chunk=3) == fingerprint(mapped, chunk=2) == naive
 
 
+def test_shards_are_read_in_numeric_order_past_five_digits(tmp_path):
+    """From shard 100000 on the names grow a digit: string order would put it before shard 99999."""
+    from safetensors.torch import load_file
+
+    tok = tiny_tokenizer()
+    blocks = torch.randint(0, 320, (7, 8), generator=torch.Generator().manual_seed(0))
+    path = tmp_path / "c"
+    _write_cache(path, blocks, tok)
+    whole = load_file(str(path / "shard-00000.safetensors"))
+    (path / "shard-00000.safetensors").unlink()
+    for name, (lo, hi) in (("shard-99999", (0, 4)), ("shard-100000", (4, 7))):
+        write_shard(path / f"{name}.safetensors", whole["index"][lo:hi], whole["logprobs"][lo:hi],
+                    whole["counts"][lo:hi])
+    cache = TeacherCache(path, blocks, vocab_size=320, tokenizer=tok, temperature=1.0)
+    pick = torch.arange(7)
+    assert torch.equal(cache.lookup(pick, "cpu").ids, whole["index"][pick].long())
+
+
 def _cache_cmd(out: Path, *extra: str) -> list[str]:
     return ["recipes/cache_teacher.py", "teacher=tiny-random", "seq_len=32", "max_blocks=20", "shard_blocks=4",
             "mode=sampled", "samples=6", "batch_size=3", f"output_dir={out}", *extra]
