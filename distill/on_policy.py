@@ -238,7 +238,8 @@ class Rollouts:
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams], step: int | None = None
                  ) -> list[list[int]]:
-        """Continuations (token ids, stop token excluded) of ``prompts`` with the current weights.
+        """Continuations (token ids) of ``prompts`` with the current weights, ending in the stop token when one
+        ended them: where the student chose to stop is a position the teacher judges too.
 
         ``step``: the optimizer step; a sharded student's replica is refreshed when it changes (every
         rank calls this at the same steps, so the refresh's collective lines up).
@@ -256,7 +257,7 @@ class Rollouts:
         if failed := [i for i, c in enumerate(done) if c.finish_reason == "error"]:
             raise OnPolicyError(f"the engine failed on rollout rows {failed} (see its log: e.g. non-finite logits "
                                 "from diverged weights); lower lr or check the run")
-        return [c.token_ids for c in done]
+        return [c.token_ids + ([c.stop_token] if c.stop_token is not None else []) for c in done]
 
 
 class OnPolicy:

@@ -57,6 +57,7 @@ class Completion:
     token_ids: list[int]
     finish_reason: str  # "stop" | "length" | "cancelled" | "error"
     prompt_tokens: int
+    stop_token: int | None = None  # the stop token that ended it (not in token_ids); None: no stop token did
 
 
 class Request:
@@ -79,6 +80,7 @@ class Request:
         self.pos = -1  # absolute position of the last token fed to the model
         self.prefilled = 0  # prompt tokens already in the cache row (restored or prefilled)
         self.finish_reason: str | None = None
+        self.stop_token: int | None = None
         self.cancelled = False
         self.generator: torch.Generator | None = None
         self.arrival = time.perf_counter()
@@ -93,7 +95,8 @@ class Request:
         return self.finish_reason is not None
 
     def result(self) -> Completion:
-        return Completion(self.text.text, list(self.out_ids), self.finish_reason or "", len(self.prompt_ids))
+        return Completion(self.text.text, list(self.out_ids), self.finish_reason or "", len(self.prompt_ids),
+                          self.stop_token)
 
 
 def device_problem(device: str | None) -> str | None:
@@ -401,6 +404,7 @@ class Engine:
         if req.first_token_at is None:
             req.first_token_at = time.perf_counter()
         if token in req.stop_ids:
+            req.stop_token = token
             self._finish(req, "stop")
             return
         req.out_ids.append(token)

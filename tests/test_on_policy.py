@@ -238,6 +238,27 @@ def test_stale_decode_copies_would_change_rollouts():
     assert torch.equal(policy.generate(blocks, 0, 1)["input_ids"], alone["input_ids"])
 
 
+def test_a_rollout_that_stops_keeps_its_stop_token_as_a_trained_target():
+    """The student's decision to stop is a position the teacher judges too: a rollout that samples its EOS
+    carries it as its last label (an engine completion leaves it out of token_ids)."""
+    from serve.sampling import SamplingParams
+
+    _, student, model = _pair("forward_kl")
+    blocks = torch.randint(3, 320, (1, 8), generator=torch.Generator().manual_seed(4))
+    prompt = blocks[0, :4].tolist()
+    free = Engine(model=copy.deepcopy(student).eval(), tokenizer=tiny_tokenizer(), max_batch=1, max_seq_len=12)
+    greedy = free.generate([prompt], [SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)])[0]
+    first, second = greedy.token_ids[:2]
+    assert first != second  # so the stop comes at the second token, not the first
+    student.generation_config.eos_token_id = second  # the student's own second token now ends its turn
+    student.config.eos_token_id = second
+    policy = _policy(model, temperature=0.0, max_new=4, batch=1)
+    batch = policy.generate(blocks, 0, 0)
+    assert batch["input_ids"][0].tolist() == prompt + [first, second]
+    assert batch["labels"][0].tolist() == [-100] * 4 + [first, second]
+    assert int(policy.forward(blocks, 1, 0, torch.device("cpu")).tokens) == 2  # both targets count
+
+
 def test_a_rollout_row_the_engine_failed_on_stops_the_step_in_one_line():
     """Non-finite logits make the engine finish a row with "error": that must not become an empty rollout."""
     _, student, model = _pair("forward_kl")
