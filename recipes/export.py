@@ -2,14 +2,17 @@
 
     python recipes/export.py source=runs/smollm2-kd output_dir=exports/smollm2-kd
     python recipes/export.py source=runs/smollm2-kd checkpoint=latest output_dir=exports/step dtype=bf16
-    python recipes/export.py source=runs/retrofit/adapter base=runs/retrofit/final output_dir=exports/hybrid
+    python recipes/export.py source=path/to/lora-adapter base=path/to/its-base-model output_dir=exports/merged
     python recipes/export.py source=runs/smollm2-kd output_dir=exports/smollm2-int8 quantize=int8
 
 ``source`` is a run directory, a ``checkpoints/step-N`` folder, an HF model directory or a LoRA adapter.
 The export is the bare student (projectors and teacher stripped, LoRA merged) as safetensors, with its
 tokenizer and chat template, generation config, the hybrid-attention spec in ``config.json`` when the
 model has one, and a ``README.md`` model card built from the run's config, metrics and gate report.
-It loads with plain ``AutoModelForCausalLM.from_pretrained``. The directory appears whole or not at all.
+It loads with plain ``AutoModelForCausalLM.from_pretrained``. The directory appears whole or not at all,
+with an ``export.json`` that says what it was made from; ``overwrite=true`` replaces only a folder holding
+one (a model folder this recipe did not write is never deleted). A retrofit run exports like any run
+(``source=runs/retrofit``): its ``final/`` is already merged, so it is not a LoRA ``base``.
 
 ``quantize=int8`` stores the decoder's linears as torchao int8 weights (weight-only; activations stay
 floating point), ``quantize=w8a8`` as int8 weights with dynamic int8 activations per token; embeddings and
@@ -37,12 +40,15 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 import torch
 
 from core.config import ConfigError, check_fields, field, parse_config, run_cli
+from core.environment import environment
 from core.rundir import check_replaceable
 from eval.generation import Generator, TransformersGenerator, check_model_dir
 from eval.prompt_set import GateInputError, load_prompts
 from serve import export as ex
 from serve import quantize as qz
 from serve.offline import EngineGenerator
+
+MARKER = "export.json"  # what an export was made from; its presence is what lets overwrite=true replace it
 
 
 @dataclass
@@ -161,8 +167,8 @@ def export(cfg: ExportConfig) -> ExportResult:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     out = Path(cfg.output_dir).expanduser().absolute()
-    if cfg.overwrite and out.exists():  # overwrite replaces only a model folder (core/rundir.py)
-        check_replaceable(out, (out / "config.json").is_file(), "a model export (no config.json)")
+    if cfg.overwrite and out.exists():  # overwrite replaces only an export this recipe wrote (core/rundir.py)
+        check_replaceable(out, (out / MARKER).is_file(), f"an export written by recipes/export.py (no {MARKER})")
 
     # 1. What are we exporting? Refuse a bad target (or gate teacher) before the (slow) load.
     src = ex.resolve_source(cfg.source, cfg.checkpoint)
@@ -172,6 +178,8 @@ def export(cfg: ExportConfig) -> ExportResult:
     ex.check_target(out, cfg.overwrite, src.path, cfg.base, local_base)
     records = ex.read_run_records(src)
     teacher = gate_teacher(cfg, records) if cfg.quantize != "none" and cfg.quant_gate else None
+    if teacher is not None:  # read by the gate: it must not be the folder the export replaces
+        ex.check_target(out, True, teacher)
     print(f"loading {src.describe()}", flush=True)
 
     # 2. The bare student: projectors and teacher stripped, LoRA merged, in the chosen dtype.
@@ -191,6 +199,9 @@ def export(cfg: ExportConfig) -> ExportResult:
         else:  # serve.quantize: the unquantized export goes to a scratch dir, the quantized one to tmp
             card = qz.export_quantized(student, tmp, cfg, records, out.name, _gate_generator(cfg), teacher)
         ex.write_card(tmp, card, records)
+        (tmp / MARKER).write_text(json.dumps({"source": str(src.path), "kind": src.kind, "checkpoint": cfg.checkpoint,
+                                               "dtype": str(dtype).removeprefix("torch."), "quantize": cfg.quantize,
+                                               "environment": environment()}, indent=1) + "\n")
 
     result = ExportResult(out, ex.dir_size(out), dtype, student.params, student.hybrid,
                           len(list(out.glob("*.safetensors"))), src)

@@ -204,7 +204,7 @@ CASES = [
      "is not a teacher cache (no meta.json); nothing was deleted"),
     ("cache-overwrite-cwd", "cache_teacher", ["output_dir=.", "overwrite=true"], 2, "is the current folder"),
     ("export-overwrite-notes", "export", ["source={run}", "output_dir={notes}", "overwrite=true"], 2,
-     "is not a model export (no config.json); nothing was deleted"),
+     "is not an export written by recipes/export.py (no export.json); nothing was deleted"),
     # -- resume paths
     ("resume-latest-missing-dir", "distill", [*D, "resume=latest", "output_dir={missing}"], 2,
      "resume=latest but {missing} does not exist"),
