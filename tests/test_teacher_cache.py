@@ -167,24 +167,32 @@ def test_foreign_caches_are_refused_in_one_line(tmp_path):
         TeacherCache(tmp_path, blocks)
 
 
-def test_cache_reads_rows_from_the_shards_on_demand(tmp_path):
-    """Several shards laid end to end: a lookup across them equals the naive whole-cache read, and the cache
-    reads the files at lookup time (a shard rewritten in place shows), so nothing is held in memory."""
-    import hashlib
-
+def _resharded(tmp_path, tok, shards: list[tuple[str, tuple[int, int]]]):
+    """A cache of 7 blocks written whole, then split into the named shards of the given block ranges; returns
+    ``(blocks, path, whole)`` where ``whole`` holds the single shard's tensors."""
     from safetensors.torch import load_file
 
-    from distill.data import Blocks
-
-    tok = tiny_tokenizer()
     blocks = torch.randint(0, 320, (7, 8), generator=torch.Generator().manual_seed(0))
     path = tmp_path / "c"
     _write_cache(path, blocks, tok)
     whole = load_file(str(path / "shard-00000.safetensors"))
     (path / "shard-00000.safetensors").unlink()
-    for i, (lo, hi) in enumerate([(0, 3), (3, 4), (4, 7)]):  # shards of 3, 1 and 3 blocks
-        write_shard(path / f"shard-{i:05d}.safetensors", whole["index"][lo:hi], whole["logprobs"][lo:hi],
+    for name, (lo, hi) in shards:
+        write_shard(path / f"{name}.safetensors", whole["index"][lo:hi], whole["logprobs"][lo:hi],
                     whole["counts"][lo:hi])
+    return blocks, path, whole
+
+
+def test_cache_reads_rows_from_the_shards_on_demand(tmp_path):
+    """Several shards laid end to end: a lookup across them equals the naive whole-cache read, and the cache
+    reads the files at lookup time (a shard rewritten in place shows), so nothing is held in memory."""
+    import hashlib
+
+    from distill.data import Blocks
+
+    tok = tiny_tokenizer()
+    blocks, path, whole = _resharded(tmp_path, tok, [(f"shard-{i:05d}", r) for i, r in
+                                                     enumerate([(0, 3), (3, 4), (4, 7)])])  # 3, 1 and 3 blocks
     cache = TeacherCache(path, blocks, vocab_size=320, tokenizer=tok, temperature=1.0)
     pick = torch.tensor([6, 0, 3, 2, 4, 3])
     got = cache.lookup(pick, "cpu")
@@ -223,17 +231,8 @@ def test_cache_reads_rows_from_the_shards_on_demand(tmp_path):
 
 def test_shards_are_read_in_numeric_order_past_five_digits(tmp_path):
     """From shard 100000 on the names grow a digit: string order would put it before shard 99999."""
-    from safetensors.torch import load_file
-
     tok = tiny_tokenizer()
-    blocks = torch.randint(0, 320, (7, 8), generator=torch.Generator().manual_seed(0))
-    path = tmp_path / "c"
-    _write_cache(path, blocks, tok)
-    whole = load_file(str(path / "shard-00000.safetensors"))
-    (path / "shard-00000.safetensors").unlink()
-    for name, (lo, hi) in (("shard-99999", (0, 4)), ("shard-100000", (4, 7))):
-        write_shard(path / f"{name}.safetensors", whole["index"][lo:hi], whole["logprobs"][lo:hi],
-                    whole["counts"][lo:hi])
+    blocks, path, whole = _resharded(tmp_path, tok, [("shard-99999", (0, 4)), ("shard-100000", (4, 7))])
     cache = TeacherCache(path, blocks, vocab_size=320, tokenizer=tok, temperature=1.0)
     pick = torch.arange(7)
     assert torch.equal(cache.lookup(pick, "cpu").ids, whole["index"][pick].long())
