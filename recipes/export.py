@@ -18,7 +18,7 @@ one (a model folder this recipe did not write is never deleted). A retrofit run 
 floating point), ``quantize=w8a8`` as int8 weights with dynamic int8 activations per token; embeddings and
 head stay in full precision (:mod:`serve.quantize`). Either runs the release gate of the quantized model
 against the unquantized one and writes the verdict and the sizes into the model card
-(``quantization_gate.json`` beside it): by default against the outputs of the teacher the source run was
+(``quantization_gate.json`` beside it, the full report in ``quantization_gate/``): by default against the outputs of the teacher the source run was
 distilled from (the quality drop, ``quant_max_drop``), else — no run, or ``quant_gate_teacher=none`` —
 how far the quantized outputs moved from the unquantized ones (drift, ``quant_max_drift``). The gate
 generates every side's outputs through the serving engine (``quant_gate_backend=engine``, as the export
@@ -219,8 +219,8 @@ def gate_exit_code(result: ExportResult) -> int:
     verdict = json.loads(path.read_text()).get("verdict") if path.is_file() else "pass"
     if verdict == "pass":
         return 0
-    print(f"error: the quantization gate says {str(verdict).upper()} (see {path} and the model card); the export "
-          "is kept", file=sys.stderr)
+    print(f"error: the quantization gate says {str(verdict).upper()} (see {result.output_dir / 'quantization_gate'}"
+          "/report.md and the model card); the export is kept", file=sys.stderr)
     return 1
 
 

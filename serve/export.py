@@ -5,7 +5,8 @@ A *source* is one of
 * a run directory (``RUN/config.yaml`` plus ``RUN/final/`` and/or ``RUN/checkpoints/step-N/``),
 * a training checkpoint (``model.safetensors`` of the teacher–student module, keys ``student.*`` and
   ``projectors.*``, with the student's HF config and tokenizer under ``student/``; or a DeepSpeed
-  ZeRO folder in place of ``model.safetensors``),
+  ZeRO folder in place of ``model.safetensors``); a retrofit's holds its LoRA layers in place
+  (``base_layer`` / ``lora_A`` / ``lora_B``), folded in with the ``lora_alpha`` of its ``config.yaml``,
 * a plain HF model directory (``config.json`` + weights), e.g. ``RUN/final/``,
 * a peft LoRA adapter (``adapter_config.json``) whose base is any of the above.
 
@@ -276,6 +277,67 @@ def student_state_dict(state: Mapping[str, torch.Tensor], prefix: str = "student
     return {k[len(prefix):]: v for k, v in clean.items() if k.startswith(prefix)}
 
 
+_LORA_KEY = re.compile(r"^(?P<module>.+)\.(?:lora_(?P<ab>[AB])\.(?P<adapter>[^.]+)\.weight|base_layer\.(?P<param>.+))$")
+
+
+def has_lora_keys(state: Mapping[str, torch.Tensor]) -> bool:
+    """Whether ``state`` holds peft LoRA layers in place (``X.base_layer.weight``, ``X.lora_A.default.weight``)."""
+    return any(".base_layer." in k or ".lora_" in k for k in state)
+
+
+def fold_lora(state: Mapping[str, torch.Tensor], alpha: float) -> dict[str, torch.Tensor]:
+    """``state`` with each peft LoRA layer folded into a plain weight: ``X.weight = X.base_layer.weight +
+    (X.lora_B @ X.lora_A) * alpha / r``, ``r`` being the rank (``lora_A``: ``[r, in]``, ``lora_B``: ``[out, r]``).
+
+    A retrofit checkpoint holds these keys because LoRA is applied in place inside the teacher–student
+    module (``recipes/retrofit.py``); this is what its ``merge_and_unload`` does at the end of the run.
+    The sum is taken in fp32 and stored in the base weight's dtype. Other LoRA flavours (DoRA's
+    magnitude, LoRA on embeddings, several adapters) are refused rather than half-merged.
+    """
+    out: dict[str, torch.Tensor] = {}
+    lora: dict[str, dict[str, torch.Tensor]] = {}
+    adapters: set[str] = set()
+    for key, value in state.items():
+        m = _LORA_KEY.match(key)
+        if m is None:
+            if ".lora_" in key:
+                raise SourceError(f"checkpoint key {key} is a LoRA variant export cannot merge (only plain LoRA on "
+                                  "linears); merge it with peft's merge_and_unload and export the merged model")
+            out[key] = value
+        elif m.group("param") is not None:
+            if m.group("param") == "weight":
+                lora.setdefault(m.group("module"), {})["W"] = value
+            else:  # the wrapped layer's bias (or other parameter) is the plain layer's
+                out[f"{m.group('module')}.{m.group('param')}"] = value
+        else:
+            adapters.add(m.group("adapter"))
+            lora.setdefault(m.group("module"), {})[m.group("ab")] = value
+    if len(adapters) > 1:
+        raise SourceError(f"checkpoint holds {len(adapters)} LoRA adapters ({', '.join(sorted(adapters))}); merge "
+                          "the one to ship with peft's merge_and_unload and export the merged model")
+    for module, parts in lora.items():
+        if set(parts) != {"W", "A", "B"}:
+            raise SourceError(f"checkpoint has an incomplete LoRA layer {module} (found {', '.join(sorted(parts))} "
+                              "of base_layer, lora_A, lora_B); export the run's final/ instead")
+        w, a, b = parts["W"], parts["A"], parts["B"]
+        delta = (b.float() @ a.float()) * (float(alpha) / a.shape[0])
+        out[f"{module}.weight"] = (w.float() + delta).to(w.dtype)
+    return out
+
+
+def _lora_alpha(src: Source) -> float:
+    """``lora_alpha`` from the resolved ``config.yaml`` saved beside the checkpoint (or in its run)."""
+    places = [src.path / "config.yaml"] + ([src.run_dir / "config.yaml"] if src.run_dir else [])
+    for p in places:
+        if p.is_file():
+            with contextlib.suppress(yaml.YAMLError, OSError):
+                loaded = yaml.safe_load(p.read_text())
+                if isinstance(loaded, dict) and isinstance(loaded.get("lora_alpha"), (int, float)):
+                    return float(loaded["lora_alpha"])
+    raise SourceError(f"{src.describe()} holds LoRA weights but no config.yaml beside it records lora_alpha; add "
+                      f"'lora_alpha: VALUE' (the run's value) to {src.path / 'config.yaml'} or export the run's final/")
+
+
 def _causal_lm_class(config: Any) -> Any:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
@@ -327,8 +389,9 @@ def _load_config(config_dir: Path) -> Any:
     return AutoConfig.from_pretrained(str(config_dir), attn_implementation="eager")
 
 
-def _load_weights(src: Source, dtype: torch.dtype | None) -> tuple[Any, torch.dtype]:
-    """The bare ``*ForCausalLM`` of a non-LoRA source, cast to ``dtype`` (None: keep the stored one)."""
+def _load_weights(src: Source, dtype: torch.dtype | None) -> tuple[Any, torch.dtype, bool]:
+    """The bare ``*ForCausalLM`` of a non-LoRA source, cast to ``dtype`` (None: keep the stored one), and
+    whether LoRA layers held in place in the checkpoint (a retrofit's) were folded into it."""
     from transformers import GenerationConfig
 
     if src.kind == "hf":
@@ -339,11 +402,14 @@ def _load_weights(src: Source, dtype: torch.dtype | None) -> tuple[Any, torch.dt
         stored = _read_json(src.path / "config.json").get("dtype") or _read_json(
             src.path / "config.json").get("torch_dtype")
         source_dtype = getattr(torch, stored, model.dtype) if isinstance(stored, str) else model.dtype
-        return model.eval(), source_dtype
+        return model.eval(), source_dtype, False
 
     state = student_state_dict(load_checkpoint_state(src))
     if not state:
         raise SourceError(f"{src.describe()} holds no student weights; export the run's final/ instead")
+    lora = has_lora_keys(state)
+    if lora:  # a retrofit checkpoint: LoRA lives inside the student until the run's final merge
+        state = fold_lora(state, _lora_alpha(src))
     source_dtype = _first_float_dtype(state)
     config = _load_config(src.config_dir)
     cls = _causal_lm_class(config)
@@ -360,7 +426,7 @@ def _load_weights(src: Source, dtype: torch.dtype | None) -> tuple[Any, torch.dt
                           f"match {src.config_dir / 'config.json'} — export the run's final/ instead")
     if (src.config_dir / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(str(src.config_dir))
-    return model.eval(), source_dtype
+    return model.eval(), source_dtype, lora
 
 
 def lora_base(src: Source, base: str | None = None) -> str | None:
@@ -377,9 +443,10 @@ def load_student(src: Source, dtype: torch.dtype | None = torch.float32, base: s
     model directory).
     """
     if src.kind != "lora":
-        model, source_dtype = _load_weights(src, dtype)
+        model, source_dtype, lora_merged = _load_weights(src, dtype)
         tok_dirs = [src.config_dir] + ([src.run_dir / "final"] if src.run_dir else [])
-        return LoadedStudent(model, _load_tokenizer(*tok_dirs), src, source_dtype, _hybrid_spec(src.config_dir))
+        return LoadedStudent(model, _load_tokenizer(*tok_dirs), src, source_dtype, _hybrid_spec(src.config_dir),
+                             lora_merged=lora_merged)
 
     base_path = lora_base(src, base)
     if not base_path:
@@ -394,7 +461,7 @@ def load_student(src: Source, dtype: torch.dtype | None = torch.float32, base: s
     except ImportError:
         raise SourceError("exporting a LoRA adapter needs peft; pip install peft") from None
     # Merge in fp32 so that W + BA is not rounded twice; cast to the requested dtype afterwards.
-    base_model, base_dtype = _load_weights(base_src, torch.float32)
+    base_model, base_dtype, _ = _load_weights(base_src, torch.float32)
     merged = PeftModel.from_pretrained(base_model, str(src.path)).merge_and_unload()
     target = base_dtype if dtype is None else dtype
     merged = merged.to(target).eval()
@@ -604,9 +671,16 @@ def _short(src: Source) -> str:
     return src.describe().replace(str(src.path), str(src.path.relative_to(src.run_dir.parent)))
 
 
+SIZE_ROW = "size on disk (weights, config, tokenizer)"
+
+
 def model_card(name: str, student: LoadedStudent, records: RunRecords, dtype: torch.dtype,
                size_bytes: int | None = None) -> str:
-    """``README.md`` for an export: what it is, how it was made, what was measured, how to load it."""
+    """``README.md`` for an export: what it is, how it was made, what was measured, how to load it.
+
+    ``size_bytes``: the model's files (weights, config, generation config, tokenizer), measured before the
+    card and the run's ``loss.png`` are added.
+    """
     cfg = student.model.config
     src = student.source
     hybrid = student.hybrid
@@ -632,8 +706,8 @@ def model_card(name: str, student: LoadedStudent, records: RunRecords, dtype: to
                                            f"{getattr(cfg, 'num_key_value_heads', '?')}"),
             ("vocabulary", getattr(cfg, "vocab_size", None)), ("dtype", DTYPE_NAMES.get(dtype, str(dtype))),
             ("chat template", "yes" if getattr(student.tokenizer, "chat_template", None) else "no")]
-    if size_bytes is not None:
-        arch.append(("size on disk", human_bytes(size_bytes)))
+    if size_bytes is not None:  # measured before this card (and loss.png) are written: say what it counts
+        arch.append((SIZE_ROW, human_bytes(size_bytes)))
     lines += _table(arch, ("", ""))
     lines += ["", "## Attention", ""]
     if hybrid:

@@ -50,6 +50,7 @@ from serve import export as ex
 SCHEMES = ("int8", "w8a8")  # int8 = weight-only; w8a8 = int8 weights and dynamic int8 activations
 KEEP_FULL_PRECISION = ("lm_head",)  # embeddings are not linears: torchao leaves them alone by default
 _EMBEDDING_KEYS = ("embed_tokens", "lm_head", "wte", "embed_out")
+GATE_DIR = "quantization_gate"  # the gate's report files, inside the export
 
 
 class QuantizeError(ConfigError):
@@ -101,17 +102,19 @@ def torchao_config(scheme: str) -> Any:
     return TorchAoConfig(quant_type=quant, modules_to_not_convert=list(KEEP_FULL_PRECISION))
 
 
-def quantize_dir(src: str | Path, out: str | Path, scheme: str, hybrid: dict[str, Any] | None = None) -> Any:
+def quantize_dir(src: str | Path, out: str | Path, scheme: str, hybrid: dict[str, Any] | None = None,
+                 max_shard_size: str = "5GB") -> Any:
     """Load the HF export ``src`` quantized with ``scheme`` and write it to ``out`` (model + tokenizer).
 
-    Returns the quantized model. ``hybrid``: the hybrid-attention spec to restate in ``config.json``.
+    Returns the quantized model. ``hybrid``: the hybrid-attention spec to restate in ``config.json``;
+    ``max_shard_size``: split the safetensors above this size, as an unquantized export does (torchao's
+    int8 tensors are flattened per key, so they shard and reload like any other weight).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-
     src, out = Path(src), Path(out)
     model = AutoModelForCausalLM.from_pretrained(src, quantization_config=torchao_config(scheme))
-    model.save_pretrained(out)
+    model.save_pretrained(out, max_shard_size=max_shard_size)
     ex.sanitize_config_json(out / "config.json", hybrid)
     AutoTokenizer.from_pretrained(src).save_pretrained(out)
     return model
@@ -193,11 +196,13 @@ def card_section(scheme: str, sizes: dict[str, int], base_sizes: dict[str, int],
         lines.append(f"Release gate against the unquantized model: not run ({gate_note}).")
     else:
         lines += _gate_lines(gate, gate_note)
+        lines += ["", f"Full gate report: `{GATE_DIR}/report.md` (data: `{GATE_DIR}/report.json`, every prompt's "
+                  f"outputs and scores: `{GATE_DIR}/samples.jsonl`, score histogram: `{GATE_DIR}/scores_hist.png`)."]
     return "\n".join(lines) + "\n"
 
 
 def run_quant_gate(candidate: Path, baseline: Path, out: Path, cfg: Any, generator: Any = None,
-                   teacher: str | None = None) -> dict:
+                   teacher: str | None = None, cache_dir: Path | None = None) -> dict:
     """The release gate (:mod:`eval.gate`) of the quantized export against the unquantized one.
 
     With a ``teacher`` (by default the run's own, :func:`recipes.export.gate_teacher`) both models'
@@ -209,7 +214,9 @@ def run_quant_gate(candidate: Path, baseline: Path, out: Path, cfg: Any, generat
     good model moves too: greedy text forks at the first flipped token), so it has its own threshold, as
     in :mod:`eval.gate`. ``generator`` generates all sides (an :class:`eval.generation.Generator`; default:
     the serving engine, :class:`serve.offline.EngineGenerator`, which runs the int8 linears as served and
-    far faster than transformers does on CPU). Returns the gate report (``report.json``).
+    far faster than transformers does on CPU). The report files (``report.json``, ``report.md``,
+    ``samples.jsonl``, ``scores_hist.png``) go to ``out``; the generation cache to ``cache_dir`` (default
+    ``out/cache``). Returns the gate report (``report.json``).
     """
     from eval.bertscore import ScorerMissingError
     from eval.gate import GateConfig, run_gate
@@ -217,11 +224,31 @@ def run_quant_gate(candidate: Path, baseline: Path, out: Path, cfg: Any, generat
 
     gcfg = GateConfig(candidate=str(candidate), baseline=str(baseline), out=str(out), prompts=cfg.quant_gate_prompts,
                       teacher=teacher, max_drop=cfg.quant_max_drop, max_drift=cfg.quant_max_drift,
-                      max_new_tokens=cfg.quant_gate_max_new_tokens, skip_lm_metrics=True, chat=True, device="cpu")
+                      max_new_tokens=cfg.quant_gate_max_new_tokens, skip_lm_metrics=True, chat=True, device="cpu",
+                      cache_dir=None if cache_dir is None else str(cache_dir))
     try:
         return run_gate(gcfg, generator=generator or EngineGenerator()).report
     except ScorerMissingError as e:
         raise QuantizeError(f"{e} (or export with quant_gate=false)") from None
+
+
+def relabel_paths(value: Any, labels: list[tuple[Path, str]]) -> Any:
+    """``value`` (a JSON-like report) with every mention of a path in ``labels`` replaced by its label.
+
+    The gate runs on directories that do not outlive the export (the partial export dir before its
+    rename, the deleted scratch copy): a report naming them would send its reader nowhere. Put nested
+    paths before their parents; each path is matched as given and resolved.
+    """
+    if isinstance(value, dict):
+        return {k: relabel_paths(v, labels) for k, v in value.items()}
+    if isinstance(value, list):
+        return [relabel_paths(v, labels) for v in value]
+    if isinstance(value, str):
+        for path, label in labels:
+            for form in dict.fromkeys((str(path), str(Path(path).resolve()))):
+                value = label if value == form else value.replace(form, label)
+        return value
+    return value
 
 
 def gate_note(gate: dict, cfg: Any) -> str:
@@ -241,21 +268,37 @@ def export_quantized(student: Any, out_dir: Path, cfg: Any, records: Any, name: 
     """Write the quantized export of ``student`` into ``out_dir``; return its model card.
 
     The unquantized export is written to a scratch dir beside ``out_dir`` (the gate's baseline and the
-    size reference) and deleted afterwards. ``generator`` and ``teacher``: see :func:`run_quant_gate`.
+    size reference) and deleted afterwards, with the gate's generation cache. The gate's verdict goes to
+    ``out_dir/quantization_gate.json`` and its report files (``report.md``, ``report.json``,
+    ``samples.jsonl``, ``scores_hist.png``) to ``out_dir/quantization_gate/``, so a failing gate can be
+    read in the export it judged; they call the two models "this export" and "the unquantized export",
+    not the directories the gate ran on. ``generator`` and ``teacher``: see :func:`run_quant_gate`.
     """
     import tempfile
 
-    with tempfile.TemporaryDirectory(prefix=".unquantized-", dir=Path(out_dir).parent) as scratch:
-        base = Path(scratch) / "model"
+    from eval.report import write_markdown
+
+    out_dir = Path(out_dir)
+    gate_dir = out_dir / GATE_DIR
+    with tempfile.TemporaryDirectory(prefix=".unquantized-", dir=out_dir.parent) as scratch:
+        base, cache = Path(scratch) / "model", Path(scratch) / "gate-cache"
         ex.save_export(student, base, max_shard_size=cfg.max_shard_size)
-        quantize_dir(base, out_dir, cfg.quantize, student.hybrid)
+        quantize_dir(base, out_dir, cfg.quantize, student.hybrid, max_shard_size=cfg.max_shard_size)
         sizes, base_sizes = weight_bytes(out_dir), weight_bytes(base)
+        size_on_disk = ex.dir_size(out_dir)  # the model's files, before the gate adds its report
         gate, note = None, "quant_gate=false"
         if cfg.quant_gate:
-            gate = run_quant_gate(out_dir, base, Path(scratch) / "gate", cfg, generator, teacher)
+            gate = run_quant_gate(out_dir, base, gate_dir, cfg, generator, teacher, cache_dir=cache)
+            gate = relabel_paths(gate, [(gate_dir, f"{GATE_DIR}/ (in this export)"),
+                                        (cache, "not kept (deleted with the unquantized export)"),
+                                        (base, "the unquantized export"), (Path(scratch), "a deleted scratch dir"),
+                                        (out_dir, "this export")])
             note = gate_note(gate, cfg)
-            (Path(out_dir) / "quantization_gate.json").write_text(json.dumps(gate, indent=2, default=str) + "\n")
-    card = ex.model_card(name, student, records, student.model.dtype, size_bytes=ex.dir_size(out_dir))
+            text = json.dumps(gate, indent=2, default=str) + "\n"
+            (gate_dir / "report.json").write_text(text)
+            write_markdown(gate_dir / "report.md", gate)
+            (out_dir / "quantization_gate.json").write_text(text)
+    card = ex.model_card(name, student, records, student.model.dtype, size_bytes=size_on_disk)
     print(f"quantized {cfg.quantize}: decoder-layer weights {sizes['other']:,} B vs {base_sizes['other']:,} B "
           f"({sizes['other'] / max(1, base_sizes['other']):.3f}x); gate: "
           f"{gate.get('verdict') if gate else 'not run'}" + (f" ({gate.get('mode')} mode)" if gate else ""),

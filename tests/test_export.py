@@ -218,6 +218,7 @@ def test_overwrite_never_replaces_the_base_an_adapter_records(tmp_path: Path) ->
     assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] \
         == str(base_dir)
     (base_dir / "notes.txt").write_text("mine")
+    (base_dir / "export.json").write_text("{}")  # as if an earlier export: only the base check protects it now
     weights = (base_dir / "model.safetensors").read_bytes()
     with pytest.raises(ConfigError, match=re.escape(f"contains the source {base_dir.resolve()}; choose another output_dir")):
         run_export(tmp_path / "adapter", base_dir, overwrite=True)
@@ -310,8 +311,8 @@ def test_overwrite_refused_then_allowed(tmp_path: Path) -> None:
     run_export(src, out, dtype="bf16", overwrite=True)
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "final"]  # no leftovers
-    with pytest.raises(ConfigError, match="contains the source"):
-        run_export(src, src, overwrite=True)
+    with pytest.raises(ConfigError, match="contains the source"):  # an export of ours, re-exported onto itself
+        run_export(out, out, overwrite=True)
 
 
 def test_failure_mid_write_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -512,3 +513,49 @@ def test_the_cli_exits_1_when_the_quantization_gate_does_not_pass(tmp_path, caps
     assert gate_exit_code(result) == code
     err = capsys.readouterr().err
     assert ("quantization gate says" in err) == (code == 1)
+
+
+def test_retrofit_checkpoint_with_lora_in_place_is_folded(tmp_path: Path) -> None:
+    """recipes/retrofit.py applies LoRA in place inside the teacher–student module, so its checkpoints hold
+    ``student.…q_proj.base_layer.weight`` / ``lora_A.default`` / ``lora_B.default``: export folds them with the
+    run's lora_alpha into the plain weights, as the run's own merge_and_unload does."""
+    from peft import LoraConfig, get_peft_model
+
+    model = tiny_model(seed=4)
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=12, init_lora_weights=False, bias="none",
+                                                  target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    run = tmp_path / "retrofit"
+    ckpt = run / "checkpoints" / "step-5"
+    make_checkpoint(ckpt, model, 5)  # model: the base the adapters were injected into, as DistillModel holds it
+    assert any(k.endswith("q_proj.base_layer.weight") for k in weight_keys(ckpt))
+    assert any(k.endswith("q_proj.lora_A.default.weight") for k in weight_keys(ckpt))
+    (run / "config.yaml").write_text(yaml.safe_dump({**RUN_CONFIG, "lora_r": 4, "lora_alpha": 12.0}))
+    x = ids()
+    ref = logits(peft_model.merge_and_unload(), x)
+    assert (ref - logits(tiny_model(seed=4), x)).abs().max() > 1e-3  # the adapters change the model
+
+    res = run_export(run, tmp_path / "export")
+    exported = load(tmp_path / "export")
+    torch.testing.assert_close(logits(exported, x), ref, atol=1e-5, rtol=0)
+    assert weight_keys(tmp_path / "export") == set(tiny_model(seed=4).state_dict())
+    assert res.source.kind == "checkpoint" and "with a merged LoRA adapter" in (tmp_path / "export" / "README.md").read_text()
+
+    # No recorded lora_alpha: a one-line error naming the fix, not a guess.
+    (run / "config.yaml").write_text(yaml.safe_dump(RUN_CONFIG))
+    with pytest.raises(ConfigError, match=r"holds LoRA weights .* add 'lora_alpha: VALUE'"):
+        run_export(run, tmp_path / "export2")
+    assert not (tmp_path / "export2").exists()
+
+
+def test_card_size_row_says_what_it_measured(run_dir) -> None:
+    """The size is taken before README.md and loss.png exist, so the card says it counts the model's files."""
+    run, _ = run_dir
+    out = run.parent / "export"
+    run_export(run, out)
+    card = (out / "README.md").read_text()
+    row = next(line for line in card.splitlines() if line.startswith(f"| {ex.SIZE_ROW} |"))
+    added = {"README.md", "loss.png", "export.json"}  # written after the card is rendered
+    model_files = sum(f.stat().st_size for f in out.iterdir() if f.name not in added)
+    assert row == f"| {ex.SIZE_ROW} | {ex.human_bytes(model_files)} |"
+    assert (out / "loss.png").is_file() and ex.human_bytes(model_files) != ex.human_bytes(ex.dir_size(out))
+    assert "weights, config, tokenizer" in ex.SIZE_ROW

