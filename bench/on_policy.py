@@ -116,7 +116,8 @@ def own_continuation_rkl(student, teacher, tokenizer, prompts: list[list[int]], 
     for lo in range(0, len(todo), 32):  # engine batches of 32 rows
         chunk = todo[lo: lo + 32]
         params = [SamplingParams(max_new_tokens=gen, temperature=1.0, seed=seed + lo + i) for i in range(len(chunk))]
-        rb = rollout_batch(chunk, rollouts.generate(chunk, params), tokenizer.pad_token_id or 0)
+        # the generated tokens only, as every logged arm measured them (training rollouts keep the stop token)
+        rb = rollout_batch(chunk, rollouts.generate(chunk, params, with_stop=False), tokenizer.pad_token_id or 0)
         student.eval()
         for r in range(0, len(chunk), batch):  # [batch, seq, vocab] fp32 logits of two models stay small
             ids, mask = rb["input_ids"][r: r + batch].to(dev), rb["attention_mask"][r: r + batch].to(dev)

@@ -236,10 +236,10 @@ class Rollouts:
             self._synced, self._copies_step = version, step
             self.syncs += 1
 
-    def generate(self, prompts: list[list[int]], params: list[SamplingParams], step: int | None = None
-                 ) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams], step: int | None = None,
+                 with_stop: bool = True) -> list[list[int]]:
         """Continuations (token ids) of ``prompts`` with the current weights, ending in the stop token when one
-        ended them: where the student chose to stop is a position the teacher judges too.
+        ended them (``with_stop``): where the student chose to stop is a position the teacher judges too.
 
         ``step``: the optimizer step; a sharded student's replica is refreshed when it changes (every
         rank calls this at the same steps, so the refresh's collective lines up).
@@ -257,7 +257,7 @@ class Rollouts:
         if failed := [i for i, c in enumerate(done) if c.finish_reason == "error"]:
             raise OnPolicyError(f"the engine failed on rollout rows {failed} (see its log: e.g. non-finite logits "
                                 "from diverged weights); lower lr or check the run")
-        return [c.token_ids + ([c.stop_token] if c.stop_token is not None else []) for c in done]
+        return [c.token_ids + ([c.stop_token] if with_stop and c.stop_token is not None else []) for c in done]
 
 
 class OnPolicy:
