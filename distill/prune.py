@@ -784,7 +784,10 @@ def search(teacher: PreTrainedModel, calib: torch.Tensor, heldout_blocks: torch.
     model, table, rounds = teacher, [], 0
     while True:
         current = budget_of(fam, arch_of(model), s.count_embeddings)
-        step_target = max(target, int(current * (1 - s.max_round_cut))) if s.iterative else target
+        # an intermediate round aims above current·(1 - cut) by the tolerance, so no accepted candidate (within
+        # -TOLERANCE of its target) cuts more than max_round_cut
+        step_target = (max(target, int(current * (1 - s.max_round_cut) / (1 - TOLERANCE))) if s.iterative
+                       else target)
         rounds += 1
         if s.iterative:
             log(f"round {rounds}: {current:,} → {step_target:,}")

@@ -273,7 +273,7 @@ def test_search_output_loads_within_budget_and_stays_tied(tmp_path):
     blocks = _blocks(8, 32)
     s = SearchSettings(target_ratio=0.5, top_k=2, finalists=3, search_steps=2, batch_size=2,
                        calibration={"dataset": "random ids", "blocks": 8})
-    result = search(teacher, blocks[:4], blocks[4:], blocks, s, log=lambda _msg: None)
+    result = search(teacher, blocks[:4], blocks[4:], blocks[:4], s, log=lambda _msg: None)  # train: not held-out
     target = result.target
     assert result.winner in result.table and len(result.table) >= 3
     assert all(abs(c.params - target) <= 0.03 * target for c in result.table)
@@ -360,15 +360,29 @@ def test_resume_reads_the_searched_student_back(tmp_path):
     assert len(logged) == 1
 
 
-def test_iterative_rounds_cut_at_most_the_round_limit():
+def test_iterative_rounds_cut_at_most_the_round_limit(monkeypatch):
+    import distill.prune as prune
+
     teacher = tiny_model("llama", layers=4).requires_grad_(False)
     blocks = _blocks(6, 32)
     s = SearchSettings(target_ratio=0.4, top_k=1, finalists=2, search_steps=1, batch_size=2, iterative=True,
                        max_round_cut=0.3)
-    result = search(teacher, blocks[:4], blocks[4:], blocks, s, log=lambda _msg: None)
+    weighed = []  # (the round's starting size, every candidate it weighed)
+    real_round = prune.search_round
+
+    def recording_round(model, *a, **k):
+        out = real_round(model, *a, **k)
+        weighed.append((count_params(model)[0], [c.params for c in out[2]]))
+        return out
+
+    monkeypatch.setattr(prune, "search_round", recording_round)
+    result = search(teacher, blocks[:4], blocks[4:], blocks[:4], s, log=lambda _msg: None)  # train: not held-out
     assert result.rounds >= 3  # 0.7³ = 0.343 < 0.4 < 0.7² = 0.49
     assert len(result.model.config.distill_pruning["rounds"]) == result.rounds
     assert abs(count_params(result.model)[0] - result.target) <= 0.03 * result.target
+    assert len(weighed) == result.rounds
+    for start, sizes in weighed[:-1]:  # every candidate of an intermediate round, not only its winner
+        assert min(sizes) >= start * (1 - 0.3), (start, min(sizes))
 
 
 def test_hidden_pruned_student_distills_with_projectors():
