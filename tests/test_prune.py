@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -188,7 +189,8 @@ def test_search_records_the_block_score():
 def test_gqa_structure_preserved(kv, group):
     model = tiny_model("qwen2", layers=2, heads=4, kv_heads=2)
     scores = importance(model, _blocks(), progress=False)
-    pruned = prune_to(model, scores, Arch(layers=2, hidden=64, kv_heads=kv, group=group, intermediate=128))
+    pruned = prune_to(model, scores, Arch(layers=2, hidden=64, kv_heads=kv, group=group,
+                                         intermediate=model.config.intermediate_size))
     c = pruned.config
     assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (kv * group, kv, 16)
     record = c.distill_pruning
@@ -201,7 +203,17 @@ def test_gqa_structure_preserved(kv, group):
         src = model.model.layers[j].self_attn
         rows = torch.tensor([q * hd + d for q in record["kept_q_heads"][j] for d in range(hd)])
         torch.testing.assert_close(layer.self_attn.q_proj.bias, src.q_proj.bias[rows])
-    assert torch.isfinite(_logits(pruned, _blocks(1))).all()
+    # Naive reference: the teacher with every dropped query head's o_proj input columns zeroed (a dropped KV
+    # group is the drop of all its query heads). With every layer, channel and neuron kept it is exact, so a
+    # query head wired to another KV head, or k/v/o sliced wrongly, shows in the logits.
+    assert record["kept_layers"] == [0, 1] and len(record["kept_channels"]) == model.config.hidden_size
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for j, layer in enumerate(ref.model.layers):
+            for q in set(range(model.config.num_attention_heads)) - set(record["kept_q_heads"][j]):
+                layer.self_attn.o_proj.weight[:, q * hd:(q + 1) * hd] = 0
+    ids = _blocks(2, seed=5)
+    torch.testing.assert_close(_logits(pruned, ids), _logits(ref, ids), rtol=1e-4, atol=1e-5)
 
 
 def test_composed_record_points_at_teacher_weights():
