@@ -73,7 +73,6 @@ import dataclasses
 import datetime
 import hashlib
 import json
-import random
 import sys
 import time
 import traceback
@@ -98,7 +97,7 @@ from eval.generation import (
     load_model,
     load_tokenizer,
 )
-from eval.longctx import INTERIOR_DEPTHS, LongCtxError, build_sample, load_for_eval, run_longctx
+from eval.longctx import INTERIOR_DEPTHS, LongCtxError, check_prompt_fits, load_for_eval, run_longctx
 from eval.metrics import LMStats, text_windows, window_stats
 from eval.prompt_set import GateInputError, Prompt, default_prompts_path, load_prompts, load_references
 from eval.report import histogram, write_markdown, write_samples
@@ -247,12 +246,10 @@ def _check_longctx(cfg: GateConfig, models: dict[str, Path]) -> None:
         if limit is not None and max(lengths) > limit:
             raise GateInputError(f"longctx length {max(lengths)} exceeds the {role}'s max_position_embeddings="
                                  f"{limit}; drop it from --longctx")
-    tok = load_tokenizer(models["candidate"])
-    for n in lengths:
-        try:
-            build_sample(tok, "passkey", n, 0.5, random.Random(0))
-        except LongCtxError as err:
-            raise GateInputError(f"longctx: {err}") from None
+    try:
+        check_prompt_fits(load_tokenizer(models["candidate"]), lengths)
+    except LongCtxError as err:
+        raise GateInputError(f"longctx: {err}") from None
 
 
 def _verdict(cfg: GateConfig, diff: Interval, threshold: float, n: int, new_below: int) -> tuple[str, list[str]]:

@@ -173,6 +173,13 @@ def greedy_continuation(model, prompt: list[int], new: int, device: str = "cpu")
     return tokens
 
 
+def check_prompt_fits(tok, lengths: list[int], kind: str = "passkey") -> None:
+    """:class:`LongCtxError` when a ``kind`` prompt does not fit in one of ``lengths`` (its own size depends on
+    the tokenizer): callers check before the work that comes ahead of the probe."""
+    for n in lengths:
+        build_sample(tok, kind, n, 0.5, random.Random(0))
+
+
 def depths_for(depths: int | str | list[float]) -> list[float]:
     """Needle depths: a count (evenly spaced from 0 to 1; one depth: the middle) or explicit fractions.
 

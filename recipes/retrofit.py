@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-import random
 import sys
 import warnings
 from dataclasses import dataclass
@@ -63,7 +62,7 @@ from distill.training import (
     train_step,
     warmup_cosine,
 )
-from eval.longctx import INTERIOR_DEPTHS, LongCtxError, build_sample, plot_heatmap, run_longctx
+from eval.longctx import INTERIOR_DEPTHS, LongCtxError, check_prompt_fits, plot_heatmap, run_longctx
 
 logger = get_logger(__name__)
 
@@ -559,11 +558,10 @@ def check_longctx(cfg: RetrofitConfig, model: torch.nn.Module, tokenizer) -> Non
     if max(cfg.longctx_lengths) > limit:
         raise ConfigError(f"longctx_lengths up to {max(cfg.longctx_lengths)} exceed the model's maximum of {limit} "
                           "positions; lower them")
-    for n in cfg.longctx_lengths:
-        try:
-            build_sample(tokenizer, "passkey", n, 0.5, random.Random(0))
-        except LongCtxError as err:
-            raise ConfigError(f"longctx_lengths: {err}") from None
+    try:
+        check_prompt_fits(tokenizer, cfg.longctx_lengths)
+    except LongCtxError as err:
+        raise ConfigError(f"longctx_lengths: {err}") from None
 
 
 def retrieval_check(cfg: RetrofitConfig, merged, teacher, tokenizer) -> dict:
