@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from accelerate.utils import align_module_device
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -400,7 +401,11 @@ class DistillModel(nn.Module):
                 lg_t = head_t(h_t[:, :-1])[..., : self.vocab]
             return losses.kd_loss(lg_s, lg_t, valid, kind=cfg.kd_kind, temperature=cfg.temperature,
                                   beta=cfg.beta), None, None
-        w_s, w_t = head_s.weight[: self.vocab], head_t.weight[: self.vocab].detach()
+        # A teacher loaded with accelerate offload (device_map) keeps an offloaded head's weight on meta outside
+        # the head's forward: read it through accelerate's hook (a no-op for a weight in memory).
+        with align_module_device(head_t):
+            w_t = head_t.weight[: self.vocab].detach()
+        w_s = head_s.weight[: self.vocab]
         if path == "chunked+ce":  # CE rides along in the chunked KD pass: one head pass instead of two
             fused, kd, ce = losses.chunked_kd_ce_loss(
                 h_s[:, :-1], w_s, h_t[:, :-1].detach(), w_t, target.clamp(min=0), valid,

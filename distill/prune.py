@@ -43,7 +43,8 @@ A 17B-class teacher is calibrated either on one 80 GB GPU in bf16 (``--dtype bf1
 the planner's ``deepseek-17b`` preset 25.6 GiB of weights + 1 GiB of activations at 1×4096 tokens, as
 ``python -m distill.plan --config recipes/configs/deepseek_17b_to_7b.yaml`` prints), or, on smaller GPUs, with the teacher
 loaded through accelerate's ``device_map="auto"`` offload (``--offload``): accelerate moves each
-layer's weights onto the GPU when its forward runs, the hooks see the same tensors, and GPU memory is
+layer's weights onto the GPU when its forward runs, the hooks and the candidates read offloaded weights
+through accelerate's hooks (``align_module_device``; they sit on ``meta`` in between), and GPU memory is
 one layer's weights + activations. Candidates of a 17B teacher are then built on CPU and evaluated one
 at a time; the search cost is dominated by the ``top_k × search_steps`` distillation steps.
 """
@@ -65,6 +66,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate.utils import align_module_device
 from torch import nn
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
@@ -78,7 +80,7 @@ from distill.config import DistillConfig
 from distill.data import BlockOrder, build_data, parse_sources
 from distill.model import DistillModel, LossConfig
 from distill.student import KEPT_KEY, PRUNE_KEY
-from distill.training import warmup_cosine
+from distill.training import target_count, warmup_cosine
 from eval.metrics import LMStats, batch_stats
 
 AXES = ("depth", "mlp", "heads", "hidden")
@@ -190,6 +192,17 @@ def _first(x):
     return x[0] if isinstance(x, tuple) else x
 
 
+def input_device(model: PreTrainedModel) -> torch.device:
+    """Where ``model``'s input ids go: its first parameter's device, or, when accelerate offloaded that
+    parameter (``device_map`` with ``"cpu"`` / ``"disk"`` entries leaves it on ``meta``), the device
+    accelerate runs the embeddings on."""
+    device = next(model.parameters()).device
+    if device.type != "meta":
+        return device
+    run_on = getattr(getattr(model.get_input_embeddings(), "_hf_hook", None), "execution_device", None)
+    return torch.device(run_on) if run_on is not None else torch.device("cpu")
+
+
 BLOCK_SCORES = ("bi", "loss")
 
 
@@ -206,7 +219,7 @@ def block_loss_increase(model: PreTrainedModel, blocks: torch.Tensor, batch_size
     """
     check_supported(model)
     layers = model.model.layers
-    device = next(model.parameters()).device
+    device = input_device(model)
     skip: list[int | None] = [None]
     seen: dict[int, torch.Tensor] = {}
 
@@ -278,7 +291,8 @@ def importance(model: PreTrainedModel, blocks: torch.Tensor, batch_size: int = 4
 
     def layer_post(i):
         def hook(_m, _args, _kwargs, out):
-            x, y = inputs.pop(i).float(), _first(out).float()
+            y = _first(out).float()
+            x = inputs.pop(i).float().to(y.device)  # a layer accelerate runs on another device moved its input
             cos = nn.functional.cosine_similarity(x, y, dim=-1)  # [batch, seq]
             bi[i] += (1 - cos).sum().double().cpu()
         return hook
@@ -291,14 +305,19 @@ def importance(model: PreTrainedModel, blocks: torch.Tensor, batch_size: int = 4
             x = args[0]
             b, s, _ = x.shape
             x = x.view(b, s, H, hd)
-            w = proj.weight.view(proj.weight.shape[0], H, hd)
+            # This hook runs before accelerate's own pre-forward, so an offloaded weight is still on meta here:
+            # read it through accelerate's hook (a no-op for a weight in memory).
+            with align_module_device(proj):
+                weight = proj.weight
+            w = weight.to(x.device).view(weight.shape[0], H, hd)
             for h in range(H):  # one head's [batch, seq, hidden] contribution at a time
                 contrib = x[:, :, h].float() @ w[:, h].float().t()
                 heads[i, h] += contrib.norm(dim=-1).sum().double().cpu()
         return hook
 
     def down_pre(i, proj: nn.Linear):
-        col_norm = proj.weight.float().norm(dim=0)  # [intermediate]
+        with align_module_device(proj):  # an offloaded weight: materialized by accelerate for this read
+            col_norm = proj.weight.float().norm(dim=0)  # [intermediate]
 
         def hook(_m, args):
             a = args[0].float().abs().sum(dim=(0, 1))
@@ -313,7 +332,7 @@ def importance(model: PreTrainedModel, blocks: torch.Tensor, batch_size: int = 4
         handles.append(layer.self_attn.o_proj.register_forward_pre_hook(o_pre(i, layer.self_attn.o_proj)))
         handles.append(layer.mlp.down_proj.register_forward_pre_hook(down_pre(i, layer.mlp.down_proj)))
     handles.append(model.model.norm.register_forward_hook(norm_post))
-    device = next(model.parameters()).device
+    device = input_device(model)
     was = model.training
     model.eval()
     try:
@@ -368,6 +387,18 @@ def select(scores: Scores, arch: Arch) -> Selection:
     return Selection(layers=layers, channels=channels, kv_heads=kv_sel, q_heads=q_sel, neurons=n_sel)
 
 
+def _onloaded(model: nn.Module, key: str, w: torch.Tensor) -> torch.Tensor:
+    """``w`` (``model.state_dict()[key]``) with its data. A weight accelerate offloaded (``device_map`` with
+    ``"cpu"`` / ``"disk"`` entries) sits on ``meta`` outside its module's forward: it is read through the
+    module's hook onto the CPU, one module at a time."""
+    if w.device.type != "meta":
+        return w
+    owner, _, name = key.rpartition(".")
+    module = model.get_submodule(owner)
+    with align_module_device(module, torch.device("cpu")):
+        return getattr(module, name)
+
+
 def _rows(idx: list[int], width: int) -> torch.Tensor:
     """Row indices of heads ``idx`` each ``width`` rows wide."""
     return torch.tensor([h * width + d for h in idx for d in range(width)], dtype=torch.long)
@@ -400,6 +431,7 @@ def prune_model(model: PreTrainedModel, sel: Selection, arch: Arch, record: dict
     dst: dict[str, torch.Tensor] = {}
     for key, w in src.items():
         if not key.startswith("model.layers."):
+            w = _onloaded(model, key, w)
             if key in ("model.embed_tokens.weight", "lm_head.weight"):
                 dst[key] = w[:, ch]
             elif key == "model.norm.weight":
@@ -411,6 +443,7 @@ def prune_model(model: PreTrainedModel, sel: Selection, arch: Arch, record: dict
         if int(old) not in sel.layers:
             continue
         j = sel.layers.index(int(old))
+        w = _onloaded(model, key, w)
         q = _rows(sel.q_heads[j], hd)
         kv = _rows(sel.kv_heads[j], hd)
         n = torch.tensor(sel.neurons[j], dtype=torch.long)
@@ -443,7 +476,7 @@ def prune_model(model: PreTrainedModel, sel: Selection, arch: Arch, record: dict
     if getattr(config, "tie_word_embeddings", False):
         pruned.tie_weights()
     pruned.generation_config = copy.deepcopy(model.generation_config)
-    return pruned.to(next(model.parameters()).device)
+    return pruned.to(input_device(model))
 
 
 def identity_record(model: PreTrainedModel) -> dict[str, Any]:
@@ -574,14 +607,40 @@ def resolve_target(model: PreTrainedModel, target_params: float | None, target_r
 # Held-out scoring and the short distillation
 # --------------------------------------------------------------------------------------------
 
+@dataclass
+class LossMasks:
+    """Completion-only targets of chat data (``completion_only``), as the distill recipe trains and scores them.
+
+    ``heldout``: ``[m, seq]`` bool beside the held-out blocks (``PackedData.eval_mask``); ``train``: the
+    training blocks' masks, a ``[k, seq]`` bool tensor beside them or a function of block indices
+    (``Blocks.loss_mask``). True where the token is a target; None (or a function giving None): every token.
+    """
+    heldout: torch.Tensor | None = None
+    train: torch.Tensor | Callable[[torch.Tensor], torch.Tensor | None] | None = None
+
+
 class HeldOut:
     """Held-out blocks with the teacher's final hidden states cached, for KL / perplexity of candidates.
 
     Teacher logits are formed from the cached ``[n, seq, hidden]`` states one batch at a time, so
-    nothing of ``[tokens, vocab]`` size is kept between candidates.
+    nothing of ``[tokens, vocab]`` size is kept between candidates. ``mask`` ``[n, seq]`` bool
+    (completion-only chat data): only positions whose label is a target count, as in the recipe's
+    held-out evaluation; the other tokens stay in the input as context. None: every token.
     """
-    def __init__(self, teacher: PreTrainedModel, blocks: torch.Tensor, batch_size: int = 4):
+    def __init__(self, teacher: PreTrainedModel, blocks: torch.Tensor, batch_size: int = 4,
+                 mask: torch.Tensor | None = None):
         self.teacher, self.blocks, self.batch_size = teacher, blocks, batch_size
+        self.mask = None if mask is None else mask.bool()
+        if self.mask is not None and tuple(self.mask.shape) != tuple(blocks.shape):
+            raise PruneError(f"held-out mask {tuple(self.mask.shape)} does not match the blocks {tuple(blocks.shape)}")
+        # Blocks that the first ranking stage scores: one, or with a mask as many as reach the first target.
+        self.rank_blocks = 1
+        if self.mask is not None:
+            scored = self.mask[:, 1:].any(dim=1).nonzero()
+            if scored.numel() == 0:
+                raise PruneError("the held-out blocks hold no completion target (completion_only masks every token); "
+                                 "raise prune_eval_blocks or seq_len, or set completion_only=false")
+            self.rank_blocks = int(scored[0]) + 1
         device = next(teacher.parameters()).device
         with torch.no_grad():
             self.hidden = torch.cat([teacher.model(input_ids=blocks[s:s + batch_size].to(device), use_cache=False)
@@ -600,7 +659,8 @@ class HeldOut:
             e = min(s + self.batch_size, n)
             ids = self.blocks[s:e].to(device)
             ref = head(self.hidden[s:e].to(device))
-            total.add(batch_stats(model(input_ids=ids, use_cache=False).logits, ids, None, ref))
+            total.add(batch_stats(model(input_ids=ids, use_cache=False).logits, ids, None, ref,
+                                  loss_mask=None if self.mask is None else self.mask[s:e]))
         model.train(was)
         return total
 
@@ -612,11 +672,16 @@ def default_loss_config() -> LossConfig:
 
 def short_distill(student: PreTrainedModel, teacher: PreTrainedModel, blocks: torch.Tensor, steps: int, *,
                   loss_config=None, lr: float = 3e-4, batch_size: int = 4, warmup: int = 4, seed: int = 0,
-                  progress: str | None = None) -> PreTrainedModel:
+                  progress: str | None = None,
+                  loss_mask: torch.Tensor | Callable[[torch.Tensor], torch.Tensor | None] | None = None
+                  ) -> PreTrainedModel:
     """Train ``student`` in place for ``steps`` AdamW steps on ``blocks`` ``[n, seq]`` with ``DistillModel``.
 
     The same module, terms and schedule as ``recipes/distill.py`` (warmup + cosine to 0.1·lr, clip
     1.0), without its run folder, so the search can rank candidates after light retraining.
+    ``loss_mask`` (completion-only chat data, :attr:`LossMasks.train`): ``[n, seq]`` bool beside ``blocks``,
+    or a function of a micro-batch's block indices (``Blocks.loss_mask``); passed to ``DistillModel`` as the
+    recipe does, so only targets train. None: every token.
     """
     if steps <= 0:
         return student
@@ -630,9 +695,12 @@ def short_distill(student: PreTrainedModel, teacher: PreTrainedModel, blocks: to
     student.train()
     try:
         for step in tqdm(range(steps), desc=progress, disable=progress is None, leave=False):
-            for _, ids in order.micro_batches(blocks, step, 0, 1, order.global_batch):
-                out = model(input_ids=ids.to(device))
-                out.loss.backward()
+            for index, ids in order.micro_batches(blocks, step, 0, 1, order.global_batch):
+                mask = loss_mask(index) if callable(loss_mask) else None if loss_mask is None else loss_mask[index]
+                out = model(input_ids=ids.to(device), loss_mask=None if mask is None else mask.to(device))
+                # The recipe's token weight (distill.training.token_weights) of a step's only micro-batch: 1, or
+                # 0 when completion-only masks leave it no target (the attention-map term would still train).
+                (out.loss if mask is None or target_count(mask, tuple(ids.shape)) > 0 else out.loss * 0).backward()
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
                 opt.step()
                 sched.step()
@@ -715,9 +783,10 @@ def format_table(table: list[Candidate], winner: Candidate | None = None) -> str
 
 def search_round(model: PreTrainedModel, teacher: PreTrainedModel, calib: torch.Tensor, heldout: HeldOut,
                  train: torch.Tensor, target: int, s: SearchSettings, log: Callable[[str], None] = print,
-                 scores: Scores | None = None) -> tuple[PreTrainedModel, Candidate, list[Candidate]]:
+                 scores: Scores | None = None, train_mask: torch.Tensor | Callable | None = None
+                 ) -> tuple[PreTrainedModel, Candidate, list[Candidate]]:
     """One prune: score ``model`` (unless ``scores`` are given), rank the candidates at ``target``,
-    short-distill the best, pick one."""
+    short-distill the best (on the targets of ``train_mask``, :attr:`LossMasks.train`), pick one."""
     base, fam = arch_of(model), family_of(model)
     archs = candidates(base, fam, target, s.axes, s.count_embeddings)
     if not archs:
@@ -740,9 +809,10 @@ def search_round(model: PreTrainedModel, teacher: PreTrainedModel, calib: torch.
         ne, emb = fam.counts(a)
         table.append(Candidate(arch=a, params=ne, params_total=ne + emb))
 
-    # Successive halving: one held-out block for everyone, every block for the finalists.
+    # Successive halving: one held-out block for everyone (with completion-only masks, up to the first block
+    # holding a target), every block for the finalists.
     for c in tqdm(table, desc="rank", leave=False):
-        st = heldout.stats(prune_to(model, scores, c.arch, info), n_blocks=1)
+        st = heldout.stats(prune_to(model, scores, c.arch, info), n_blocks=heldout.rank_blocks)
         c.kl_init = st.kl
     finalists = sorted(table, key=lambda c: c.kl_init)[: max(s.finalists, s.top_k)]
     for c in finalists:
@@ -753,7 +823,7 @@ def search_round(model: PreTrainedModel, teacher: PreTrainedModel, calib: torch.
     for i, c in enumerate(best):
         student = prune_to(model, scores, c.arch, {**info, "search_steps": s.search_steps})
         short_distill(student, teacher, train, s.search_steps, lr=s.lr, batch_size=s.batch_size, seed=s.seed,
-                      progress=f"distill {i + 1}/{len(best)}")
+                      loss_mask=train_mask, progress=f"distill {i + 1}/{len(best)}")
         st = heldout.stats(student)
         c.kl_distilled, c.ppl_distilled = st.kl, st.perplexity
         if winner is None or c.kl_distilled < winner.kl_distilled:
@@ -763,7 +833,7 @@ def search_round(model: PreTrainedModel, teacher: PreTrainedModel, calib: torch.
 
 def search(teacher: PreTrainedModel, calib: torch.Tensor, heldout_blocks: torch.Tensor, train: torch.Tensor,
            s: SearchSettings, log: Callable[[str], None] = print, scores: Scores | None = None,
-           heldout: HeldOut | None = None) -> SearchResult:
+           heldout: HeldOut | None = None, masks: LossMasks | None = None) -> SearchResult:
     """Prune ``teacher`` to the budget by importance + search (iteratively when ``s.iterative``).
 
     Args:
@@ -772,6 +842,9 @@ def search(teacher: PreTrainedModel, calib: torch.Tensor, heldout_blocks: torch.
         train: ``[k, seq]`` blocks for the short distillation.
         scores / heldout: the teacher's importance scores and cached held-out states, when already
             computed (the first round reuses them).
+        masks: completion-only targets of chat data (:class:`LossMasks`): held-out KL / perplexity count
+            only the held-out targets and the short distillation trains on the training targets, as the
+            distill recipe does. None: every token. Calibration keeps every token (see :func:`calibration_data`).
     """
     check_supported(teacher)
     t0 = time.time()
@@ -780,7 +853,8 @@ def search(teacher: PreTrainedModel, calib: torch.Tensor, heldout_blocks: torch.
     ne, emb = fam.counts(base)
     log(f"teacher {base.label()}: {ne:,} non-embedding + {emb:,} embedding = {ne + emb:,} parameters")
     log(f"target {target:,} {'parameters (embeddings counted)' if s.count_embeddings else 'non-embedding parameters'}")
-    heldout = heldout or HeldOut(teacher, heldout_blocks, s.batch_size)
+    masks = masks or LossMasks()
+    heldout = heldout or HeldOut(teacher, heldout_blocks, s.batch_size, mask=masks.heldout)
     model, table, rounds = teacher, [], 0
     while True:
         current = budget_of(fam, arch_of(model), s.count_embeddings)
@@ -792,7 +866,7 @@ def search(teacher: PreTrainedModel, calib: torch.Tensor, heldout_blocks: torch.
         if s.iterative:
             log(f"round {rounds}: {current:,} → {step_target:,}")
         model, winner, round_table = search_round(model, teacher, calib, heldout, train, step_target, s, log,
-                                                  scores if rounds == 1 else None)
+                                                  scores if rounds == 1 else None, train_mask=masks.train)
         table.extend(round_table)
         if step_target == target:
             break
@@ -840,18 +914,35 @@ def _written_by_prune(folder: Path) -> bool:
 # --------------------------------------------------------------------------------------------
 
 def calibration_data(tokenizer, dataset: str | None, seq_len: int, calib_blocks: int, eval_blocks: int,
-                     train_blocks: int | None = None, text_field: str = "text", **data_args: Any):
+                     train_blocks: int | None = None, text_field: str = "text", *, seed: int = 0,
+                     with_masks: bool = False, **data_args: Any):
     """``(calibration, held-out, distill)`` blocks from a dataset (the distill recipe's data rules).
 
     ``data_args``: the rest of :func:`~distill.data.build_data`'s data keys (``datasets``, ``eval_dataset``,
     ``data_cache``, ...; ``DistillConfig.data_args()``), so a recipe prunes on the data it trains on.
+    ``seed``: the recipe's, for a mixture's draw. ``with_masks``: a fourth item, the completion-only
+    :class:`LossMasks` of chat data (every mask None for plain text), for :func:`search`.
     """
     data = build_data(tokenizer, dataset=dataset, seq_len=seq_len, eval_blocks=eval_blocks, text_field=text_field,
                       **data_args)
     # Calibration and distillation both use training text; the held-out split only ranks. A mixture's blocks
-    # are its sources one after another: calibrate on a weighted draw, as the recipe's first step takes.
-    calib = data.train[:calib_blocks] if len(data.weights) == 1 else data.train[data.order(calib_blocks, 0).step_indices(0)]
-    return calib, data.eval, data.train if train_blocks is None else data.train[:train_blocks]
+    # are its sources one after another: calibrate on a weighted draw, the one the recipe's order (same
+    # weights, same seed) takes for a first step of that many blocks, so every source's calibration blocks
+    # are the first ones the recipe trains on from it. At most every block (one global batch of the order).
+    if len(data.weights) == 1:
+        calib = data.train[:calib_blocks]
+    else:
+        calib = data.train[data.order(min(calib_blocks, data.train.shape[0]), seed).step_indices(0)]
+    train = data.train if train_blocks is None else data.train[:train_blocks]
+    if not with_masks:
+        return calib, data.eval, train
+    # Calibration keeps every token, masks or not: importance measures how much each block, head, neuron and
+    # channel carries of the activations, and prompt tokens run through the same units and feed the
+    # assistant's tokens through attention (their keys and values), so units that matter on the prompt matter
+    # for the targets too; only the held-out ranking and the short distillation, which measure and train the
+    # loss, count targets alone, as the recipe does.
+    masks = LossMasks(heldout=data.eval_mask, train=data.train.loss_mask)  # loss_mask(index): None for plain text
+    return calib, data.eval, train, masks
 
 
 DEFAULT_RATIO = 1 / 3  # the recipe's budget when it names none: a third of the teacher's non-embedding size
@@ -884,8 +975,11 @@ def prune_for_recipe(teacher: PreTrainedModel, tokenizer, cfg: Any, log: Callabl
     if any(s.streaming for s in specs):  # the search indexes and slices blocks; a stream has no length
         raise PruneError("student_init=prune calibrates on prepared blocks, and a streamed source has none: set "
                          "streaming=false, or prune once with python -m distill.prune and pass student=DIR")
-    calib, held, train = calibration_data(tokenizer, seq_len=cfg.seq_len, calib_blocks=cfg.prune_calib_blocks,
-                                          eval_blocks=cfg.prune_eval_blocks, **data_args)
+    # Chat data with completion_only: the search ranks and short-distills on the assistant's tokens, as the
+    # recipe trains and evaluates (calibration keeps every token: see calibration_data).
+    calib, held, train, masks = calibration_data(tokenizer, seq_len=cfg.seq_len, calib_blocks=cfg.prune_calib_blocks,
+                                                 eval_blocks=cfg.prune_eval_blocks, seed=cfg.seed, with_masks=True,
+                                                 **data_args)
     ratio = cfg.target_ratio if cfg.target_params is not None or cfg.target_ratio is not None else DEFAULT_RATIO
     s = SearchSettings(target_params=cfg.target_params, target_ratio=ratio, axes=axes,
                        search_steps=cfg.prune_search_steps, top_k=cfg.prune_top_k, lr=cfg.lr,
@@ -894,7 +988,7 @@ def prune_for_recipe(teacher: PreTrainedModel, tokenizer, cfg: Any, log: Callabl
                        batch_size=cfg.micro_batch_size, seed=cfg.seed,
                        calibration={"dataset": ", ".join(s.source for s in specs), "blocks": int(calib.shape[0]),
                                     "seq_len": cfg.seq_len})
-    result = search(teacher, calib, held, train, s, log)
+    result = search(teacher, calib, held, train, s, log, masks=masks)
     log(format_table(result.table, result.winner))
     log(f"pruned student: {result.winner.arch.label()} ({result.winner.params:,} non-embedding, "
         f"{result.winner.params_total:,} total) in {result.seconds:.0f}s")

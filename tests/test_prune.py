@@ -499,7 +499,7 @@ def test_recipe_prune_calibrates_on_the_datasets_mixture_and_refuses_a_stream(tm
     class Searched(Exception):
         pass
 
-    def fake_search(teacher, calib, held, train, s, log):  # what the search was given; no search run
+    def fake_search(teacher, calib, held, train, s, log, **_masks):  # what the search was given; no search run
         raise Searched(calib, held, s.calibration)
 
     monkeypatch.setattr(prune, "search", fake_search)
@@ -553,3 +553,199 @@ def test_cli_dtype_auto_is_fp32_on_cpu_and_bf16_on_cuda(tmp_path, monkeypatch, c
     with pytest.raises(SystemExit):
         main(["--help"])
     assert "auto: bf16 on CUDA, fp32 on CPU" in capsys.readouterr().out
+
+
+# -- completion-only masks in the search, and a mixture's calibration draw --------------------------------------
+
+def _chat_jsonl(path, n: int) -> str:
+    rows = [{"messages": [{"role": "user", "content": f"the fox {i} jumps over the lazy dog"},
+                          {"role": "assistant", "content": "distill the teacher " * (1 + i % 3)}]} for i in range(n)]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return str(path)
+
+
+def test_heldout_counts_only_completion_targets():
+    """With a loss mask, held-out KL / perplexity / agreement are the naive sums over the masked-in targets only."""
+    import math
+
+    from distill.prune import HeldOut
+
+    teacher = tiny_model("llama", layers=3).requires_grad_(False)
+    student = prune_to(teacher, importance(teacher, _blocks(), progress=False), Arch(2, 64, 2, 2, 64))
+    ids = _blocks(3, seq=20, seed=5)
+    mask = torch.zeros_like(ids, dtype=torch.bool)
+    mask[0, 8:] = True
+    mask[1, 3:12] = True  # block 2: prompt only, no target
+    got = HeldOut(teacher, ids, batch_size=2, mask=mask).stats(student)
+    with torch.no_grad():  # naive reference: position t counts when its label t+1 is a target
+        ls, lt = (m(input_ids=ids).logits[:, :-1].float() for m in (student, teacher))
+    keep = mask[:, 1:]
+    lps, lpt = ls.log_softmax(-1)[keep], lt.log_softmax(-1)[keep]
+    kl = (lpt.exp() * (lpt - lps)).sum(-1).mean().item()
+    nll = F.cross_entropy(ls[keep], ids[:, 1:][keep]).item()
+    agree = (ls.argmax(-1) == lt.argmax(-1))[keep].float().mean().item()
+    assert got.tokens == got.ref_tokens == int(keep.sum()) == 12 + 9
+    assert got.kl == pytest.approx(kl, rel=1e-4) and got.perplexity == pytest.approx(math.exp(nll), rel=1e-4)
+    assert got.top1_agreement == pytest.approx(agree)
+    every = HeldOut(teacher, ids, batch_size=2).stats(student)  # no mask: every token, as before
+    assert every.tokens == 3 * 19 and abs(every.kl - got.kl) > 1e-3 * got.kl
+    # The first ranking stage scores up to the first block holding a target; no target at all is an error.
+    assert HeldOut(teacher, ids.flip(0), mask=mask.flip(0)).rank_blocks == 2
+    assert HeldOut(teacher, ids).rank_blocks == 1
+    with pytest.raises(PruneError, match="no completion target"):
+        HeldOut(teacher, ids, mask=torch.zeros_like(mask))
+
+
+def test_short_distill_trains_only_on_masked_in_targets():
+    """The short distillation's gradient comes from the loss mask's targets only, as the recipe's DistillModel."""
+    import dataclasses
+
+    from distill.config import DistillConfig
+    from distill.prune import short_distill
+
+    teacher = tiny_model("llama", layers=3).requires_grad_(False)
+    base = prune_to(teacher, importance(teacher, _blocks(), progress=False), Arch(2, 64, 2, 2, 64))
+    ids = _blocks(2, seq=20, seed=7)
+    mask = torch.zeros_like(ids, dtype=torch.bool)
+    mask[0, 10:] = True
+    mask[1, 4:9] = True
+
+    def params(m):
+        return {k: v.detach().clone() for k, v in m.named_parameters()}
+
+    # Every target masked out: the student does not move (default terms: KD + CE + hidden); without a mask it does.
+    still = copy.deepcopy(base)
+    before = params(still)
+    short_distill(still, teacher, ids, 3, lr=1e-2, batch_size=4, loss_mask=torch.zeros_like(mask))
+    assert all(torch.equal(before[k], v) for k, v in params(still).items())
+    moved = copy.deepcopy(base)
+    short_distill(moved, teacher, ids, 3, lr=1e-2, batch_size=4)
+    assert any(not torch.equal(before[k], v) for k, v in params(moved).items())
+    # A function of block indices (Blocks.loss_mask) giving nothing is plain training.
+    same = copy.deepcopy(base)
+    short_distill(same, teacher, ids, 3, lr=1e-2, batch_size=4, loss_mask=lambda index: None)
+    assert all(torch.equal(params(moved)[k], v) for k, v in params(same).items())
+
+    # One CE-only AdamW step: the update is lr · g / (|g| + eps) of the hand-computed gradient over the targets.
+    ce_only = dataclasses.replace(DistillConfig().losses(), kd_weight=0.0, hidden_weight=0.0, attn_weight=0.0)
+    lr = 1e-3
+
+    def hand_step(keep):
+        s = copy.deepcopy(base).train()
+        logits = s(input_ids=ids).logits[:, :-1].float()
+        F.cross_entropy(logits[keep], ids[:, 1:][keep]).backward()
+        g = {k: p.grad.detach().clone() for k, p in s.named_parameters()}
+        clip = min(1.0, 1.0 / (torch.linalg.vector_norm(torch.stack([v.norm() for v in g.values()])).item() + 1e-6))
+        return {k: before[k] - lr * (v * clip) / ((v * clip).abs() + 1e-8) for k, v in g.items()}, g
+
+    want, grad = hand_step(mask[:, 1:])
+    every, _ = hand_step(torch.ones_like(mask[:, 1:]))
+    student = copy.deepcopy(base)
+    short_distill(student, None, ids, 1, loss_config=ce_only, lr=lr, batch_size=4, loss_mask=mask)
+    got = params(student)
+    big = {k: grad[k].abs() > 1e-6 for k in grad}  # where eps does not decide the step
+    for k in got:
+        torch.testing.assert_close(got[k][big[k]], want[k][big[k]], rtol=0, atol=lr * 1e-3)
+    assert sum(int((got[k] != every[k])[big[k]].sum()) for k in got) > 100  # all-token training differs
+
+
+def test_recipe_prune_passes_completion_masks_to_the_search(tmp_path, monkeypatch):
+    """``student_init: prune`` on chat data with completion_only: the search gets the recipe's masks and uses them."""
+    import dataclasses
+    import math
+
+    from core.tiny import tiny_tokenizer
+    from distill import prune
+    from distill.config import DistillConfig
+    from distill.data import build_data
+
+    tok = tiny_tokenizer()
+    chat = _chat_jsonl(tmp_path / "chat.jsonl", 120)
+    cfg = DistillConfig(datasets=[chat], seq_len=32, prune_calib_blocks=4, prune_eval_blocks=3, target_ratio=0.5,
+                        prune_axes="depth,mlp", prune_search_steps=1, prune_top_k=1, prune_max_candidates=2,
+                        micro_batch_size=2, data_cache=str(tmp_path / "c"), output_dir=str(tmp_path / "run"))
+    want = build_data(tok, **cfg.data_args(), seq_len=32, eval_blocks=3, progress=False)
+    assert want.eval_mask is not None and 0 < int(want.eval_mask.sum()) < want.eval_mask.numel()
+
+    given = {}
+
+    def fake_search(teacher, calib, held, train, s, log, masks=None):
+        given.update(calib=calib, held=held, train=train, masks=masks)
+        raise PruneError("stop")
+
+    real_search = prune.search
+    monkeypatch.setattr(prune, "search", fake_search)
+    with pytest.raises(PruneError, match="stop"):
+        prune.prune_for_recipe(tiny_model("llama", layers=2), tok, cfg, log=lambda _msg: None)
+    masks = given["masks"]
+    assert torch.equal(given["held"], want.eval) and torch.equal(masks.heldout, want.eval_mask)
+    idx = torch.arange(6)
+    assert torch.equal(masks.train(idx), want.train.loss_mask(idx)) and not bool(masks.train(idx).all())
+    assert torch.equal(given["calib"], want.train[:4])  # calibration: the same blocks, every token
+    # completion_only=false: no mask anywhere, as for plain text.
+    with pytest.raises(PruneError, match="stop"):
+        prune.prune_for_recipe(tiny_model("llama", layers=2), tok, dataclasses.replace(cfg, completion_only=False),
+                               log=lambda _msg: None)
+    assert given["masks"].heldout is None and given["masks"].train(idx) is None
+
+    # The real search: its held-out ranking and its short distillation see those masks.
+    seen = {}
+    real_short, real_heldout = prune.short_distill, prune.HeldOut
+
+    def spy_short(*args, loss_mask=None, **kw):
+        seen["train"] = loss_mask(idx)
+        return real_short(*args, loss_mask=loss_mask, **kw)
+
+    class SpyHeldOut(real_heldout):
+        def __init__(self, teacher, blocks, batch_size=4, mask=None):
+            seen["heldout"] = mask
+            super().__init__(teacher, blocks, batch_size, mask=mask)
+
+    monkeypatch.setattr(prune, "search", real_search)
+    monkeypatch.setattr(prune, "short_distill", spy_short)
+    monkeypatch.setattr(prune, "HeldOut", SpyHeldOut)
+    student = prune.prune_for_recipe(tiny_model("llama", layers=2), tok, cfg, log=lambda _msg: None)
+    assert torch.equal(seen["heldout"], want.eval_mask) and torch.equal(seen["train"], want.train.loss_mask(idx))
+    assert student.config.num_hidden_layers <= 2
+    record = json.loads((tmp_path / "run" / "pruned" / "search.json").read_text())
+    assert all(math.isfinite(c["kl_init"]) for c in record["candidates"]) and math.isfinite(
+        record["winner"]["kl_distilled"])
+
+
+def test_recipe_prune_calibrates_a_two_source_mixture_by_weight_on_the_recipe_order(tmp_path):
+    """A weighted mixture calibrates on the blocks the recipe's order draws first from each source, in the
+    weights' proportions; a single source keeps its first blocks; a mixture smaller than the draw still works."""
+    import numpy as np
+
+    from core.tiny import tiny_tokenizer
+    from distill.config import DistillConfig
+    from distill.data import build_data
+    from distill.prune import calibration_data
+
+    tok = tiny_tokenizer()
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("\n".join(json.dumps({"text": f"the quick brown fox {i} jumps " * 3}) for i in range(200)))
+    b.write_text("\n".join(json.dumps({"text": f"distill the teacher {i} now " * 3}) for i in range(200)))
+    mix = [{"source": str(a), "weight": 3}, {"source": str(b), "weight": 1}]
+    cfg = DistillConfig(datasets=mix, seq_len=16, seed=5, micro_batch_size=4, data_cache=str(tmp_path / "c"))
+    data = build_data(tok, **cfg.data_args(), seq_len=16, eval_blocks=2, progress=False)
+    calib, held, train = calibration_data(tok, seq_len=16, calib_blocks=16, eval_blocks=2, seed=cfg.seed,
+                                          **cfg.data_args())
+    # The recipe's order (recipes/distill.py: data.order(global_batch, cfg.seed)), drawn for 16 blocks.
+    idx = data.order(16, cfg.seed).step_indices(0)
+    assert torch.equal(calib, data.train[idx]) and torch.equal(held, data.eval) and train.shape == data.train.shape
+    src = np.searchsorted(data.train.offsets, idx.numpy(), side="right") - 1
+    assert np.bincount(src, minlength=2).tolist() == [12, 4]  # 3 : 1
+    assert len(set(idx.tolist())) == 16
+    # The recipe's first step (a global batch of 4) draws its blocks among them.
+    first = data.order(cfg.micro_batch_size * cfg.grad_accum, cfg.seed).step_indices(0)
+    assert set(first.tolist()) <= set(idx.tolist())
+    # More calibration blocks than the mixture holds (5 + 5): as many as it holds, drawn by weight; no error.
+    capped = DistillConfig(datasets=mix, seq_len=16, max_train_blocks=5, data_cache=str(tmp_path / "c"))
+    few, _, _ = calibration_data(tok, seq_len=16, calib_blocks=64, eval_blocks=2, **capped.data_args())
+    assert few.shape == (10, 16)
+    # A single source: its first blocks, as before.
+    one = DistillConfig(datasets=[str(a)], seq_len=16, data_cache=str(tmp_path / "c"))
+    single = build_data(tok, **one.data_args(), seq_len=16, eval_blocks=2, progress=False)
+    calib1, held1, _ = calibration_data(tok, seq_len=16, calib_blocks=6, eval_blocks=2, seed=5, **one.data_args())
+    assert torch.equal(calib1, single.train[:6]) and torch.equal(held1, single.eval)
