@@ -32,7 +32,9 @@ cosine`` gives the recipe's warmup + cosine decay over the budget):
   ``--on-teacher-temp T`` teaches the rollouts the teacher's distribution at temperature T (the student's at 1),
   ``--on-prompt-grad S`` scales the rollout gradient's path through the prompt's keys and values (0: the prompt
   runs without autograd, a slightly cheaper rollout step). ``--on-joint`` adds each rollout's gradient to a data
-  step's instead of giving it a step of its own (each clipped first, one update).
+  step's instead of giving it a step of its own (each clipped first, one update). ``--on-correct K`` has the
+  teacher vet the rollouts before the loss (speculative KD's interleaving, in one pass): a generated token outside
+  the teacher's top K at its position is replaced by a draw from the teacher there (:func:`teacher_corrected`).
 
 ``--device cuda`` runs models, training and eval on a GPU (fp32, like the CPU arms).
 
@@ -337,6 +339,31 @@ class SequenceRKL:
         return direct + self.weight * pg, {"direct": float(direct.detach()), "pg": float(pg.detach())}
 
 
+@torch.no_grad()
+def teacher_corrected(batch: dict[str, torch.Tensor], teacher, k: int, generator: torch.Generator
+                      ) -> tuple[dict[str, torch.Tensor], int]:
+    """Rollout rows with every generated token the teacher does not rank in its top ``k`` replaced by a draw from
+    the teacher's distribution at that position (T = 1). Returns (the new rows, how many tokens were replaced).
+
+    ``batch``: :func:`distill.on_policy.rollout_batch` rows (``input_ids`` / ``labels`` ``[rows, seq]``, labels
+    -100 off the continuation). One teacher forward over the student's rollout decides every position at once,
+    so a token after a replaced one was sampled after the student's token, not the teacher's (speculative KD
+    interleaves token by token; this is its one-pass form, costing one teacher forward per rollout).
+    """
+    ids, labels = batch["input_ids"].clone(), batch["labels"].clone()
+    device = next(teacher.parameters()).device
+    logits = teacher(input_ids=ids.to(device), attention_mask=batch["attention_mask"].to(device)).logits[:, :-1]
+    logits = logits.float().cpu()  # [rows, seq - 1]: position t predicts token t + 1
+    gen = labels[:, 1:] != -100
+    inside = (logits.topk(min(k, logits.shape[-1]), -1).indices == ids[:, 1:, None]).any(-1)
+    reject = gen & ~inside  # [rows, seq - 1]
+    if reject.any():
+        draws = torch.multinomial(logits[reject].softmax(-1), 1, generator=generator).squeeze(-1)
+        ids[:, 1:][reject] = draws
+        labels[:, 1:][reject] = draws
+    return {**batch, "input_ids": ids, "labels": labels}, int(reject.sum())
+
+
 def run_arm(name: str, fraction: float, args, teacher, student0, tokenizer, data, eval_prompts) -> dict:
     from distill.model import DistillModel, LossConfig
     from distill.on_policy import OnPolicy, OnPolicySettings
@@ -357,6 +384,17 @@ def run_arm(name: str, fraction: float, args, teacher, student0, tokenizer, data
                                 prompt_tokens=args.prompt, seed=args.seed, kd_kind=args.on_kind, rows=args.gen_rows,
                                 rollout_rows=args.rollout_rows)
     policy = OnPolicy(settings, model, model, tokenizer, args.batch)
+    corrected = [0, 0]  # --on-correct: generated tokens replaced by the teacher's, generated tokens seen
+    if args.on_correct:
+        rollouts, draws = policy.generate, torch.Generator().manual_seed(args.seed)
+
+        def vetted(blocks: torch.Tensor, step: int, micro: int) -> dict[str, torch.Tensor]:
+            batch, n = teacher_corrected(rollouts(blocks, step, micro), teacher, args.on_correct, draws)
+            corrected[0] += n
+            corrected[1] += int((batch["labels"] != -100).sum())
+            return batch
+
+        policy.generate = vetted  # what policy.forward rolls out through
     device = next(student.parameters()).device
     params = [q for q in student.parameters() if q.requires_grad]
     last_data: list[torch.Tensor | None] = [None] * len(params)  # --project data: the last data step's gradient
@@ -451,7 +489,8 @@ def run_arm(name: str, fraction: float, args, teacher, student0, tokenizer, data
            "rollout_tok_s": stats["rollout_tok_s"],
            "gen_time_share": stats["gen_time_share"], "decode_copy_syncs": policy.rollouts.syncs,
            "rollout_cos": statistics.fmean(measured) if measured else math.nan,
-           "rollout_conflicts": sum(1 for c in measured if c < 0), "environment": environment()}
+           "rollout_conflicts": sum(1 for c in measured if c < 0),
+           "corrected_share": corrected[0] / corrected[1] if corrected[1] else math.nan, "environment": environment()}
     print(f"  {name}: {step} steps in {elapsed:.0f}s ({_clock_name(args)}; {wall:.0f}s wall), ppl {ppl:.2f}, "
           f"reverse KL on own continuations {rkl:.4f} (SE {ev['se']:.4f})", flush=True)
     return row
@@ -514,6 +553,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--on-joint", action="store_true", help="a rollout rides on a data step: the step's data "
                     "gradient (clipped to 1) plus the rollout's (clipped to --on-clip), one update; charged 1 + "
                     "--on-cost")
+    ap.add_argument("--on-correct", type=int, default=0, help="the teacher replaces each generated token outside "
+                    "its top K by a draw of its own before the rollout loss (speculative KD, one pass; 0: off)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (models, training and eval)")
     ap.add_argument("--gen-temperature", type=float, default=1.0, help="sampling temperature of the rollouts")
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens (prefix of each block)")
@@ -581,6 +622,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--on-teacher-temp and --on-prompt-grad apply to the rollout reverse KL; pass --on-kind reverse_kl")
     if args.on_joint and (args.on_opt != "shared" or args.on_lr != 1):
         ap.error("--on-joint makes one update of the data and rollout gradients; drop --on-opt separate and --on-lr")
+    if args.on_correct < 0:
+        ap.error(f"--on-correct is a teacher top-K size >= 1 (0: off), got {args.on_correct}")
+    if args.on_correct and (args.on_seq > 0 or args.on_max_entropy is not None or args.on_teacher_temp != 1
+                            or args.on_prompt_grad != 1):
+        ap.error("--on-correct vets the rollouts of the recipe's rollout loss; drop the --on-seq / --on-max-entropy / "
+                 "--on-teacher-temp / --on-prompt-grad options")
     if args.on_cost is not None and not args.on_cost > 0:
         ap.error(f"--on-cost is a positive share of an off-policy step, got {args.on_cost}")
     return args
@@ -682,7 +729,8 @@ _LABELS = (("fraction", "λ"), ("on_kind", "on-kind "), ("on_clip", "clip "), ("
            ("on_opt", "opt "), ("on_params", "params "), ("on_lr", "lr ×"), ("on_start", "start "),
            ("on_end", "end "), ("gen_temperature", "T "), ("gen_rows", "rows "), ("on_seq", "seq "),
            ("on_max_entropy", "max-H "), ("on_teacher_temp", "teacher T "), ("on_prompt_grad", "prompt grad "),
-           ("on_joint", "joint"), ("ce_weight", "ce "), ("on_gen", "rollout tokens "))
+           ("on_joint", "joint"), ("ce_weight", "ce "), ("on_gen", "rollout tokens "),
+           ("on_correct", "teacher top-"))
 
 
 def mix_label(mix: dict) -> str:

@@ -690,3 +690,49 @@ def test_on_gen_sets_the_training_rollouts_length_and_the_eval_keeps_gen(tmp_pat
     mix = _log(tmp_path, "mix.log", on_gen=32, on_policy=_arm(61.8, 1.10, 0.022, 2))
     out = bench.compare(off, mix, emit_json=False)
     assert out["on_gen"] == 32 and "rollout tokens 32" in bench.mix_label(out)
+
+
+def test_teacher_corrected_replaces_exactly_the_generated_tokens_outside_the_teachers_top_k():
+    """--on-correct: against a naive loop over positions, only generated tokens the teacher does not rank in its top
+    K change, each to a token of the teacher's support; the prompt and padding stay as they were."""
+    bench = _bench()
+    teacher = _pair()[0]
+    prompts, conts, batch = _rollout_rows()
+    with torch.no_grad():
+        logits = teacher(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    for k in (1, 3, VOCAB):
+        got, n = bench.teacher_corrected(batch, teacher, k, torch.Generator().manual_seed(0))
+        expect = 0
+        for r, (p, c) in enumerate(zip(prompts, conts)):
+            for j in range(len(c)):
+                t = len(p) + j  # the generated token's position; logits[t - 1] predict it
+                top = set(logits[r, t - 1].topk(k).indices.tolist())
+                if c[j] in top:
+                    assert got["input_ids"][r, t] == c[j] and got["labels"][r, t] == c[j]
+                else:
+                    expect += 1
+                    assert got["input_ids"][r, t] == got["labels"][r, t] != -100
+            assert got["input_ids"][r, :len(p)].tolist() == p
+        assert n == expect
+        assert torch.equal(got["labels"] == -100, batch["labels"] == -100)
+        assert torch.equal(got["input_ids"][batch["attention_mask"] == 0], batch["input_ids"][batch["attention_mask"] == 0])
+    assert bench.teacher_corrected(batch, teacher, VOCAB, torch.Generator())[1] == 0  # top-V holds every token
+    assert bench.teacher_corrected(batch, teacher, 1, torch.Generator())[1] > 0  # the tiny teacher disagrees somewhere
+
+
+def test_on_correct_trains_on_the_teacher_vetted_rollouts(tmp_path):
+    """--on-correct K reaches the rollout steps: K = the vocabulary replaces nothing and trains the same student as
+    no vetting; K = 1 replaces tokens (its share is logged) and trains another; a negative K is refused."""
+    bench = _bench()
+    student = _pair()[1]
+    rkl = ["--on-kind", "reverse_kl"]
+    plain = _trained_state(bench, tmp_path, student, rkl, fraction=1.0)
+    whole = _trained_state(bench, tmp_path, student, rkl + ["--on-correct", str(VOCAB)], fraction=1.0)
+    for k in plain:
+        torch.testing.assert_close(whole[k], plain[k], rtol=0, atol=0)
+    vetted = _trained_state(bench, tmp_path, student, rkl + ["--on-correct", "1"], fraction=1.0)
+    assert any(not torch.allclose(vetted[k], plain[k], rtol=1e-4, atol=1e-5) for k in plain)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--on-correct", "-1"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--on-correct", "5", "--on-seq", "0.5", "--on-kind", "reverse_kl"])
