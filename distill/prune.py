@@ -749,6 +749,7 @@ class SearchSettings:
     block_score: str = "bi"  # how blocks are scored: "bi" (block influence) | "loss" (loss increase when skipped)
     max_round_cut: float = 0.3
     calibration: dict[str, Any] = field(default_factory=dict)
+    loss_config: LossConfig | None = None  # the short distillation's terms (None: the distill recipe's defaults)
 
 
 @dataclass
@@ -822,8 +823,8 @@ def search_round(model: PreTrainedModel, teacher: PreTrainedModel, calib: torch.
     winner, winner_model = None, None
     for i, c in enumerate(best):
         student = prune_to(model, scores, c.arch, {**info, "search_steps": s.search_steps})
-        short_distill(student, teacher, train, s.search_steps, lr=s.lr, batch_size=s.batch_size, seed=s.seed,
-                      loss_mask=train_mask, progress=f"distill {i + 1}/{len(best)}")
+        short_distill(student, teacher, train, s.search_steps, loss_config=s.loss_config, lr=s.lr,
+                      batch_size=s.batch_size, seed=s.seed, loss_mask=train_mask, progress=f"distill {i + 1}/{len(best)}")
         st = heldout.stats(student)
         c.kl_distilled, c.ppl_distilled = st.kl, st.perplexity
         if winner is None or c.kl_distilled < winner.kl_distilled:
@@ -959,14 +960,15 @@ def prune_for_recipe(teacher: PreTrainedModel, tokenizer, cfg: Any, log: Callabl
     map pairs, and it need not land on the same student twice (other threads, another machine). So a
     fresh run saves its winner once to ``output_dir/pruned`` (an HF directory with ``search.json``),
     and a resume (``cfg.resume``) reads the student back instead of searching (:func:`resumed_student`).
-    The result is also kept per process for the same settings.
+    The search's short distillation trains the candidates with the run's own loss terms (``cfg.losses()``) on
+    its completion-only targets. The result is also kept per process for the same settings.
     """
     if getattr(cfg, "resume", None) is not None and (student := resumed_student(teacher, cfg, log)) is not None:
         return student
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # ranks could pick different students on a GPU
         raise PruneError("student_init=prune runs in one process; prune once with python -m distill.prune "
                          "--out DIR, then launch with student=DIR")
-    key = tuple(str(getattr(cfg, k, None)) for k in _RECIPE_KEYS)
+    key = (*(str(getattr(cfg, k, None)) for k in _RECIPE_KEYS), repr(cfg.losses()))  # its terms train the candidates
     if key in _recipe_memo:
         return copy.deepcopy(_recipe_memo[key])
     axes = parse_axes(cfg.prune_axes)
@@ -985,7 +987,7 @@ def prune_for_recipe(teacher: PreTrainedModel, tokenizer, cfg: Any, log: Callabl
                        search_steps=cfg.prune_search_steps, top_k=cfg.prune_top_k, lr=cfg.lr,
                        max_candidates=getattr(cfg, "prune_max_candidates", 64),
                        block_score=getattr(cfg, "prune_block_score", "bi"),
-                       batch_size=cfg.micro_batch_size, seed=cfg.seed,
+                       batch_size=cfg.micro_batch_size, seed=cfg.seed, loss_config=cfg.losses(),
                        calibration={"dataset": ", ".join(s.source for s in specs), "blocks": int(calib.shape[0]),
                                     "seq_len": cfg.seq_len})
     result = search(teacher, calib, held, train, s, log, masks=masks)

@@ -749,3 +749,34 @@ def test_recipe_prune_calibrates_a_two_source_mixture_by_weight_on_the_recipe_or
     single = build_data(tok, **one.data_args(), seq_len=16, eval_blocks=2, progress=False)
     calib1, held1, _ = calibration_data(tok, seq_len=16, calib_blocks=6, eval_blocks=2, seed=5, **one.data_args())
     assert torch.equal(calib1, single.train[:6]) and torch.equal(held1, single.eval)
+
+
+def test_recipe_prune_short_distils_candidates_with_the_runs_loss_terms(tmp_path, monkeypatch):
+    """The recipe's search trains its candidates with the run's own terms (here reverse KL without CE), not the
+    demo's defaults, and a run with other terms does not reuse a search memoised under the first ones."""
+    import dataclasses
+
+    from core.tiny import tiny_tokenizer
+    from distill import prune
+    from distill.config import DistillConfig
+
+    cfg = DistillConfig(seq_len=32, prune_calib_blocks=4, prune_eval_blocks=2, target_ratio=0.5,
+                        prune_axes="depth", prune_search_steps=1, prune_top_k=1, prune_max_candidates=2,
+                        micro_batch_size=2, max_train_blocks=8, kd_kind="reverse_kl", ce_weight=0.0, hidden_weight=0.0,
+                        output_dir=str(tmp_path / "run"))
+    assert cfg.losses() != prune.default_loss_config()
+    seen = []
+    real_short = prune.short_distill
+
+    def spy_short(*args, loss_config=None, **kw):
+        seen.append(loss_config)
+        return real_short(*args, loss_config=loss_config, **kw)
+
+    monkeypatch.setattr(prune, "short_distill", spy_short)
+    monkeypatch.setattr(prune, "_recipe_memo", {})
+    tok = tiny_tokenizer()
+    prune.prune_for_recipe(tiny_model("llama", layers=2), tok, cfg, log=lambda _msg: None)
+    assert seen == [cfg.losses()]
+    other = dataclasses.replace(cfg, kd_kind="forward_kl", output_dir=str(tmp_path / "run2"))
+    prune.prune_for_recipe(tiny_model("llama", layers=2), tok, other, log=lambda _msg: None)
+    assert seen == [cfg.losses(), other.losses()]  # searched again, with its own terms
