@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import re
 import sys
 import types
@@ -86,6 +87,24 @@ class ConfigError(ValueError):
     """
 
     exit_code = 2
+
+
+def check_output_dir(path: str | os.PathLike, name: str) -> None:
+    """A one-line :class:`ConfigError` unless ``path`` is a folder this process can write in, or can be created as one.
+
+    For a command's output option (``name``, as the user typed it: ``--out``, ``output_dir``), checked with the
+    arguments, so that a typo is not found when the results are written, after the work.
+    """
+    p = Path(path).expanduser()
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"{name} {path} is a file, not a folder; choose another {name}")
+    parent = p
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(f"{name} {path} lies under {parent}, which is a file; choose another {name}")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{name} {path}: cannot write in {parent}; choose another {name}")
 
 
 def field(default: Any = dataclasses.MISSING, *, help: str, default_factory: Any = dataclasses.MISSING,

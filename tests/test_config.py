@@ -311,3 +311,27 @@ def test_resume_safe_lists_name_real_keys_and_never_the_training_math(module):
     assert set(module.RESUME_SAFE) <= names
     assert not set(module.RESUME_SAFE) & {"lr", "seed", "max_steps", "teacher", "dataset", "seq_len",
                                           "micro_batch_size", "grad_accum", "min_lr_ratio", "warmup_steps"}
+
+
+def test_check_output_dir_refuses_a_file_or_a_path_under_one_and_accepts_new_folders(tmp_path):
+    import os
+
+    from core.config import ConfigError, check_output_dir
+
+    check_output_dir(tmp_path, "--out")  # an existing folder
+    check_output_dir(tmp_path / "new" / "deeper", "--out")  # created later, under a folder
+    f = tmp_path / "file.txt"
+    f.write_text("x")
+    for bad, why in ((f, "is a file"), (f / "sub", "which is a file"), (f / "a" / "b", "which is a file")):
+        with pytest.raises(ConfigError, match=why) as err:
+            check_output_dir(bad, "output_dir")
+        assert "\n" not in str(err.value) and "choose another output_dir" in str(err.value)
+    if os.geteuid() != 0:  # root writes anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir()
+        locked.chmod(0o500)
+        try:
+            with pytest.raises(ConfigError, match="cannot write"):
+                check_output_dir(locked / "run", "--out")
+        finally:
+            locked.chmod(0o700)
