@@ -129,7 +129,6 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     new = args.new_tokens or (32 if args.quick else 128)
-    long_len = 2048 if args.quick else 8192
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -139,7 +138,9 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
     tok = AutoTokenizer.from_pretrained(path)
     model.config.hybrid_attention = SPEC.to_dict()  # the hybrid copy: same weights, spec in the config
-    max_len = long_len + new
+    # The long case fills the model's positions (8,192), prompt and new tokens together: the engines refuse more.
+    max_len = 2048 if args.quick else model.config.max_position_embeddings
+    long_len = max_len - new
     # No prefix cache: each repeat reuses its case's prompt, and every arm's TTFT is a full prefill.
     dense = Engine(model=model, tokenizer=tok, max_batch=8, max_seq_len=max_len, dense=True, prefix_cache_bytes=0)
     hybrid = Engine(model=model, tokenizer=tok, max_batch=8, max_seq_len=max_len, prefix_cache_bytes=0)

@@ -537,9 +537,18 @@ def recipe_config(path: str | None, overrides: dict[str, Any]) -> dict[str, Any]
     return cfg
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's default in ``--help``, except an unset one (None: the config's value, said in its help)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m distill.plan", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", help="recipe YAML with teacher_shape/student_shape and batch settings")
+    parser = argparse.ArgumentParser(prog="python -m distill.plan", description=__doc__.split("\n\n")[0],
+                                     formatter_class=_HelpFormatter)
+    parser.add_argument("--config", help="recipe YAML with teacher_shape/student_shape and batch settings "
+                                         "(unset: the recipe's defaults, with the flags below)")
     parser.add_argument("--gpus", type=int, default=8, help="total GPUs (all nodes)")
     parser.add_argument("--nodes", type=int, default=1, help="machines the GPUs are spread over (host-RAM estimate)")
     parser.add_argument("--gpu-mem-gb", type=float, default=80.0, help="memory of one GPU in GiB (an '80 GB' H100/A100 has 79.6)")

@@ -23,6 +23,7 @@ Usage::
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import itertools
 import logging
@@ -35,7 +36,7 @@ from pathlib import Path
 import torch
 
 from core.config import ConfigError
-from core.models import load_causal_lm, load_tokenizer, resolve_device
+from core.models import SMOLLM2, cache_root, load_causal_lm, load_tokenizer, resolve_device, smollm2_gguf
 from serve.heap import malloc_trim
 from serve.kv_cache import KVCache, MixedKVCache
 from serve.model import DecoderModel
@@ -89,6 +90,7 @@ class Request:
         self.prefill_start: float | None = None
         self.first_token_at: float | None = None
         self.cached_tokens = 0  # prompt tokens restored from the prefix cache at admission
+        self.error: BaseException | None = None  # what ended it with "error", when an exception did
 
     @property
     def done(self) -> bool:
@@ -108,6 +110,68 @@ def device_problem(device: str | None) -> str | None:
     except ConfigError as err:
         return f"--device: {err}"
     return None
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` of the serve CLIs: every option's default, except an unset one (None), whose help says in words
+    what it resolves to (the model's, a computed value): "(default: None)" would contradict it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+# core.models.resolve_model_path's names for the demo teacher.
+_SMOLLM2_NAMES = (SMOLLM2, "smollm2", "smollm2-135m")
+
+
+def model_positions(name_or_path: str) -> int | None:
+    """A model's ``max_position_embeddings`` from its config alone (no weights, no conversion): the demo
+    teacher's converted cache or, before the first conversion, its GGUF header; an HF directory's or hub
+    name's ``config.json``. None when it cannot be read here (loading the model then says why)."""
+    try:
+        from transformers import AutoConfig
+
+        if name_or_path.lower() in _SMOLLM2_NAMES:
+            cached = cache_root() / SMOLLM2
+            if (cached / "config.json").is_file():
+                config = AutoConfig.from_pretrained(cached)
+            else:
+                gguf = smollm2_gguf()
+                config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        else:
+            config = AutoConfig.from_pretrained(name_or_path)
+    except (OSError, ValueError):  # a missing path, an offline hub name, a config transformers cannot read
+        return None
+    positions = getattr(config, "max_position_embeddings", None)
+    return positions if isinstance(positions, int) else None
+
+
+def seq_len_problem(max_seq_len: int | None, positions: int | None, flag: str = "--max-seq-len") -> str | None:
+    """What is wrong with a context limit, as a sentence naming the fix; None when usable (None: the model's).
+
+    The one rule of the engine and its CLIs: at least 2 (a prompt token and a generated one), at most the
+    model's ``max_position_embeddings``. Beyond it, positions the model never saw, and a KV cache sized for
+    them: a huge value made the server start, then fail every request on the cache's allocation.
+    """
+    if max_seq_len is None:
+        return None
+    if max_seq_len < 2:
+        return f"{flag} must be >= 2 (a prompt token and a generated one), got {max_seq_len}"
+    if positions is not None and max_seq_len > positions:
+        return (f"{flag} {max_seq_len} exceeds the model's max_position_embeddings={positions}; use at most "
+                f"{positions}, or leave it unset for the model's")
+    return None
+
+
+def max_seq_len_problem(model: str, max_seq_len: int | None, flag: str = "--max-seq-len") -> str | None:
+    """:func:`seq_len_problem` for a ``--max-seq-len`` flag and a ``--model`` name or directory, before anything
+    loads (the config is read only when the value is not wrong on its face)."""
+    return seq_len_problem(max_seq_len, None, flag) or (
+        None if max_seq_len is None else seq_len_problem(max_seq_len, model_positions(model), flag))
+
+
+class WarmupError(RuntimeError):
+    """A warm-up request failed: serving would fail every request the same way. One line naming the fix."""
 
 
 def _placement(model, device, dtype) -> tuple[torch.device, torch.dtype]:
@@ -185,15 +249,7 @@ class Engine:
                  chunk_by_cost: bool = True, threads: int | None = None, overtake_tokens: int | None = None
                  ) -> None:
         device, dtype = _placement(model, device, dtype)
-        if model is None:
-            if model_dir is None:
-                raise ValueError("Engine needs model_dir or model=")
-            # dense=True: the engine runs the saved hybrid spec with its own kernels and caches
-            # (serve.model reads it from the config), not through transformers' attention.
-            model = load_causal_lm(str(model_dir), dtype=dtype, dense=True, attn_implementation="sdpa")
-            tokenizer = tokenizer or load_tokenizer(str(model_dir))
-        if tokenizer is None:
-            raise ValueError("Engine(model=...) also needs tokenizer=")
+        model, tokenizer, seq_len = self._model_and_context(model_dir, model, tokenizer, dtype, max_seq_len)
         if is_quantized(model):
             # A quantized export keeps its stored dtype. Its int8 (W8A8) linears run through fused int8
             # copies in oneDNN's int8 GEMM (serve.model); other torchao layouts through torchao's own linears.
@@ -206,7 +262,7 @@ class Engine:
         self.device = device
         self.dense = dense or self.model.spec is None
         self.max_batch = max_batch
-        self.max_seq_len = max_seq_len or model.config.max_position_embeddings
+        self.max_seq_len = seq_len
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         if max_batch < 1:  # no cache row: every request would wait forever
@@ -257,6 +313,7 @@ class Engine:
         self.on_forward: Callable[[str, float, float, int, list[int]], None] | None = None
         self.cache: KVCache | None = None
         self._min_rows = 1  # rows the cache is first made with (warmup: all of them)
+        self._warming = False  # warmup() is running its requests (their failures are its to report)
         # CPU, glibc: every trim_every_s seconds of serving, the loop hands the heap's free pages back to the
         # OS (malloc_trim). Activations of every size, on several threads, leave free chunks in glibc's
         # arenas that it keeps: RSS otherwise creeps up for many minutes under varied traffic. None or 0: never.
@@ -277,6 +334,32 @@ class Engine:
             self._decode = torch.compile(self.model.decode_one_token, dynamic=True)
 
     # ---- setup helpers -----------------------------------------------------------------------------------
+
+    @staticmethod
+    def _model_and_context(model_dir, model, tokenizer, dtype, max_seq_len: int | None) -> tuple:
+        """``(model, tokenizer, context limit)``: the model given, or loaded from ``model_dir``; the limit is
+        ``max_seq_len`` or the model's ``max_position_embeddings``, never more (a ValueError naming the fix, from
+        the config alone before weights load, and before decode weight copies or a KV cache are made)."""
+        if model is None:
+            if model_dir is None:
+                raise ValueError("Engine needs model_dir or model=")
+            problem = max_seq_len_problem(str(model_dir), max_seq_len, "max_seq_len")
+            if problem:
+                raise ValueError(problem)
+            # dense=True: the engine runs the saved hybrid spec with its own kernels and caches
+            # (serve.model reads it from the config), not through transformers' attention.
+            model = load_causal_lm(str(model_dir), dtype=dtype, dense=True, attn_implementation="sdpa")
+            tokenizer = tokenizer or load_tokenizer(str(model_dir))
+        if tokenizer is None:
+            raise ValueError("Engine(model=...) also needs tokenizer=")
+        positions = getattr(model.config, "max_position_embeddings", None)
+        positions = positions if isinstance(positions, int) else None
+        problem = seq_len_problem(max_seq_len, positions, "max_seq_len")
+        if problem:
+            raise ValueError(problem)
+        if max_seq_len is None and positions is None:
+            raise ValueError("the model's config has no max_position_embeddings; pass max_seq_len")
+        return model, tokenizer, max_seq_len or positions
 
     def _chunk_cost_model(self, by_cost: bool = True) -> tuple[float, int | None, float]:
         """``(ratio, context cap, full share)`` for :meth:`chunk_at`: attention multiply-adds per token per
@@ -387,12 +470,14 @@ class Engine:
 
         Safe for a request that was already finished (its row is freed, no second final event).
         """
-        logger.error("request %d failed; finishing it alone", req.id, exc_info=exc)
+        # A warm-up request's failure is raised by warmup() (WarmupError, this exception its cause): no traceback.
+        logger.log(logging.DEBUG if self._warming else logging.ERROR, "request %d failed; finishing it alone",
+                   req.id, exc_info=exc)
         if 0 <= req.row < len(self._rows) and self._rows[req.row] is req:
             self._rows[req.row] = None
         if req.done:
             return
-        req.finish_reason = "error"
+        req.finish_reason, req.error = "error", exc
         if req.on_event is not None:
             try:
                 req.on_event("", None, "error")
@@ -775,7 +860,10 @@ class Engine:
         second restoring the first's prefix blocks (the first calls of the prefill, decode, restore and
         capture paths), after building the linear kernels of every chunk length serving can produce
         (:meth:`DecoderModel.warm_kernels`). The prefix cache is emptied afterwards, its counters zeroed.
-        On the loop's thread when started (this call waits), else on this one. Returns the seconds it took."""
+        On the loop's thread when started (this call waits), else on this one. Returns the seconds it took.
+
+        Raises :class:`WarmupError` when a warm-up request fails (a KV cache too large for memory, say): every
+        request would then fail the same way, so a server must not open its port."""
         t0 = time.perf_counter()
         self._min_rows = self.max_batch
         # Each chunk length serving can produce (prompt chunks, the tails taken with them, decode batches):
@@ -786,17 +874,31 @@ class Engine:
             self.encode([{"role": "user", "content": "Hello."}], chat=True)
         vocab = self.model.config.vocab_size
         n = 2 * self.prefix_cache.block + 3 if self.prefix_cache is not None else 16
+        new_tokens = min(new_tokens, self.max_seq_len - 1)  # a prompt token left even at max_seq_len 2
         ids = [(3 + i) % vocab for i in range(min(n, self.max_seq_len - new_tokens))]
         params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-        for _ in range(2 if self.prefix_cache is not None else 1):
-            if self._thread is None:
-                self.generate([ids], params)
-            else:
-                done = threading.Event()
-                self.submit(ids, params, lambda _d, _t, finish, done=done: done.set() if finish is not None else None)
-                done.wait()
-        if self.prefix_cache is not None:
-            self.prefix_cache.clear()
+        self._warming = True
+        try:
+            for _ in range(2 if self.prefix_cache is not None else 1):
+                if self._thread is None:
+                    req = self.submit(ids, params)
+                    self._run_until([req])
+                else:
+                    done = threading.Event()
+                    req = self.submit(ids, params,
+                                      lambda _d, _t, finish, done=done: done.set() if finish is not None else None)
+                    done.wait()
+                if req.finish_reason == "error":  # the engine finished it alone (_fail)
+                    cause = req.error or RuntimeError("unknown error")
+                    why = (str(cause).strip().splitlines() or [""])[0][:300]
+                    raise WarmupError(
+                        f"warm-up: a {len(ids)}-token request failed ({type(cause).__name__}: {why}), as every "
+                        f"request would; if memory ran out, the KV cache ({self.max_batch} rows x {self.max_seq_len} "
+                        "positions) is too large: lower --max-batch or --max-seq-len") from req.error
+        finally:
+            self._warming = False
+            if self.prefix_cache is not None:
+                self.prefix_cache.clear()
         return time.perf_counter() - t0
 
     def _on_loop(self, fn: Callable[[], object]) -> None:
@@ -859,11 +961,12 @@ class Engine:
                 last_trim = time.monotonic()
             try:
                 self.step()
-            except Exception:  # a bug or OOM must not leave clients waiting forever
+            except Exception as e:  # a bug or OOM must not leave clients waiting forever
                 logger.exception("engine step failed; failing the requests in flight")
                 with self._lock:
                     reqs = [r for r in self._rows if r is not None] + list(self._waiting)
                     self._waiting.clear()
                 for r in reqs:
                     if not r.done:
+                        r.error = e
                         self._finish(r, "error")

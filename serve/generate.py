@@ -13,36 +13,39 @@ import argparse
 import sys
 import time
 
+from serve.engine import HelpFormatter
 from serve.sampling import SamplingParams
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m serve.generate", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m serve.generate", description=__doc__.split("\n")[0],
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", required=True, help="HF model directory (or smollm2-135m-instruct)")
     p.add_argument("--prompt", required=True, help="prompt text (the user message with --chat)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--max-seq-len", type=int, default=None, help="context limit (default: the model's)")
-    p.add_argument("--device", default=None, help="auto / cpu / cuda / cuda:N (default: cuda when available)")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of this probability mass")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (unset: a fresh one each run)")
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable; unset: none)")
+    p.add_argument("--max-seq-len", type=int, default=None,
+                   help="context limit, at most the model's max_position_embeddings (unset: the model's)")
+    p.add_argument("--device", default=None, help="auto / cpu / cuda / cuda:N (unset: cuda when available)")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from serve.engine import device_problem
+    from serve.engine import device_problem, max_seq_len_problem
 
-    problem = device_problem(args.device)
+    problem = device_problem(args.device) or max_seq_len_problem(args.model, args.max_seq_len)
     if problem:  # before loading anything: a bad flag costs no model load
         print(f"error: {problem}", file=sys.stderr)
         return 2
     try:
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))
+                                top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=tuple(args.stop or ()))
         from core.models import resolve_model_path
         from serve.engine import Engine
 

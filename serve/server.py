@@ -59,7 +59,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from serve.engine import Engine, Request, device_problem
+from serve.engine import Engine, HelpFormatter, Request, WarmupError, device_problem, max_seq_len_problem
 from serve.heap import tune_heap
 from serve.metrics import Metrics, RequestLog, StepLog
 from serve.sampling import MIN_TEMPERATURE, MIN_TOP_P, SamplingParams
@@ -743,18 +743,18 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m serve.server", description="OpenAI-compatible server.",
-                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                formatter_class=HelpFormatter)
     p.add_argument("--model", required=True, help="HF model directory (or smollm2-135m-instruct)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on (0: any free port)")
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (>= 1)")
     p.add_argument("--max-queue", type=int, default=32, help="requests waiting beyond the batch before 503")
-    p.add_argument("--max-seq-len", type=int, default=None, help="context limit (default: the model's)")
-    p.add_argument("--device", default=None, help="auto / cpu / cuda / cuda:N (default: cuda when available)")
+    p.add_argument("--max-seq-len", type=int, default=None, help="context limit, at most the model's max_position_embeddings (unset: the model's)")
+    p.add_argument("--device", default=None, help="auto / cpu / cuda / cuda:N (unset: cuda when available)")
     p.add_argument("--served-model-name", "--name", dest="served_model_name", default=None,
-                   help="model name in responses and /v1/models (default: the model directory's name)")
+                   help="model name in responses and /v1/models (unset: the model directory's name)")
     p.add_argument("--api-key", default=None,
-                   help=f"require 'Authorization: Bearer KEY' on every route but /health (default: ${API_KEY_ENV})")
+                   help=f"require 'Authorization: Bearer KEY' on every route but /health (unset: ${API_KEY_ENV}, if set)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies get 413")
     p.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT,
                    help="seconds from arrival to the last token (504 after)")
@@ -762,28 +762,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds to receive a request's head (the connection is closed after) or its body (408)")
     p.add_argument("--prefix-cache-mb", type=float, default=256, help="prompt-prefix KV cache budget (0: off)")
     p.add_argument("--prefill-chunk", type=int, default=128,
-                   help="prompt tokens per prefill forward; a prompt that arrives mid-step waits for at most one "
-                        "(default: 128)")
+                   help="prompt tokens per prefill forward; a prompt that arrives mid-step waits for at most one")
     p.add_argument("--prefill-budget", type=int, default=None,
-                   help="prompt tokens prefilled per engine step, between decode steps (default: 512)")
+                   help="prompt tokens prefilled per engine step, between decode steps (unset: the larger of 512 "
+                        "and --prefill-chunk)")
     p.add_argument("--overtake-tokens", type=int, default=None,
                    help="a prompt of at most this many tokens is prefilled between the layers of the forward in "
-                        "flight instead of after it (default: one prefill forward, --prefill-chunk + a quarter; "
+                        "flight instead of after it (unset: one prefill forward, --prefill-chunk + a quarter; "
                         "0: off)")
     p.add_argument("--prefill-step-ms", type=float, default=0,
                    help="while requests decode, size each step's prefill to about this many ms by the measured "
-                        "prefill speed (CPU; default 0: always --prefill-budget tokens)")
+                        "prefill speed (CPU; 0: always --prefill-budget tokens)")
     p.add_argument("--request-log", default=None, metavar="FILE",
                    help="append one JSON line per finished request: its id, token counts and where its time went "
                         "(tokenized, prefill start, first token, first event sent, done; ms from arrival)")
     p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads of the engine's forwards (default: torch's, i.e. $OMP_NUM_THREADS or the cores)")
+                   help="CPU threads of the engine's forwards (unset: torch's, i.e. $OMP_NUM_THREADS or the cores)")
     p.add_argument("--malloc-arena-max", type=int, default=2,
-                   help="CPU, glibc: cap the C heap's arenas (0: glibc's default, up to 8 per core); fewer arenas "
+                   help="CPU, glibc: cap the C heap's arenas (0: glibc's own limit, up to 8 per core); fewer arenas "
                         "keep RSS flat under varied traffic (serve.heap)")
     p.add_argument("--mmap-threshold-kb", type=int, default=1024,
                    help="CPU, glibc: C heap blocks of at least this many KiB are mmapped, so freed activations "
-                        "go back to the OS (0: glibc's sliding default; serve.heap)")
+                        "go back to the OS (0: glibc's own sliding threshold; serve.heap)")
     p.add_argument("--step-log", default=None, metavar="FILE",
                    help="append one JSON line per engine forward (prefill chunk or decode step: its start and end "
                         "on the request log's clock, tokens, request ids), to see what a waiting request waited for")
@@ -802,8 +802,6 @@ def check_flags(args: argparse.Namespace) -> str | None:
         return f"--mmap-threshold-kb must be in [0, 32768] (0: glibc's default), got {args.mmap_threshold_kb}"
     if args.max_queue < 0:
         return f"--max-queue must be >= 0, got {args.max_queue}"
-    if args.max_seq_len is not None and args.max_seq_len < 2:
-        return f"--max-seq-len must be >= 2 (a prompt token and a generated one), got {args.max_seq_len}"
     if not 0 <= args.port <= 65535:
         return f"--port must be in [0, 65535], got {args.port}"
     if args.max_body_bytes < 1024:
@@ -833,7 +831,8 @@ def check_flags(args: argparse.Namespace) -> str | None:
         return f"--overtake-tokens must be >= 0 prompt tokens (0: off), got {args.overtake_tokens}"
     if not (math.isfinite(args.prefill_step_ms) and args.prefill_step_ms >= 0):
         return f"--prefill-step-ms must be >= 0 (0: a fixed --prefill-budget), got {args.prefill_step_ms}"
-    return device_problem(args.device)
+    # Last: the context limit against the model's positions reads its config (no weights).
+    return device_problem(args.device) or max_seq_len_problem(args.model, args.max_seq_len)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -880,7 +879,12 @@ def main(argv: list[str] | None = None) -> int:
                      max_body_bytes=args.max_body_bytes, request_timeout=args.request_timeout,
                      body_timeout=args.body_timeout, request_log=args.request_log, step_log=args.step_log)
     # Before the port opens (so /health says ready only after): the whole cache, and one short generation.
-    print(f"warm-up: {engine.warmup():.1f} s (KV cache for {engine.max_batch} rows, linear kernels for every "
+    try:
+        warm_s = engine.warmup()
+    except WarmupError as e:  # every request would fail the same way: never report ready
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"warm-up: {warm_s:.1f} s (KV cache for {engine.max_batch} rows, linear kernels for every "
           "chunk length, first calls)", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, http=NoDelayH11Protocol.with_head_timeout(args.body_timeout),
                 log_level="info")

@@ -239,3 +239,18 @@ def test_cli_prints_table_then_json(tmp_path):
                          cwd=ROOT)
     assert bad.returncode == 2
     assert bad.stderr.strip().count("\n") == 0 and "teacher_shape" in bad.stderr
+
+
+def test_help_shows_each_default_once(capsys):
+    with pytest.raises(SystemExit) as stop:
+        P.main(["--help"])
+    assert stop.value.code == 0
+    entries: dict[str, str] = {}  # first flag -> its whole entry, whitespace collapsed
+    for line in capsys.readouterr().out.split("options:", 1)[1].strip("\n").splitlines():
+        if line.startswith("  -"):
+            flag = line.split()[0].rstrip(",")
+        entries[flag] = " ".join((entries.get(flag, "") + " " + line).split())
+    assert "(default: 8)" in entries["--gpus"] and "(default: 1)" in entries["--nodes"]
+    assert "(default: 80.0)" in entries["--gpu-mem-gb"]
+    for name, text in entries.items():
+        assert text.count("default") <= 1 and "(default: None)" not in text, name

@@ -415,3 +415,101 @@ def test_a_device_this_machine_lacks_fails_before_loading_the_model(capsys, monk
     assert (main(argv) if entry == "server" else generate.main([*argv, "--prompt", "x"])) == 2
     err = capsys.readouterr().err
     assert fragment in err and err.count("\n") == 1 and err.startswith("error: --device")
+
+
+def _no_engine(*_a, **_k):
+    raise ValueError("the engine was built")
+
+
+@pytest.mark.parametrize("entry", ["server", "generate"])
+@pytest.mark.parametrize("source", ["dir", "demo-cache"])
+def test_max_seq_len_beyond_the_models_positions_fails_before_loading_the_model(capsys, monkeypatch, tmp_path,
+                                                                               model_dir, entry, source):
+    """--max-seq-len past max_position_embeddings (512 for the tiny model) is a flag error read from the config
+    alone: the server used to start, report healthy, then fail every request on a KV cache sized for it."""
+    import serve.engine
+    from serve import generate
+
+    monkeypatch.setattr(serve.engine, "Engine", _no_engine)  # serve.generate imports it from here when it runs
+    monkeypatch.setattr("serve.server.Engine", _no_engine)
+    monkeypatch.setattr(serve.engine, "load_causal_lm", _no_engine)
+    model = model_dir
+    if source == "demo-cache":  # the demo teacher's name, its converted cache present
+        monkeypatch.setenv("HYBRID_DISTILL_CACHE", str(tmp_path))
+        import shutil
+
+        shutil.copytree(model_dir, tmp_path / "smollm2-135m-instruct")
+        model = "smollm2-135m-instruct"
+
+    def run(n: int) -> tuple[int, str]:
+        argv = ["--model", str(model), "--max-seq-len", str(n)]
+        rc = main(argv) if entry == "server" else generate.main([*argv, "--prompt", "x"])
+        return rc, capsys.readouterr().err
+
+    rc, err = run(513)
+    assert rc == 2 and err.count("\n") == 1
+    assert err.startswith("error: --max-seq-len 513 exceeds the model's max_position_embeddings=512; use at most 512")
+    assert run(512) == (2, "error: the engine was built\n")  # the limit itself passes the check
+
+
+def test_a_failed_warmup_ends_the_server_before_the_port_opens(capsys, monkeypatch, model_dir):
+    """A warm-up request that fails (here: the KV cache cannot be allocated) is one error line and exit 1,
+    not "warm-up: 1.4 s" followed by a healthy port that fails every request."""
+    import gc
+
+    import serve.model
+    import serve.server
+
+    def no_memory(*_a, **_k):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 184320000000 bytes")
+
+    def no_port(*_a, **_k):
+        raise AssertionError("the port opened")
+
+    monkeypatch.setattr(serve.model.DecoderModel, "new_cache", no_memory)
+    monkeypatch.setattr("uvicorn.run", no_port)
+    monkeypatch.setattr(serve.server, "tune_heap", lambda **_k: None)  # this process's heap settings stay
+    threads = torch.get_num_threads()
+    try:
+        assert main(["--model", str(model_dir), "--max-batch", "2", "--prefix-cache-mb", "0"]) == 1
+    finally:
+        torch.set_num_threads(threads)
+        gc.unfreeze()
+    out = capsys.readouterr()
+    errors = [line for line in out.err.splitlines() if "error" in line]  # (transformers' load bar is there too)
+    assert "warm-up:" not in out.out and len(errors) == 1
+    assert errors[0].startswith("error: warm-up: a 16-token request failed (RuntimeError: DefaultCPUAllocator")
+    assert errors[0].endswith("lower --max-batch or --max-seq-len")
+
+
+def _help_entries(text: str) -> dict[str, str]:
+    """``--help`` text → {first flag: its whole entry, whitespace collapsed}."""
+    entries: dict[str, str] = {}
+    flag = None
+    for line in text.split("options:", 1)[1].splitlines():
+        if line.startswith("  -"):
+            flag = line.split()[0].rstrip(",")
+            entries[flag] = ""
+        if flag is not None:
+            entries[flag] = " ".join((entries[flag] + " " + line).split())
+    return entries
+
+
+@pytest.mark.parametrize("entry, flag, default", [("server", "--port", "8000"), ("server", "--host", "127.0.0.1"),
+                                                   ("server", "--max-batch", "8"),
+                                                   ("server", "--prefill-chunk", "128"),
+                                                   ("generate", "--max-new-tokens", "128"),
+                                                   ("generate", "--temperature", "0.0")])
+def test_help_shows_each_default_once(capsys, entry, flag, default):
+    from serve import generate
+
+    if entry == "server":
+        assert main(["--help"]) == 0
+    else:
+        with pytest.raises(SystemExit) as stop:
+            generate.main(["--help"])
+        assert stop.value.code == 0
+    entries = _help_entries(capsys.readouterr().out)
+    assert f"(default: {default})" in entries[flag]
+    for name, text in entries.items():
+        assert text.count("default") <= 1 and "(default: None)" not in text, name

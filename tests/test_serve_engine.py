@@ -372,3 +372,46 @@ def test_generate_cli_streams_text(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "serve.generate", "--model", str(tmp_path / "nope"),
                           "--prompt", "x"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.startswith("error:")
+
+
+def test_max_seq_len_beyond_the_models_positions_is_refused(tmp_path, monkeypatch):
+    """Past max_position_embeddings (512 here): positions the model never saw and a KV cache sized for them;
+    from a directory, refused from its config before the weights load."""
+    import serve.engine
+
+    with pytest.raises(ValueError, match="max_seq_len 513 exceeds the model's max_position_embeddings=512"):
+        Engine(model=tiny_model("llama"), tokenizer=tiny_tokenizer(), max_seq_len=513)
+    with pytest.raises(ValueError, match="max_seq_len must be >= 2"):
+        Engine(model=tiny_model("llama"), tokenizer=tiny_tokenizer(), max_seq_len=1)
+    assert Engine(model=tiny_model("llama"), tokenizer=tiny_tokenizer(), max_seq_len=512).max_seq_len == 512
+    save_tiny(tmp_path, arch="qwen2")
+
+    def no_load(*_a, **_k):
+        raise AssertionError("the weights loaded")
+
+    monkeypatch.setattr(serve.engine, "load_causal_lm", no_load)
+    with pytest.raises(ValueError, match="max_seq_len 600 exceeds the model's max_position_embeddings=512"):
+        Engine(tmp_path, max_seq_len=600)
+
+
+@pytest.mark.parametrize("started", [False, True])
+def test_a_warmup_whose_request_fails_raises(started):
+    """warmup() raises WarmupError naming the cause when a warm-up request fails (it used to return its time as
+    if all went well, and the server opened its port to fail every request)."""
+    from serve.engine import WarmupError
+
+    engine = Engine(model=no_eos(tiny_model("llama", seed=8)), tokenizer=tiny_tokenizer(), max_batch=2)
+
+    def no_memory(*_a, **_k):
+        raise RuntimeError("can't allocate memory: you tried to allocate 184320000000 bytes")
+
+    engine.model.new_cache = no_memory
+    if started:
+        engine.start()
+    try:
+        with pytest.raises(WarmupError, match=r"request failed \(RuntimeError: can't allocate memory.*lower "
+                                              r"--max-batch or --max-seq-len") as e:
+            engine.warmup()
+        assert isinstance(e.value.__cause__, RuntimeError) and engine.num_active == 0
+    finally:
+        engine.stop()
