@@ -46,7 +46,9 @@ cannot be loaded, 5 an internal error (with traceback). Broken input never yield
 Where the report lives and its schema
     ``<out>/report.json`` (``recipes/export.py`` copies its verdict into the model card),
     ``<out>/report.md``, ``<out>/scores_hist.png``, ``<out>/samples.jsonl``; the generation
-    cache defaults to ``<out>/cache``. ``report.json`` keys (schema ``hybrid-distill/gate-report/v1``):
+    cache defaults to ``<out>/cache``. A run removes those four files (nothing else in ``<out>``) when it starts
+    and writes each whole (temp file, then rename), ``report.json`` last: a run that dies leaves no report
+    rather than the previous run's. ``report.json`` keys (schema ``hybrid-distill/gate-report/v1``):
 
     * ``verdict`` (pass|fail|inconclusive), ``exit_code``, ``reasons`` (list of sentences);
     * ``mode`` (references|teacher|drift), ``mode_note``, ``threshold`` {name, value};
@@ -83,7 +85,8 @@ from statistics import NormalDist
 
 import numpy as np
 
-from core.config import ConfigError, check_fields, field
+from core.config import ConfigError, check_fields, check_output_dir, field
+from core.fsio import atomic_write_text
 from core.models import DTYPES, resolve_device
 from eval.bertscore import MAX_TOKENS, BertScore, ScorerMissingError
 from eval.fingerprint import DigestMemo, json_hash
@@ -106,6 +109,9 @@ from eval.stats import Interval, detectable_effect, paired_bootstrap, ratio_boot
 SCHEMA = "hybrid-distill/gate-report/v1"
 EXIT = {"pass": 0, "fail": 1, "inconclusive": 2}
 WORST_K = 10
+# What a gate writes in ``out``: removed when a run starts (and nothing else there), so a run that dies leaves no
+# earlier run's verdict behind; ``report.json`` is written last, so its presence means a whole report.
+REPORT_FILES = ("report.json", "report.md", "samples.jsonl", "scores_hist.png")
 
 
 @dataclass
@@ -164,6 +170,9 @@ class GateConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)  # every field's range/choices, declared above (core.config.field)
+        check_output_dir(self.out, "--out")  # a file there: one line now, not a traceback after the generations
+        if self.cache_dir is not None:
+            check_output_dir(self.cache_dir, "--cache-dir")
         self.longctx_lengths()
         if self.do_sample and (self.temperature <= 0 or not 0 < self.top_p <= 1):
             raise ConfigError("with do_sample, temperature must be > 0 and top_p in (0, 1]")
@@ -172,6 +181,16 @@ class GateConfig:
     def generation_settings(self) -> GenerationSettings:
         return GenerationSettings(self.max_new_tokens, self.do_sample, self.temperature, self.top_p, self.seed,
                                   self.batch_size, self.dtype, self.device)
+
+
+def fresh_report_dir(out: str | Path) -> Path:
+    """``out``, made if missing, without the :data:`REPORT_FILES` an earlier run left (nothing else is removed):
+    a previous run's verdict must not outlive a rerun that fails."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in REPORT_FILES:
+        (out / name).unlink(missing_ok=True)
+    return out
 
 
 @dataclass
@@ -510,8 +529,7 @@ def run_gate(cfg: GateConfig, scorer: BertScore | None = None, generator: Genera
     t_start = time.perf_counter()
     timings: dict[str, float] = {}
     prompts_path, prompts, refs, models = _load_inputs(cfg)
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = fresh_report_dir(cfg.out)
     cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else out / "cache"
     memo = DigestMemo(cache_dir / "file-digests.json")
     settings = cfg.generation_settings()
@@ -592,8 +610,8 @@ def run_gate(cfg: GateConfig, scorer: BertScore | None = None, generator: Genera
     histogram(out / "scores_hist.png", cand_f.tolist(), base_f.tolist(), cfg.floor, title)
     timings["report"] = time.perf_counter() - t
     timings["total"] = time.perf_counter() - t_start
-    (out / "report.json").write_text(json.dumps(report, indent=2, ensure_ascii=False))
     write_markdown(out / "report.md", report)
+    atomic_write_text(out / "report.json", json.dumps(report, indent=2, ensure_ascii=False))  # last: the verdict
     return GateResult(verdict, EXIT[verdict], report, out)
 
 

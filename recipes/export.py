@@ -22,12 +22,16 @@ against the unquantized one and writes the verdict and the sizes into the model 
 distilled from (the quality drop, ``quant_max_drop``), else — no run, or ``quant_gate_teacher=none`` —
 how far the quantized outputs moved from the unquantized ones (drift, ``quant_max_drift``). The gate
 generates every side's outputs through the serving engine (``quant_gate_backend=engine``, as the export
-is served; transformers runs torchao's int8 linears far slower on CPU).
+is served; transformers runs torchao's int8 linears far slower on CPU). Its generations are cached beside the
+output (``.NAME.quant-gate-cache``) until the export is complete, so a rerun after a killed or failed export
+generates only what the cache lacks; a killed export's temp folders (``.NAME.partial-*``, ``.NAME.unquantized-*``)
+are removed when the next export to the same output starts.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +43,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 
 import torch
 
-from core.config import ConfigError, check_fields, field, parse_config, run_cli
+from core.config import ConfigError, check_fields, check_output_dir, field, parse_config, run_cli
 from core.environment import environment
 from core.rundir import check_replaceable
 from eval.generation import Generator, TransformersGenerator, check_model_dir
@@ -92,6 +96,7 @@ class ExportConfig:
             raise ConfigError("source is empty; pass source=RUN_DIR (or a checkpoint, model or adapter dir)")
         if not str(self.output_dir).strip():
             raise ConfigError("output_dir is empty; pass output_dir=DIR")
+        check_output_dir(self.output_dir, "output_dir")  # under a file, or unwritable: now, not after the load
         self.dtype = str(self.dtype).lower()
         if self.dtype not in (*ex.DTYPES, "auto"):
             raise ConfigError(f"dtype={self.dtype} is not supported; use fp32, bf16, fp16 or auto")
@@ -167,6 +172,9 @@ def export(cfg: ExportConfig) -> ExportResult:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     out = Path(cfg.output_dir).expanduser().absolute()
+    # A killed export left its temp folders (full model copies) beside out: only those named after out go,
+    # and an export it was replacing is put back (serve.export.clean_leftovers).
+    ex.clean_leftovers(out)
     if cfg.overwrite and out.exists():  # overwrite replaces only an export this recipe wrote (core/rundir.py)
         check_replaceable(out, (out / MARKER).is_file(), f"an export written by recipes/export.py (no {MARKER})")
 
@@ -202,6 +210,8 @@ def export(cfg: ExportConfig) -> ExportResult:
         (tmp / MARKER).write_text(json.dumps({"source": str(src.path), "kind": src.kind, "checkpoint": cfg.checkpoint,
                                                "dtype": str(dtype).removeprefix("torch."), "quantize": cfg.quantize,
                                                "environment": environment()}, indent=1) + "\n")
+    if cfg.quantize != "none" and cfg.quant_gate:  # the export is whole: no rerun needs its gate's generations
+        shutil.rmtree(qz.gate_cache_dir(out), ignore_errors=True)
 
     result = ExportResult(out, ex.dir_size(out), dtype, student.params, student.hybrid,
                           len(list(out.glob("*.safetensors"))), src)

@@ -39,6 +39,7 @@ from core.checkpoint import complete_checkpoints
 from core.config import ConfigError
 from core.fsio import fsync_dir, fsync_tree
 from core.models import DTYPES, load_causal_lm
+from eval.fingerprint import DigestMemo, directory_fingerprint
 
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 
@@ -52,6 +53,10 @@ _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_m
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)\s*$", re.IGNORECASE)
+# Folders an export to ``NAME`` makes beside it while it works, removed when it ends but left by a killed one:
+# ``.NAME.partial-XXXXXXXX`` (the export being written; tempfile's 8 random characters), ``.NAME.unquantized-XXXXXXXX``
+# (serve.quantize's scratch copy), ``.NAME.old-XXXXXXXX`` (the export being replaced, aside until the swap is done).
+TEMP_KINDS = ("partial", "unquantized")
 # Prefixes wrappers put in front of parameter names: DDP/DeepSpeed engines and torch.compile.
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
@@ -501,17 +506,54 @@ def _make_readable(root: Path) -> None:
         os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~mask)
 
 
+def temp_prefix(target: str | os.PathLike, kind: str) -> str:
+    """The name prefix of a temp folder (``kind`` of :data:`TEMP_KINDS`) an export to ``target`` makes beside it."""
+    if kind not in TEMP_KINDS:
+        raise ValueError(f"unknown temp folder kind {kind!r}")
+    return f".{Path(target).name}.{kind}-"
+
+
+def clean_leftovers(target: str | os.PathLike) -> list[Path]:
+    """Remove the temp folders a killed export to ``target`` left beside it; return the ones handled.
+
+    Only names that an export to this very ``target`` makes (see :data:`TEMP_KINDS`) are touched, never
+    another output's or anything else. An export killed between :func:`atomic_output_dir`'s two renames
+    left the previous export only under its aside name ``.NAME.old-XXXXXXXX``: with no ``target`` it is
+    renamed back, not deleted.
+    """
+    target = Path(target).expanduser().absolute()
+    parent = target.parent
+    if not parent.is_dir():
+        return []
+    kinds = "|".join(TEMP_KINDS)
+    ours = re.compile(rf"^\.{re.escape(target.name)}\.(?:(?:{kinds})-[a-z0-9_]{{8}}|old-[0-9a-f]{{8}})$")
+    handled = []
+    for p in sorted(parent.iterdir()):
+        if not ours.match(p.name) or p.is_symlink() or not p.is_dir():
+            continue
+        if p.name.startswith(f".{target.name}.old-") and not target.exists() and is_hf_dir(p):
+            os.replace(p, target)
+            fsync_dir(parent)
+            print(f"restored {target} from {p.name}, where an interrupted export had moved it", flush=True)
+        else:
+            shutil.rmtree(p, ignore_errors=True)
+            print(f"removed {p.name} beside {target.name}: left by an interrupted export", flush=True)
+        handled.append(p)
+    return handled
+
+
 @contextlib.contextmanager
 def atomic_output_dir(target: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temp dir beside ``target``; on success it becomes ``target``, on failure it is removed.
 
     The rename is atomic on one filesystem, which is why the temp dir lives in the target's parent.
-    With ``overwrite`` the old directory is moved aside first and put back if the swap fails.
+    With ``overwrite`` the old directory is moved aside first and put back if the swap fails. What a killed
+    process leaves (no ``finally`` runs) is removed by :func:`clean_leftovers` when the next export starts.
     """
     target = Path(target).expanduser().absolute()
     check_target(target, overwrite)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(target, "partial"), dir=target.parent))
     try:
         yield tmp
         _make_readable(tmp)
@@ -601,6 +643,7 @@ class RunRecords:
     gate: dict[str, Any] | None = None
     gate_md: str | None = None
     loss_png: Path | None = None
+    gate_stale: str | None = None  # why the run's gate report is not shown (it judged another model)
 
 
 def read_run_records(src: Source) -> RunRecords:
@@ -615,12 +658,54 @@ def read_run_records(src: Source) -> RunRecords:
                     break
     if src.run_dir:
         rec.summary = _read_json(src.run_dir / "summary.json") or None
-        rec.gate = _read_json(src.run_dir / "gate" / "report.json") or None
-        md = src.run_dir / "gate" / "report.md"
-        rec.gate_md = md.read_text() if md.is_file() else None
+        gate = _read_json(src.run_dir / "gate" / "report.json") or None
+        if gate is not None and _judged_another_model(gate, src.run_dir / "final"):
+            rec.gate_stale = ("The run's gate report (gate/report.json) judged another model than the run's final/ "
+                              "now holds (a later run replaced final/ and its gate did not finish); it is left out. "
+                              "Rerun the gate (python -m eval.gate) to judge this model.")
+        else:
+            rec.gate = gate
+            md = src.run_dir / "gate" / "report.md"
+            rec.gate_md = md.read_text() if gate is not None and md.is_file() else None
         png = src.run_dir / "loss.png"
         rec.loss_png = png if png.is_file() else None
     return rec
+
+
+def _judged_another_model(report: dict[str, Any], final: Path) -> bool:
+    """Whether a gate report records a candidate (eval.gate's ``models.candidate.fingerprint``) other than
+    what ``final`` holds now. A report recording none (not eval.gate's) cannot be checked and counts as a match.
+
+    Cheap on an unchanged ``final``: the gate's own file-digest memo (in its ``cache_dir``) is read, so only a
+    file that changed since is hashed again.
+    """
+    candidate = (report.get("models") or {}).get("candidate") if isinstance(report.get("models"), dict) else None
+    recorded = candidate.get("fingerprint") if isinstance(candidate, dict) else None
+    if not isinstance(recorded, str):
+        return False
+    if not is_hf_dir(final):
+        return True
+    cache = report.get("cache_dir")
+    memo = DigestMemo(None)
+    if isinstance(cache, str):
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            memo = DigestMemo(Path(cache) / "file-digests.json")  # read, never written here
+            if not isinstance(memo.entries, dict):
+                memo = DigestMemo(None)
+    try:
+        try:
+            now = directory_fingerprint(final, memo)
+        except (TypeError, IndexError, KeyError, AttributeError):  # a damaged memo: hash every file
+            now = directory_fingerprint(final)
+    except OSError:  # final/ cannot be read: nothing shows the report is about it
+        return True
+    return now != recorded
+
+
+def _measured(key: str, value: Any, gate_stale: bool) -> bool:
+    """Whether a summary scalar is a measurement of this model for the card's table: not a path, not the
+    environment (its own section), not the verdict of a gate that judged another model."""
+    return not (_is_path(key, value) or key.startswith("environment.") or (gate_stale and key.startswith("gate.")))
 
 
 def _fmt(v: Any) -> str:
@@ -738,8 +823,7 @@ def model_card(name: str, student: LoadedStudent, records: RunRecords, dtype: to
         if caveat:
             lines += [f"These numbers were {caveat}", ""]
         head = [(k, s[k]) for k in _HEADLINE if k in s]
-        rest = [(k, v) for k, v in _scalars(s) if k not in _HEADLINE and not _is_path(k, v)
-                and not k.startswith("environment.")]  # not a measurement: its own section below
+        rest = [(k, v) for k, v in _scalars(s) if k not in _HEADLINE and _measured(k, v, bool(records.gate_stale))]
         lines += _table(head + rest, ("metric", "value"))
     else:
         lines.append("No metrics recorded (no summary.json beside the run).")
@@ -759,7 +843,7 @@ def model_card(name: str, student: LoadedStudent, records: RunRecords, dtype: to
             lines += ["<details><summary>Full gate report</summary>", "", records.gate_md.strip(), "",
                       "</details>"]
     else:
-        lines.append("The release gate has not been run on this model.")
+        lines.append(records.gate_stale or "The release gate has not been run on this model.")
 
     env = (records.summary or {}).get("environment")
     if env:  # what the run trained under (core.environment), as HF cards list their framework versions

@@ -37,6 +37,7 @@ than exporting a model that cannot run on CPU.
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,15 @@ SCHEMES = ("int8", "w8a8")  # int8 = weight-only; w8a8 = int8 weights and dynami
 KEEP_FULL_PRECISION = ("lm_head",)  # embeddings are not linears: torchao leaves them alone by default
 _EMBEDDING_KEYS = ("embed_tokens", "lm_head", "wte", "embed_out")
 GATE_DIR = "quantization_gate"  # the gate's report files, inside the export
+
+
+def gate_cache_dir(target: str | Path) -> Path:
+    """Where the quantization gate of an export to ``target`` caches its generations: ``.NAME.quant-gate-cache``
+    beside it, a fixed path so that a rerun after a killed or failed export generates nothing twice. Entries
+    are keyed by each model's content hash (:mod:`eval.fingerprint`), so a changed model never hits a stale
+    one. ``recipes/export.py`` removes it once the export is complete."""
+    target = Path(target)
+    return target.parent / f".{target.name}.quant-gate-cache"
 
 
 class QuantizeError(ConfigError):
@@ -115,9 +125,27 @@ def quantize_dir(src: str | Path, out: str | Path, scheme: str, hybrid: dict[str
     src, out = Path(src), Path(out)
     model = AutoModelForCausalLM.from_pretrained(src, quantization_config=torchao_config(scheme))
     model.save_pretrained(out, max_shard_size=max_shard_size)
+    for f in out.glob("*.safetensors"):
+        sort_safetensors_header(f)
     ex.sanitize_config_json(out / "config.json", hybrid)
     AutoTokenizer.from_pretrained(src).save_pretrained(out)
     return model
+
+
+def sort_safetensors_header(path: str | Path) -> None:
+    """Rewrite the JSON header of the safetensors file ``path`` in place with its keys sorted.
+
+    safetensors writes the header's metadata (where torchao records each quantized tensor's layout) from a
+    Rust HashMap, in a new order in every process: two quantized exports of one model would differ in bytes,
+    and the quantization gate's content-keyed generation cache (:mod:`eval.fingerprint`) would never hit on
+    a rerun. Same JSON, same length (padded with spaces as the format allows), same tensor offsets.
+    """
+    with open(path, "r+b") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        text = json.dumps(json.loads(f.read(n)), sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(text) <= n:  # always, for the compact JSON safetensors writes; else leave the file as it is
+            f.seek(8)
+            f.write(text.ljust(n, b" "))
 
 
 def is_quantized(model: nn.Module) -> bool:
@@ -268,7 +296,8 @@ def export_quantized(student: Any, out_dir: Path, cfg: Any, records: Any, name: 
     """Write the quantized export of ``student`` into ``out_dir``; return its model card.
 
     The unquantized export is written to a scratch dir beside ``out_dir`` (the gate's baseline and the
-    size reference) and deleted afterwards, with the gate's generation cache. The gate's verdict goes to
+    size reference) and deleted afterwards; the gate's generation cache is :func:`gate_cache_dir` of the
+    export's target (``out_dir.parent / name``), kept until the export is complete. The gate's verdict goes to
     ``out_dir/quantization_gate.json`` and its report files (``report.md``, ``report.json``,
     ``samples.jsonl``, ``scores_hist.png``) to ``out_dir/quantization_gate/``, so a failing gate can be
     read in the export it judged; they call the two models "this export" and "the unquantized export",
@@ -280,8 +309,10 @@ def export_quantized(student: Any, out_dir: Path, cfg: Any, records: Any, name: 
 
     out_dir = Path(out_dir)
     gate_dir = out_dir / GATE_DIR
-    with tempfile.TemporaryDirectory(prefix=".unquantized-", dir=out_dir.parent) as scratch:
-        base, cache = Path(scratch) / "model", Path(scratch) / "gate-cache"
+    cache = gate_cache_dir(out_dir.parent / name)
+    # Named after the target, so that what a killed export leaves is found (serve.export.clean_leftovers).
+    with tempfile.TemporaryDirectory(prefix=ex.temp_prefix(name, "unquantized"), dir=out_dir.parent) as scratch:
+        base = Path(scratch) / "model"
         ex.save_export(student, base, max_shard_size=cfg.max_shard_size)
         quantize_dir(base, out_dir, cfg.quantize, student.hybrid, max_shard_size=cfg.max_shard_size)
         sizes, base_sizes = weight_bytes(out_dir), weight_bytes(base)
@@ -290,7 +321,7 @@ def export_quantized(student: Any, out_dir: Path, cfg: Any, records: Any, name: 
         if cfg.quant_gate:
             gate = run_quant_gate(out_dir, base, gate_dir, cfg, generator, teacher, cache_dir=cache)
             gate = relabel_paths(gate, [(gate_dir, f"{GATE_DIR}/ (in this export)"),
-                                        (cache, "not kept (deleted with the unquantized export)"),
+                                        (cache, "not kept (deleted once the export was complete)"),
                                         (base, "the unquantized export"), (Path(scratch), "a deleted scratch dir"),
                                         (out_dir, "this export")])
             note = gate_note(gate, cfg)

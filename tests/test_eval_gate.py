@@ -364,3 +364,29 @@ def test_a_device_this_machine_lacks_is_a_config_error_before_any_load(monkeypat
     with pytest.raises(ConfigError, match=says):
         GateConfig(candidate="c", baseline="b", device=device)
     assert GateConfig(candidate="c", baseline="b", device="auto").generation_settings().resolved().device == "cpu"
+
+
+def test_a_rerun_that_dies_leaves_no_earlier_report_and_nothing_else_is_touched(env, monkeypatch):
+    """A resumed run replaces final/ and its gate crashes: the previous model's verdict must not survive in
+    out (recipes/export.py would copy it into the card). Only the gate's own report files go."""
+    out = env["root"] / "rerun-dies"
+    gate_files = ("report.json", "report.md", "samples.jsonl", "scores_hist.png")  # what the gate writes
+    out.mkdir()
+    for name in gate_files:
+        (out / name).write_text(json.dumps({"verdict": "pass"}) if name == "report.json" else "old")
+    (out / "notes.txt").write_text("mine")
+    (out / "keep").mkdir()
+    (out / "keep" / "report.json").write_text("not the gate's")
+
+    def broken(*a, **k):
+        raise RuntimeError("scorer crashed")
+
+    monkeypatch.setattr(env["scorer"], "f1", broken)
+    with pytest.raises(RuntimeError, match="scorer crashed"):
+        run_gate(_cfg(env, "rerun-dies", candidate=str(env["orig"]), skip_lm_metrics=True), scorer=env["scorer"])
+    assert not any((out / name).exists() for name in gate_files)
+    assert (out / "notes.txt").read_text() == "mine" and (out / "keep" / "report.json").read_text() == "not the gate's"
+    monkeypatch.undo()
+    res = run_gate(_cfg(env, "rerun-dies", candidate=str(env["orig"]), skip_lm_metrics=True), scorer=env["scorer"])
+    assert json.loads(res.report_json.read_text())["verdict"] == res.verdict == "pass"
+    assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]  # written through temp files, none left

