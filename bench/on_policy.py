@@ -720,7 +720,7 @@ def compare(off_log: str, mix_log: str, emit_json: bool = True) -> dict:
         **{k: mix.get(k, usual[k]) for k in ("gen_rows", "rollout_rows", "on_lr", "on_cost", "project", "on_end",
                                              "on_clip", "on_opt", "on_params", "on_seq", "on_seq_gamma",
                                              "on_max_entropy", "on_teacher_temp", "on_prompt_grad", "on_joint",
-                                             "ce_weight", "on_gen")})
+                                             "ce_weight", "on_gen", "on_correct")})
     return report(args, off["init"], off["off_policy"], mix["on_policy"], off["load_avg"] + mix["load_avg"], emit_json)
 
 
@@ -853,7 +853,7 @@ def report(args, init: dict, off: dict, mix: dict | None, loads: list[float], em
            "on_seq": args.on_seq, "on_seq_gamma": args.on_seq_gamma,
            "on_max_entropy": args.on_max_entropy, "on_teacher_temp": args.on_teacher_temp,
            "on_prompt_grad": args.on_prompt_grad, "on_joint": args.on_joint, "ce_weight": args.ce_weight,
-           "on_gen": args.on_gen,
+           "on_gen": args.on_gen, "on_correct": args.on_correct,
            "threads": args.threads,
            "eval_prompts": args.eval_prompts, "eval_samples": args.eval_samples, "eval_seed": args.eval_seed,
            "load_avg": loads, "init": init, "off_policy": off, "on_policy": mix}

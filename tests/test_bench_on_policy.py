@@ -732,6 +732,7 @@ def test_on_correct_trains_on_the_teacher_vetted_rollouts(tmp_path):
         torch.testing.assert_close(whole[k], plain[k], rtol=0, atol=0)
     vetted = _trained_state(bench, tmp_path, student, rkl + ["--on-correct", "1"], fraction=1.0)
     assert any(not torch.allclose(vetted[k], plain[k], rtol=1e-4, atol=1e-5) for k in plain)
+    assert bench.mix_label({"fraction": 0.2, "on_correct": 5}) == "λ0.2 teacher top-5"  # the compare table names it
     with pytest.raises(SystemExit):
         bench.parse_args(["--on-correct", "-1"])
     with pytest.raises(SystemExit):
