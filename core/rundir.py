@@ -21,6 +21,7 @@ import shutil
 from pathlib import Path
 
 from core.config import ConfigError
+from core.config import check_output_dir as check_writable_dir
 
 MARKER = ".hybrid-distill-run"
 """Written into every run folder when the run starts; its presence is what makes a folder ours."""
@@ -59,7 +60,7 @@ def check_output_dir(path: str | os.PathLike, overwrite: bool = False, resume: s
 
     * a path outside any run's business (root, home, the current folder or one holding it, the
       checkout) → refused;
-    * a file → refused;
+    * a file, a path under a file, or a place this process cannot write → refused;
     * an existing, non-empty folder without the marker → refused (``overwrite`` would delete files
       we did not write; writing a run into it would mix them with ours), except with ``resume=``,
       which deletes nothing and so may continue a run written before markers existed;
@@ -76,6 +77,7 @@ def check_output_dir(path: str | os.PathLike, overwrite: bool = False, resume: s
                           "point output_dir= at the folder itself")
     if out.exists() and not out.is_dir():
         raise ConfigError(f"output_dir {out} is a file; choose a folder path")
+    check_writable_dir(out, "output_dir")  # a path under a file, or an unwritable place: refused now, not at mkdir
     if not out.exists():
         if resume == "latest":
             raise ConfigError(f"resume=latest but {out} does not exist; check output_dir=, or start without resume=")

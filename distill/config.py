@@ -8,10 +8,15 @@ the recipe's defaults. ``python recipes/distill.py --help`` lists every key.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from core.config import ConfigError, check_fields, field
+from core.models import SMOLLM2, ModelSourceError, resolve_model_path
+from core.tiny import TINY
 from distill import on_policy
-from distill.data import BUILTIN, parse_sources
+from distill.data import BUILTIN, DataError, parse_sources
+from distill.data.text import local_files
 from distill.model import HIDDEN_KINDS, KD_KINDS, LossConfig
 from distill.training import PRECISIONS, TRACKERS
 
@@ -129,7 +134,7 @@ class DistillConfig:
     log_every: int = field(1, ge=1, help="tracker logging every N steps")
     tracker: str = field("none", choices=TRACKERS,
                          help="none | tensorboard | wandb (WANDB_MODE=offline works)")
-    output_dir: str = field("runs/smollm2-demo", help="run folder: checkpoints/, final/, summary.json, loss.png")
+    output_dir: str = field("runs/smollm2-demo", help="run folder: checkpoints/, final/, summary.json, loss.png, metrics.jsonl")
     overwrite: bool = field(False, help="replace an existing run in output_dir")
     resume: str | None = field(None, help="'latest' or a checkpoint folder to continue from")
     save_every: int = field(500, ge=0, help="checkpoint every N steps (0: only at the end, so a killed run has "
@@ -146,7 +151,8 @@ class DistillConfig:
     offload: str = field("none", choices=("none", "optimizer", "all"),
                          help="DeepSpeed offload assumed by the memory planner (none | optimizer | all)")
     debug_exit_at_step: int | None = field(None, ge=1,
-                                           help="testing: exit abruptly (as if killed) after this step")
+                                           help="testing: exit abruptly (as if killed) after this step; past "
+                                                "max_steps, after step N - max_steps of the CE-only ablation")
 
     def __post_init__(self) -> None:
         check_fields(self)  # every field's range/choices, declared above (core.config.field)
@@ -182,3 +188,59 @@ class DistillConfig:
             focal_alpha=self.focal_alpha, focal_gamma=self.focal_gamma, hidden_weight=self.hidden_weight,
             hidden_layers=self.hidden_layers, hidden_kind=self.hidden_kind, attn_weight=self.attn_weight,
             attn_layers=self.attn_layers, attn_num_queries=self.attn_num_queries)
+
+
+# --------------------------------------------------------------------------------------------
+# Sources that are local paths must exist: checked before a run folder is claimed or a model loads
+# --------------------------------------------------------------------------------------------
+
+def check_model_source(name: str, key: str) -> None:
+    """A one-line :class:`ModelSourceError` naming ``key`` when ``name`` is a local model path that does not exist
+    or is not an HF model directory (the loader's own rule, ``core.models.resolve_model_path``, without loading).
+
+    Built-in names (``tiny-random``, ``smollm2-135m-instruct``) and hub names pass: offline, a hub name can only
+    be tried by loading it.
+    """
+    if name == TINY or name.lower() in (SMOLLM2, "smollm2", "smollm2-135m"):
+        return  # built in (the SmolLM2 alias may convert a cache on first use: left to the loader)
+    try:
+        resolve_model_path(name)
+    except ModelSourceError as err:
+        raise ModelSourceError(f"{key}: {str(err).splitlines()[0]}") from None
+
+
+def check_data_source(source: str, key: str) -> None:
+    """A one-line :class:`~distill.data.DataError` naming ``key`` when ``source`` is clearly a local path
+    (``./``, ``/``, ``~``, or a .jsonl/.json/.txt/.parquet name: the data reader's own rule) that does not exist.
+
+    The built-in corpus, existing files and folders, and hub names pass; what a file holds is read with the data.
+    """
+    if source == BUILTIN or Path(source).expanduser().exists():
+        return
+    try:
+        local_files(source)  # for a path that does not exist: raises when it is clearly local, else a hub name
+    except DataError:
+        raise DataError(f"{key} {source} does not exist; check the path") from None
+
+
+def check_sources(cfg: Any) -> None:
+    """The model and data sources of a recipe's config (``DistillConfig``, the retrofit recipe's) that are local
+    paths exist: one line naming the key, before the run folder is claimed and before the teacher loads.
+
+    Not part of ``__post_init__``: the memory planner and ``python -m distill.data prepare`` read configs written
+    for the machine that trains (``dataset: /data/train.jsonl``), and must accept them elsewhere.
+    """
+    models = []
+    if not (getattr(cfg, "teacher_cache", None) and getattr(cfg, "student", None)):  # else the teacher never loads
+        models.append(("teacher", cfg.teacher))
+    models += [(key, getattr(cfg, key, None)) for key in ("student", "tokenizer")]
+    for key, name in models:
+        if name:
+            check_model_source(name, key)
+    if cfg.datasets:
+        for spec in parse_sources(cfg.datasets):
+            check_data_source(spec.source, "datasets source")
+    else:
+        check_data_source(cfg.dataset, "dataset")
+    if cfg.eval_dataset:
+        check_data_source(cfg.eval_dataset, "eval_dataset")

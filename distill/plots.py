@@ -1,28 +1,72 @@
-"""PNG plots written beside a run (matplotlib, headless)."""
+"""PNG plots written beside a run (matplotlib's Agg canvas, headless, no pyplot state)."""
 
 from __future__ import annotations
 
+import os
+import uuid
 from pathlib import Path
 
+from core.fsio import fsync_dir
 
-def plot_training(history: list[dict], evals: list[dict], path: str | Path, title: str = "") -> None:
-    """Loss terms per step (left) and held-out perplexity (right).
+# A run plots at every held-out evaluation and checkpoint: above this many steps a series is drawn as the mean of
+# equal buckets inside the band of their minimum and maximum (what a line of every point paints at the figure's
+# few hundred pixels), so that a plot costs the same at step 100 and at step 1,000,000.
+MAX_POINTS = 2000
+
+TERMS = ("loss", "kd", "ce", "focal", "hidden", "attn")
+
+
+def bucketed(steps: list[float], values: list[float], max_points: int = MAX_POINTS
+             ) -> tuple[list[float], list[float], list[float], list[float]] | None:
+    """``(steps, means, mins, maxs)`` over at most ``max_points`` equal buckets; None when the series is short."""
+    n = len(values)
+    if n <= max_points:
+        return None
+    xs, means, lows, highs = [], [], [], []
+    for b in range(max_points):
+        lo, hi = b * n // max_points, (b + 1) * n // max_points
+        chunk = values[lo:hi]
+        xs.append(sum(steps[lo:hi]) / (hi - lo))
+        means.append(sum(chunk) / (hi - lo))
+        lows.append(min(chunk))
+        highs.append(max(chunk))
+    return xs, means, lows, highs
+
+
+def plot_training(history: list[dict], evals: list[dict], path: str | Path, title: str = "",
+                  diverged_at: int | None = None) -> None:
+    """Loss terms per step (left) and held-out perplexity (right), written atomically to ``path``.
+
+    The PNG is rendered under a temporary name beside ``path`` and renamed over it, so a reader (a user
+    watching a run, an export) sees the previous plot or the whole new one, never a torn file.
 
     Args:
         history: ``[{"step": int, "loss": float, "kd": float, ...}, ...]``.
         evals: ``[{"step": int, "perplexity": float, "top1_agreement": float}, ...]``.
+        diverged_at: the step whose loss was not finite (a run that diverged), marked on the loss plot.
     """
-    import matplotlib
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig = Figure(figsize=(11, 4))
+    FigureCanvasAgg(fig)
+    ax1, ax2 = fig.subplots(1, 2)
     steps = [h["step"] for h in history]
-    for key in ("loss", "kd", "ce", "focal", "hidden", "attn"):
+    for key in TERMS:
         values = [h.get(key, 0.0) for h in history]
         if any(v for v in values):
-            ax1.plot(steps, values, label=key, lw=2 if key == "loss" else 1)
+            lw = 2 if key == "loss" else 1
+            short = bucketed(steps, values)
+            if short is None:  # a lone step as a dot: a line of one point is invisible
+                ax1.plot(steps, values, label=key, lw=lw, marker="o" if len(steps) == 1 else None)
+            else:
+                xs, means, lows, highs = short
+                (line,) = ax1.plot(xs, means, label=key, lw=lw)
+                ax1.fill_between(xs, lows, highs, color=line.get_color(), alpha=0.2, lw=0)
+                for edge in (lows, highs):  # thin edges: a one-step spike stays as visible as in a line of every point
+                    ax1.plot(xs, edge, color=line.get_color(), alpha=0.5, lw=0.5)
+    if diverged_at is not None:
+        ax1.axvline(diverged_at, color="red", ls=":", label=f"diverged (step {diverged_at})")
     ax1.set_xlabel("step")
     ax1.set_ylabel("loss")
     ax1.set_yscale("log")
@@ -42,5 +86,15 @@ def plot_training(history: list[dict], evals: list[dict], path: str | Path, titl
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            fig.savefig(f, format="png", dpi=100)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)

@@ -1087,6 +1087,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="seed for the short distillation")
     p.add_argument("--overwrite", action="store_true", help="replace an existing pruned model in --out")
     args = p.parse_args(argv)
+    from core.config import check_output_dir
+    from distill.config import check_data_source
+
     try:
         if not 0 < args.max_round_cut < 1:
             raise PruneError(f"--max-round-cut must be in (0, 1), got {args.max_round_cut}")
@@ -1097,6 +1100,19 @@ def main(argv: list[str] | None = None) -> int:
                 raise PruneError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
         if args.search_steps < 0:
             raise PruneError(f"--search-steps must be >= 0, got {args.search_steps}")
+        # The budget, the learning rate, the data and --out: all refused here, not after the teacher loads.
+        if (args.target_params is None) == (args.target_ratio is None):
+            raise PruneError("give exactly one of --target-params (absolute) or --target-ratio (of the teacher)")
+        if args.target_ratio is not None and not 0 < args.target_ratio <= 1:
+            raise PruneError(f"--target-ratio must be in (0, 1], got {args.target_ratio}; choose a fraction of "
+                             "the teacher's size, e.g. 0.5")
+        if args.target_params is not None and not (math.isfinite(args.target_params) and args.target_params > 0):
+            raise PruneError(f"--target-params must be a finite number > 0, got {args.target_params}; choose a "
+                             "parameter count, e.g. 5e7")
+        if not (math.isfinite(args.lr) and args.lr > 0):
+            raise PruneError(f"--lr must be a finite number > 0, got {args.lr}")
+        check_data_source(args.dataset, "--dataset")
+        check_output_dir(args.out, "--out")
         out = Path(args.out)
         if out.exists() and any(out.iterdir()) and not args.overwrite:
             raise PruneError(f"{out} is not empty; choose another --out or pass --overwrite")

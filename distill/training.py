@@ -7,7 +7,8 @@ the parts that must behave the same everywhere:
   accelerator; at the end run the release gate and write ``summary.json``.
 * :class:`Run`: resume (with the saved config compared to the new one), checkpoints written by
   every rank between barriers and renamed only when whole, the per-step record (history, progress
-  bar, trackers, divergence check) and the summary files.
+  bar, trackers, ``metrics.jsonl``, divergence check), ``loss.png`` redrawn as the run goes and the
+  summary files.
 * :func:`train_step`: one optimizer step over a step's micro-batches (accumulation, clipping,
   the loss terms averaged over processes).
 * :func:`evaluate`: the one held-out evaluation loop (perplexity, agreement and KL to a reference).
@@ -88,8 +89,8 @@ def make_accelerator(cfg: Any, project_dir: Path) -> Accelerator:
 
 
 def start_run(config_cls: type, argv: list[str] | None = None, *, resume_safe: Iterable[str] = (),
-              without_deepspeed: str | None = None, without_fsdp: str | None = None
-              ) -> tuple[Any, Accelerator, Path]:
+              without_deepspeed: str | None = None, without_fsdp: str | None = None,
+              check: Callable[[Any], None] | None = None) -> tuple[Any, Accelerator, Path]:
     """``(cfg, accelerator, output_dir)``: the config parsed and checked, the run folder claimed.
 
     Every process checks the folder before anything loads (:func:`core.rundir.check_output_dir`);
@@ -98,24 +99,35 @@ def start_run(config_cls: type, argv: list[str] | None = None, *, resume_safe: I
     resume is checked here too: a config that differs from the checkpoint's outside ``resume_safe``
     is refused before any model or data loads. ``without_deepspeed``: the error for a recipe that does
     not run under DeepSpeed, raised before the folder is touched when a DeepSpeed config launched it;
-    ``without_fsdp`` the same for an FSDP config.
+    ``without_fsdp`` the same for an FSDP config. ``check``: the recipe's own checks of the parsed config
+    (e.g. :func:`distill.config.check_sources`), run before the folder is touched.
     """
     cfg = parse_config(config_cls, argv)
+    if check is not None:
+        check(cfg)
     if without_deepspeed and launched_with_deepspeed():
         raise ConfigError(without_deepspeed)
     if without_fsdp and launched_with_fsdp():
         raise ConfigError(without_fsdp)
     out = rundir.check_output_dir(cfg.output_dir, cfg.overwrite, cfg.resume)
     if cfg.resume is not None:
-        # A token budget sets max_steps at run time, so the saved max_steps is derived: compare max_tokens.
-        derived = ("max_steps",) if getattr(cfg, "max_tokens", None) else ()
-        check_resume_config(ckpt.resolve_resume(cfg.resume, out) / "config.yaml", cfg, (*resume_safe, *derived))
+        check_resume(cfg, out, resume_safe)
     accelerator = make_accelerator(cfg, out)
     setup_threads(cfg.threads, accelerator.is_main_process)  # every core, even under `accelerate launch`
     if accelerator.is_main_process:
         rundir.claim_output_dir(out, cfg.overwrite, cfg.resume)
     accelerator.wait_for_everyone()
     return cfg, accelerator, out
+
+
+def check_resume(cfg: Any, out: Path, resume_safe: Iterable[str] = ()) -> Path:
+    """The complete checkpoint ``cfg.resume`` names in ``out``, its ``config.yaml`` checked against ``cfg``
+    (:func:`core.config.check_resume_config`: keys outside ``resume_safe`` must not change)."""
+    path = ckpt.resolve_resume(cfg.resume, out)
+    # A token budget sets max_steps at run time, so the saved max_steps is derived: compare max_tokens.
+    derived = ("max_steps",) if getattr(cfg, "max_tokens", None) else ()
+    check_resume_config(path / "config.yaml", cfg, (*resume_safe, *derived))
+    return path
 
 
 def finish_run(cfg: Any, accelerator: Accelerator, out: Path, summary: dict[str, Any],
@@ -295,11 +307,24 @@ class TrainerState:
     environment: dict[str, Any] = dataclasses.field(default_factory=dict)  # the writer's (core.environment)
 
 
+def json_line(record: dict[str, Any]) -> str:
+    """``record`` as one strict-JSON line: a float that is not finite becomes null."""
+    return json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()},
+                      allow_nan=False) + "\n"
+
+
 class Run:
     """One run's folder on every rank: resume, checkpoints, the step record and the summary files.
 
     ``tracker_project`` names the tracker project; ``progress`` the progress bar.
+
+    While it runs, the main process keeps two records a user can watch and that a crash leaves behind:
+    ``metrics.jsonl``, one JSON line per optimizer step appended (and flushed) as each step is recorded
+    (:meth:`record`), and ``loss.png``, redrawn at each held-out evaluation, each checkpoint and before a
+    :class:`core.checkpoint.TrainingDiverged` is raised (:meth:`plot`).
     """
+
+    METRICS = "metrics.jsonl"
 
     def __init__(self, cfg: Any, accelerator: Accelerator, *, tracker_project: str, progress: str) -> None:
         self.cfg, self.accelerator = cfg, accelerator
@@ -314,6 +339,12 @@ class Run:
         self.rss = PeakRSS()  # peak memory per phase: setup, train, eval_save, after
         self.loop_tokens = 0
         self.resumed_from: Path | None = None
+        self._plotted_evals = 0  # len(state.evals) at the last plot: a new evaluation redraws loss.png
+        self._plot_failed = False
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.out / self.METRICS
 
     # ---- start -----------------------------------------------------------------------------
     def resume(self) -> TrainerState:
@@ -347,11 +378,13 @@ class Run:
         return json.loads(path.read_text()) if path.is_file() else {}
 
     def begin(self) -> None:
-        """Clear a killed run's temp folders, write the resolved config, start the trackers."""
+        """Clear a killed run's temp folders, write the resolved config, match ``metrics.jsonl`` to the state
+        resumed from (:meth:`resume_metrics`), start the trackers."""
         if self.main:
             ckpt.clean_partial(self.out)
             self.out.mkdir(parents=True, exist_ok=True)
             save_config(self.cfg, self.out / "config.yaml")
+            self.resume_metrics()
         if self.cfg.tracker != "none":
             self.accelerator.init_trackers(self.tracker_project, config={
                 k: v for k, v in dataclasses.asdict(self.cfg).items() if isinstance(v, (int, float, str, bool))})
@@ -369,10 +402,13 @@ class Run:
         self.bar = tqdm(total=self.cfg.max_steps, initial=self.state.step, disable=not self.main,
                         desc=self.progress, dynamic_ncols=True)
         self.rss.mark("setup")
+        self._plotted_evals = len(self.state.evals)  # those before the loop (at init, resumed) are drawn at its end
         for step in range(self.state.step, self.cfg.max_steps):
             self._t_step = time.perf_counter()
             yield step
             self.rss.mark("eval_save")  # what the step did after its record: evaluation, checkpoint
+            if len(self.state.evals) > self._plotted_evals:  # a held-out evaluation (not yet drawn by a checkpoint)
+                self.plot()
         self.bar.close()
 
     def loop_seconds_now(self) -> float:
@@ -381,22 +417,91 @@ class Run:
 
     def record(self, step: int, terms: dict[str, float], lr: float, tokens: int, **extra: Any) -> None:
         """Book step ``step`` (0-based) that trained on ``tokens`` tokens; a non-finite loss stops the run."""
+        seconds = time.perf_counter() - self._t_step
+        entry = {"step": step + 1, "lr": lr, **extra, **terms}
         if not math.isfinite(terms["loss"]):
             last = ckpt.latest_checkpoint(self.out)
+            # The curve up to here and the step that broke it, on disk before the run stops.
+            self.append_metrics({**entry, "diverged": True}, tokens, seconds)
+            self.plot(diverged_at=step + 1)
             raise ckpt.TrainingDiverged(
                 f"loss became {terms['loss']} at step {step + 1}; the last good checkpoint is "
                 f"{last or 'none'}: lower lr or enable clipping, then resume=latest")
         self.loop_tokens += tokens
-        self.loop_seconds += time.perf_counter() - self._t_step
+        self.loop_seconds += seconds
         self.rss.mark("train")
         elapsed = self.loop_seconds
         self.state.step = step + 1
-        self.state.history.append({"step": step + 1, "lr": lr, **extra, **terms})
+        self.state.history.append(entry)
+        self.append_metrics(entry, tokens, seconds)
         self.bar.update(1)
         self.bar.set_postfix({k: f"{v:.3g}" for k, v in terms.items() if v} | extra
                              | {"tok/s": f"{self.loop_tokens / max(elapsed, 1e-9):.0f}"})
         if self.cfg.tracker != "none" and (step + 1) % self.cfg.log_every == 0:
             self.accelerator.log(terms | {"lr": lr} | extra, step=step + 1)
+
+    def append_metrics(self, entry: dict[str, Any], tokens: int, seconds: float) -> None:
+        """Append step ``entry`` (its history record) to ``metrics.jsonl`` and flush it (main process).
+
+        Besides the history's keys (``step``, ``lr``, the recipe's extras, the loss terms) a line has the
+        step's ``tokens``, its own ``step_s`` and ``tokens_per_s``, and ``time`` (Unix seconds). A value that
+        is not finite (the step a run diverged at, marked ``"diverged": true``) is written as null, so that
+        the file stays strict JSON.
+        """
+        if not self.main:
+            return
+        line = {**entry, "tokens": tokens, "step_s": seconds, "tokens_per_s": tokens / max(seconds, 1e-9),
+                "time": time.time()}
+        with open(self.metrics_path, "a") as f:
+            f.write(json_line(line))
+            f.flush()
+
+    def resume_metrics(self) -> None:
+        """Make ``metrics.jsonl`` hold exactly the steps the run resumes from (main process), one line each.
+
+        Lines past the resumed step (written before a kill or a divergence, or by a run resumed from an
+        older checkpoint) go: those steps run again. A step the checkpoint holds keeps its line when the line
+        agrees with the checkpoint's history; one whose line was lost (a machine that died before the
+        file's tail reached disk) or disagrees is written again from the history, without the timings. A
+        torn last line is dropped. A fresh run starts an empty file. The file is replaced atomically.
+        """
+        lines: dict[int, dict[str, Any]] = {}
+        if self.metrics_path.is_file():
+            for text in self.metrics_path.read_text().splitlines():
+                try:
+                    line = json.loads(text)
+                except ValueError:
+                    continue
+                if isinstance(line, dict) and isinstance(line.get("step"), int):
+                    lines[line["step"]] = line
+        kept = []
+        for entry in self.state.history:
+            line = lines.get(entry["step"])
+            agrees = line is not None and all(line.get(k) == v for k, v in entry.items())
+            kept.append(json_line(line if agrees else entry))
+        atomic_write_text(self.metrics_path, "".join(kept))
+
+    def plot(self, diverged_at: int | None = None) -> None:
+        """Redraw ``loss.png`` from the steps and evaluations so far (main process); ``diverged_at``: the step
+        whose loss was not finite, marked on the plot.
+
+        Mid-run, a plot that fails warns once and the run goes on: a training run never stops for its plot.
+        """
+        self._plotted_evals = len(self.state.evals)
+        if not self.main:
+            return
+        from distill.plots import plot_training
+
+        title = (f"{getattr(self.cfg, 'teacher', '')}: {self.progress} ({self.out.name}), "
+                 f"step {self.state.step}/{self.cfg.max_steps}")
+        try:
+            plot_training(self.state.history, self.state.evals, self.out / "loss.png", diverged_at=diverged_at,
+                          title=f"{title}, diverged at step {diverged_at}" if diverged_at else title)
+        except Exception as err:  # noqa: BLE001 - matplotlib, the disk: report, keep training
+            if not self._plot_failed:
+                self._plot_failed = True
+                self.write(f"warning: could not draw {self.out / 'loss.png'} ({type(err).__name__}: {err}); "
+                           f"the per-step metrics are in {self.metrics_path}")
 
     def write(self, text: str) -> None:
         if self.main:
@@ -428,6 +533,7 @@ class Run:
             write_extra(tmp)
             save_config(self.cfg, tmp / "config.yaml")
             ckpt.finalize(self.out, step, dataclasses.asdict(self.state), self.cfg.keep_checkpoints)
+            self.plot()
         self.accelerator.wait_for_everyone()
 
     def maybe_exit(self, step: int) -> None:
@@ -448,7 +554,7 @@ class Run:
 
     # ---- end -------------------------------------------------------------------------------
     def write_records(self, summary: dict[str, Any], title: str) -> None:
-        """``summary.json`` and ``loss.png`` (main process), then end the trackers."""
+        """``summary.json`` and the final ``loss.png`` (main process), then end the trackers."""
         from distill.plots import plot_training
 
         if self.main:

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 import attention
-from core.config import ConfigError
+from core.config import ConfigError, check_output_dir
 from core.models import (
     ModelSourceError,
     cache_kwargs,
@@ -345,6 +345,15 @@ def main(argv: list[str] | None = None) -> int:
         if bad or not kinds:
             raise LongCtxError(f"unknown kind(s) {bad or args.kinds!r}; use {', '.join(KINDS)}")
         lengths = _ints(args.lengths)
+        # Everything the command line alone decides is refused here, before the model loads (run_longctx checks
+        # the same for callers in code); --out too, so that the results are not lost when they are written.
+        depths_for(args.depths)
+        if args.trials < 1:
+            raise LongCtxError(f"--trials must be >= 1, got {args.trials}")
+        if args.scoring not in SCORINGS:
+            raise LongCtxError(f"unknown --scoring {args.scoring!r}; use one of {', '.join(SCORINGS)}")
+        if args.out:
+            check_output_dir(args.out, "--out")
         try:
             model, tok, attn = load_for_eval(args.model, dense=args.dense, retrofit=args.retrofit)
         except HybridAttentionError as err:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -25,10 +26,11 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import set_seed
 
+from core import checkpoint as ckpt
 from core.config import ConfigError, run_cli
 from core.models import enable_checkpointing
 from distill import on_policy
-from distill.config import RESUME_SAFE, DistillConfig
+from distill.config import RESUME_SAFE, DistillConfig, check_sources
 from distill.data import build_data, steps_for_tokens
 from distill.distributed import configure_deepspeed, deepspeed_settings, is_fsdp, is_zero3, prepare_teacher
 from distill.model import DistillModel, LossConfig
@@ -37,6 +39,7 @@ from distill.sources import load_pair
 from distill.teacher_cache import TeacherCache, check_meta, read_meta
 from distill.training import (
     Run,
+    check_resume,
     evaluate,
     finish_run,
     save_hf_dir,
@@ -267,20 +270,59 @@ def print_summary(summary: dict, out: Path) -> None:
     print("=" * 72)
 
 
+def ablation_exit_at_step(cfg: DistillConfig) -> int | None:
+    """Testing: ``debug_exit_at_step`` past ``max_steps`` kills the CE-only ablation after its step
+    ``debug_exit_at_step - max_steps`` (the two runs' steps counted as one sequence); up to ``max_steps`` it kills
+    the distillation run only (:meth:`distill.training.Run.maybe_exit`)."""
+    exit_at = cfg.debug_exit_at_step
+    return exit_at - cfg.max_steps if exit_at is not None and exit_at > cfg.max_steps else None
+
+
+def resume_ablation(cfg: DistillConfig, base: DistillConfig, accelerator: Accelerator) -> DistillConfig:
+    """The CE-only ablation's config ``base``, set to resume from ``ce_only/``'s latest checkpoint when the run
+    itself was resumed (a fresh run replaced the whole folder: its ablation starts fresh).
+
+    The checkpoint's config is checked as the run's is (:func:`distill.training.check_resume`). The run's own
+    check has already refused any change the user made, so an ablation checkpoint that differs was written with
+    other derived settings (another student source, an older toolkit) and cannot give this run's ablation:
+    ``ce_only/`` is removed and the ablation starts over, saying why in one line.
+    """
+    folder = Path(base.output_dir)
+    last = ckpt.latest_checkpoint(folder) if cfg.resume is not None else None
+    if last is None:
+        return base
+    resumed = dataclasses.replace(base, resume=str(last), overwrite=False)
+    try:
+        check_resume(resumed, folder, RESUME_SAFE)
+        return resumed
+    except ConfigError as err:
+        why = str(err).split("; ")[0]
+    accelerator.wait_for_everyone()  # every rank has decided before the folder goes
+    if accelerator.is_main_process:
+        print(f"ablation: not resuming {last}, written with other settings ({why}); the CE-only student starts over")
+        shutil.rmtree(folder)
+    accelerator.wait_for_everyone()
+    return base
+
+
 def main(argv: list[str] | None = None) -> None:
-    cfg, accelerator, out = start_run(DistillConfig, argv, resume_safe=RESUME_SAFE, without_fsdp=NO_FSDP)
+    # check_sources: local model and data paths that do not exist are refused before the teacher loads.
+    cfg, accelerator, out = start_run(DistillConfig, argv, resume_safe=RESUME_SAFE, without_fsdp=NO_FSDP,
+                                      check=check_sources)
     summary = training_function(cfg, accelerator)
 
     if cfg.compare_ce_only:
         # The ablation: same student init, steps, data order and schedule; CE on the data only. A searched
         # student is the one the fresh run saved (a resumed run searched nothing, and must not search again).
+        # It checkpoints like the run (save_every, keep_checkpoints) into ce_only/, and a resumed run resumes it.
         searched = not cfg.student and cfg.student_init == "prune" and (out / PRUNED_DIR).is_dir()
         base = dataclasses.replace(
             cfg, output_dir=str(out / "ce_only"), kd_weight=0.0, hidden_weight=0.0, attn_weight=0.0,
             focal_weight=0.0, ce_weight=1.0, compare_ce_only=False, gate=False, resume=None, overwrite=True,
-            save_every=0, teacher_cache=None, debug_exit_at_step=None, on_policy_fraction=0.0,
+            teacher_cache=None, debug_exit_at_step=ablation_exit_at_step(cfg), on_policy_fraction=0.0,
             student=str(out / PRUNED_DIR) if searched else cfg.student,
         )
+        base = resume_ablation(cfg, base, accelerator)
         if accelerator.is_main_process:
             print("\nablation: training a CE-only student for the same steps")
         known = {k: summary[k] for k in ("teacher_ppl", "student_ppl_init", "top1_agreement_init")}

@@ -46,6 +46,7 @@ from core import checkpoint as ckpt
 from core.config import ConfigError, check_fields, field, run_cli
 from core.models import ModelSourceError, enable_checkpointing, load_causal_lm
 from core.tiny import TINY, tiny_teacher
+from distill.config import check_sources
 from distill.data import BUILTIN, build_data, parse_sources, steps_for_tokens
 from distill.model import KD_KINDS, DistillModel, LossConfig
 from distill.sources import load_recipe_tokenizer
@@ -181,7 +182,7 @@ class RetrofitConfig:
     log_every: int = field(1, ge=1, help="tracker logging every N steps")
     tracker: str = field("none", choices=TRACKERS,
                          help="none | tensorboard | wandb (WANDB_MODE=offline works)")
-    output_dir: str = field("runs/retrofit-smollm2", help="run folder: checkpoints/, final/, summary.json, loss.png")
+    output_dir: str = field("runs/retrofit-smollm2", help="run folder: checkpoints/, final/, summary.json, loss.png, metrics.jsonl")
     overwrite: bool = field(False, help="replace an existing run in output_dir")
     resume: str | None = field(None, help="'latest' or a checkpoint folder to continue from")
     save_every: int = field(10, ge=0, help="checkpoint every N steps (0: only at the end)")
@@ -605,7 +606,9 @@ def print_summary(summary: dict, out: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     # peft still calls a transformers property deprecated in v5; the warning says nothing to the user.
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-    cfg, accelerator, out = start_run(RetrofitConfig, argv, resume_safe=RESUME_SAFE, without_deepspeed=(
+    # check_sources: local model and data paths that do not exist are refused before the model loads.
+    cfg, accelerator, out = start_run(RetrofitConfig, argv, resume_safe=RESUME_SAFE, check=check_sources,
+                                      without_deepspeed=(
         "retrofit.py trains small LoRA adapters with DDP, not DeepSpeed: launch it with launch/gpu_ddp.yaml "
         "(CPU: launch/cpu_ddp_2proc.yaml)"))
     summary = training_function(cfg, accelerator)

@@ -297,3 +297,54 @@ def test_overwrite_on_a_folder_of_notes_deletes_nothing(tmp_path):
         "error: overwrite=true refused: notes has no .hybrid-distill-run marker, so it is not a run folder of ours; "
         "nothing was deleted; delete it yourself or choose another output_dir=")
     assert tree(tmp_path) == before
+
+
+# --------------------------------------------------------------------------------------------
+# Local sources that do not exist and output folders that cannot be made: refused before the run folder is
+# claimed and before any model loads (they used to surface after the teacher loaded, or at the first write)
+# --------------------------------------------------------------------------------------------
+
+SOURCES = [
+    ("output-under-a-file", "distill", [*D, "output_dir={afile}/x"], 2,
+     "output_dir {afile}/x lies under {afile}, which is a file; choose another output_dir"),
+    ("retrofit-output-under-a-file", "retrofit", [*R, "output_dir={afile}/x"], 2, "lies under {afile}, which is a file"),
+    ("student-missing", "distill", [*D, "student={missing}/student", "output_dir={missing}"], 2,
+     "student: model path {missing}/student does not exist; check the path"),
+    ("student-not-a-model", "distill", [*D, "student={model}", "output_dir={missing}"], 2,
+     "student: {model} has no config.json; point to an HF model directory"),
+    ("teacher-missing", "distill", [*D, "teacher=./no-teacher", "output_dir={missing}"], 2,
+     "teacher: model path ./no-teacher does not exist"),
+    ("tokenizer-missing", "distill", [*D, "tokenizer=~/no-tokenizer", "output_dir={missing}"], 2,
+     "tokenizer: model path ~/no-tokenizer does not exist"),
+    ("dataset-missing", "distill", [*D, "dataset={missing}/train.jsonl", "output_dir={missing}"], 2,
+     "dataset {missing}/train.jsonl does not exist; check the path"),
+    ("dataset-missing-relative", "distill", [*D, "dataset=train.jsonl", "output_dir={missing}"], 2,
+     "dataset train.jsonl does not exist; check the path"),
+    ("eval-dataset-missing", "distill", [*D, "eval_dataset=./held-out", "output_dir={missing}"], 2,
+     "eval_dataset ./held-out does not exist; check the path"),
+    ("mixture-source-missing", "distill", [*D, "datasets=[{{source: builtin:stdlib-docs}}, {{source: ./b.parquet}}]",
+                                           "output_dir={missing}"], 2,
+     "datasets source ./b.parquet does not exist; check the path"),
+    ("retrofit-dataset-missing", "retrofit", [*R, "dataset={missing}/a.txt", "output_dir={missing}"], 2,
+     "dataset {missing}/a.txt does not exist; check the path"),
+    ("retrofit-eval-dataset-missing", "retrofit", [*R, "eval_dataset=/no/such/dir", "output_dir={missing}"], 2,
+     "eval_dataset /no/such/dir does not exist"),
+]
+
+
+@pytest.fixture
+def no_recipe_model_loads(monkeypatch, no_model_loads):
+    """The recipes hold their own references to the loaders: those fail the case too."""
+    import recipes.distill
+    import recipes.retrofit
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("a model was loaded before the bad input was refused")
+    for module in (recipes.distill, recipes.retrofit):
+        monkeypatch.setattr(module, "load_models", loaded)
+
+
+@pytest.mark.parametrize("case", SOURCES, ids=[c[0] for c in SOURCES])
+def test_missing_sources_and_unmakeable_outputs_fail_before_the_run_folder(case, world, capsys,
+                                                                          no_recipe_model_loads):
+    _check(case, world, capsys)

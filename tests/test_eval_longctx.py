@@ -166,3 +166,26 @@ def test_device_defaults_to_auto_and_a_bad_one_is_one_line(monkeypatch, capsys):
         assert longctx.main(["--model", "m", "--device", bad]) == 3
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and err.startswith("error: ") and says in err
+
+
+def test_bad_flags_and_an_unwritable_out_are_refused_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    import core.models
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("a model was loaded before the bad input was refused")
+    for module, name in ((longctx, "load_for_eval"), (longctx, "load_causal_lm"), (longctx, "load_tokenizer"),
+                         (core.models, "load_causal_lm")):
+        monkeypatch.setattr(module, name, loaded)
+    afile = tmp_path / "afile"
+    afile.write_text("not a folder")
+    for flags, says in ((["--depths", "1.5"], "depths must be fractions in [0, 1]"),
+                        (["--depths", "0"], "--depths must be >= 1"),
+                        (["--trials", "0"], "--trials must be >= 1, got 0"),
+                        (["--scoring", "foo"], "unknown --scoring 'foo'; use one of exact, first_number"),
+                        (["--out", str(afile / "sub")], f"lies under {afile}, which is a file; choose another --out"),
+                        (["--out", str(afile)], "is a file, not a folder; choose another --out")):
+        capsys.readouterr()
+        assert longctx.main(["--model", "m", "--lengths", "300", *flags]) == 3, flags
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith("error: ") and says in err, (flags, err)
+    assert afile.read_text() == "not a folder" and sorted(tmp_path.iterdir()) == [afile]

@@ -780,3 +780,36 @@ def test_recipe_prune_short_distils_candidates_with_the_runs_loss_terms(tmp_path
     other = dataclasses.replace(cfg, kd_kind="forward_kl", output_dir=str(tmp_path / "run2"))
     prune.prune_for_recipe(tiny_model("llama", layers=2), tok, other, log=lambda _msg: None)
     assert seen == [cfg.losses(), other.losses()]  # searched again, with its own terms
+
+
+def test_cli_bad_budget_lr_dataset_and_out_are_refused_before_the_teacher_loads(tmp_path, monkeypatch, capsys):
+    import distill.prune as prune
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the teacher was loaded before the bad input was refused")
+    monkeypatch.setattr(prune, "load_causal_lm", loaded)
+    monkeypatch.setattr(prune, "load_tokenizer", loaded)
+    afile = tmp_path / "afile"
+    afile.write_text("not a folder")
+    out = ["--out", str(tmp_path / "out")]
+    ratio = ["--target-ratio", "0.5"]
+    for flags, says in (
+            ([*out], "give exactly one of --target-params (absolute) or --target-ratio"),
+            ([*out, *ratio, "--target-params", "1e6"], "give exactly one of --target-params"),
+            ([*out, "--target-ratio", "0"], "--target-ratio must be in (0, 1], got 0.0; choose"),
+            ([*out, "--target-ratio", "1.5"], "--target-ratio must be in (0, 1], got 1.5; choose"),
+            ([*out, "--target-ratio", "nan"], "--target-ratio must be in (0, 1], got nan"),
+            ([*out, "--target-params", "-5"], "--target-params must be a finite number > 0, got -5.0"),
+            ([*out, "--target-params", "inf"], "--target-params must be a finite number > 0, got inf"),
+            ([*out, *ratio, "--lr", "nan"], "--lr must be a finite number > 0, got nan"),
+            ([*out, *ratio, "--lr", "0"], "--lr must be a finite number > 0, got 0.0"),
+            ([*out, *ratio, "--dataset", str(tmp_path / "missing.jsonl")],
+             f"--dataset {tmp_path / 'missing.jsonl'} does not exist; check the path"),
+            ([*out, *ratio, "--dataset", "./missing"], "--dataset ./missing does not exist"),
+            (["--out", str(afile / "x"), *ratio], f"lies under {afile}, which is a file; choose another --out"),
+            (["--out", str(afile), *ratio], "is a file, not a folder; choose another --out")):
+        capsys.readouterr()
+        assert main(["--model", "m", *flags]) == 2, flags
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith("error: ") and says in err, (flags, err)
+    assert afile.read_text() == "not a folder" and sorted(tmp_path.iterdir()) == [afile]  # nothing written

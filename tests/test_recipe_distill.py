@@ -319,3 +319,75 @@ def test_tensorboard_tracker_and_gradient_checkpointing(tmp_path):
     events = list(out.rglob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 0
     assert json.loads((out / "summary.json").read_text())["student_ppl_final"] is not None
+
+
+def test_source_checks_pass_what_only_loading_can_judge_and_refuse_missing_local_paths(tmp_path):
+    from core.config import ConfigError
+    from distill.config import DistillConfig, check_sources
+
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"text": "hello"}\n')
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    # Built-in names, hub names (offline they can only be tried by loading) and existing paths all pass.
+    for keys in ({}, {"teacher": "org/teacher", "student": "org/student", "tokenizer": "org/tok"},
+                 {"teacher": "tiny-random", "student": str(model), "dataset": str(data), "eval_dataset": str(tmp_path)},
+                 {"dataset": "org/hub-data", "eval_dataset": "HuggingFaceFW/fineweb-edu"},
+                 {"datasets": [{"source": str(data), "weight": 2}, "builtin:stdlib-docs", "org/data"]},
+                 {"teacher": "/no/teacher", "student": str(model), "teacher_cache": str(tmp_path), "hidden_weight": 0,
+                  "attn_weight": 0}):  # with a cache and a student the teacher never loads
+        check_sources(DistillConfig(**keys))
+    for keys, says in (({"student": str(tmp_path / "nope")}, "student: model path"),
+                       ({"student": str(tmp_path)}, "has no config.json"),
+                       ({"dataset": "data/train.parquet"}, "dataset data/train.parquet does not exist"),
+                       ({"datasets": ["org/data", {"source": "~/no/such.txt"}]}, "datasets source ~/no/such.txt")):
+        with pytest.raises(ConfigError) as err:
+            check_sources(DistillConfig(**keys))
+        assert says in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.slow
+def test_a_kill_inside_the_ce_only_ablation_resumes_it_from_its_checkpoint(tmp_path):
+    """The CE-only ablation checkpoints with the run's save_every; killed inside it (debug_exit_at_step past
+    max_steps counts on into the ablation's steps), resume=latest finishes the run at once and the ablation from
+    its last checkpoint, and ends as an uninterrupted run does. An ablation checkpoint written with other settings
+    is not resumed: the ablation starts over, saying why."""
+    import shutil
+    import time
+
+    import yaml
+
+    common = [*TINY, "max_steps=4", "save_every=2", "eval_every=0", "compare_ce_only=true"]
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    run([*common, f"output_dir={full}"])
+    assert run([*common, f"output_dir={killed}", "debug_exit_at_step=7"], check=False).returncode == 137
+    ablation = killed / "ce_only"
+    assert (killed / "checkpoints" / "step-4").is_dir()  # the run finished; its summary lacks the ablation
+    assert "ce_only_ppl_final" not in json.loads((killed / "summary.json").read_text())
+    assert [p.name for p in (ablation / "checkpoints").iterdir()] == ["step-2"] and not (ablation / "final").exists()
+    # An ablation checkpoint with another config (here: its lr) is not resumed silently.
+    stale = tmp_path / "stale"
+    shutil.copytree(killed, stale)
+    saved = stale / "ce_only" / "checkpoints" / "step-2" / "config.yaml"
+    saved.write_text(yaml.safe_dump({**yaml.safe_load(saved.read_text()), "lr": 0.5}))
+
+    started = time.time()
+    proc = run([*common, f"output_dir={killed}", "resume=latest"])
+    assert f"resumed from {ablation / 'checkpoints' / 'step-2'} at step 2" in proc.stdout
+    lines = [json.loads(line) for line in (ablation / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2, 3, 4]
+    assert [line["time"] < started for line in lines] == [True, True, False, False]  # only steps 3-4 trained again
+
+    proc = run([*common, f"output_dir={stale}", "resume=latest"])
+    assert "ablation: not resuming" in proc.stdout and "lr: 0.5 → 0.001" in proc.stdout
+    assert "resumed from" not in proc.stdout.split("ablation:")[-1]
+
+    a = json.loads((full / "summary.json").read_text())
+    for out in (killed, stale):
+        b = json.loads((out / "summary.json").read_text())
+        for key in ("ce_only_ppl_final", "ce_only_top1_agreement", "ppl_ratio_vs_ce_only", "student_ppl_final"):
+            assert b[key] == pytest.approx(a[key], rel=1e-6), (out.name, key)
+        wa, wb = (load_file(str(p / "ce_only" / "final" / "model.safetensors")) for p in (full, out))
+        for k in wa:
+            torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=1e-6)

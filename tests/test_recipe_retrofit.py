@@ -291,3 +291,22 @@ def test_checkpoint_recompute_uses_the_step_window():
     # The window matters for these gradients, so a recompute with the spec's window would be caught.
     default = grads(16, checkpointing=False)
     assert any(not torch.allclose(default[n], plain[n], atol=1e-5) for n in plain)
+
+
+def test_missing_data_and_an_output_under_a_file_are_refused_before_the_model_loads(tmp_path, monkeypatch):
+    import recipes.retrofit as retrofit
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the model was loaded before the bad input was refused")
+    monkeypatch.setattr(retrofit, "load_models", loaded)
+    afile = tmp_path / "afile"
+    afile.write_text("not a folder")
+    out = f"output_dir={tmp_path / 'o'}"
+    for argv, match in (([f"output_dir={afile}/x"], "lies under .*afile, which is a file; choose another output_dir"),
+                        ([out, f"dataset={tmp_path}/no.jsonl"], "dataset .*no.jsonl does not exist; check the path"),
+                        ([out, "eval_dataset=./held-out/"], "eval_dataset ./held-out/ does not exist"),
+                        ([out, "teacher=/no/such/model"], "teacher: model path /no/such/model does not exist")):
+        with pytest.raises(ConfigError, match=match) as err:
+            retrofit.main([*TINY, *argv])
+        assert "\n" not in str(err.value)
+    assert sorted(tmp_path.iterdir()) == [afile] and afile.read_text() == "not a folder"

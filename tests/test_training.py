@@ -117,3 +117,135 @@ def test_with_token_weights_a_step_over_masked_micro_batches_is_the_token_mean_o
     for k in want:
         torch.testing.assert_close(weighted[k], want[k], rtol=1e-5, atol=1e-6)
     assert any((plain[k] - want[k]).abs().max() > 1e-4 for k in want)  # the bug this guards against is visible
+
+
+# --------------------------------------------------------------------------------------------
+# The records a run keeps while it runs: metrics.jsonl (one line per step) and loss.png, redrawn at each held-out
+# evaluation, each checkpoint and before a divergence stops the run.
+# --------------------------------------------------------------------------------------------
+
+def _distill(args: list[str], check: bool = True):
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT, child_env
+
+    proc = subprocess.run([sys.executable, "recipes/distill.py", "--config", "recipes/configs/tiny.yaml", *args],
+                          cwd=ROOT, capture_output=True, text=True, env=child_env(), timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"recipe failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def _metrics(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _history(out, step: int) -> list[dict]:
+    return json.loads((out / "checkpoints" / f"step-{step}" / "trainer_state.json").read_text())["history"]
+
+
+def _is_png(path) -> bool:
+    return path.is_file() and path.stat().st_size > 1000 and path.read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.slow
+def test_a_run_writes_one_metrics_line_per_step_matching_the_losses_it_logged(tmp_path):
+    out = tmp_path / "run"
+    _distill([f"output_dir={out}", "max_steps=4", "save_every=2", "eval_every=2"])
+    lines, history = _metrics(out), _history(out, 4)
+    assert [line["step"] for line in lines] == [1, 2, 3, 4] == [h["step"] for h in history]
+    for line, h in zip(lines, history):
+        assert {k: line[k] for k in h} == h  # lr and every loss term, exactly as the run booked them
+        assert line["tokens"] == 2 * 1 * 64  # micro_batch_size × grad_accum × seq_len, one process
+        assert line["step_s"] > 0 and line["tokens_per_s"] == pytest.approx(line["tokens"] / line["step_s"])
+        assert line["time"] > 1.6e9
+    assert {"loss", "kd", "ce", "lr"} <= set(lines[-1])
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["final_loss"] == lines[-1]["loss"]
+    assert _is_png(out / "loss.png") and not list(out.glob(".loss.png.*"))  # no temp name left behind
+
+
+@pytest.mark.slow
+def test_a_run_that_diverges_leaves_its_loss_curve_and_its_metrics(tmp_path):
+    """No checkpoint and no evaluation during the loop: the plot on disk is the one drawn at the divergence."""
+    out = tmp_path / "nan"
+    proc = _distill([f"output_dir={out}", "max_steps=6", "save_every=0", "eval_every=0", "lr=1e30",
+                     "max_grad_norm=0"], check=False)
+    assert proc.returncode != 0 and "loss became" in proc.stderr
+    assert not (out / "summary.json").exists()  # it did stop before the end
+    lines = _metrics(out)
+    *good, bad = lines
+    assert [line["step"] for line in lines] == list(range(1, len(lines) + 1))
+    assert bad["diverged"] is True and bad["loss"] is None  # strict JSON: the non-finite loss as null
+    assert f"at step {bad['step']}" in proc.stderr
+    assert all(isinstance(line["loss"], float) and "diverged" not in line for line in good)
+    assert _is_png(out / "loss.png")
+
+
+@pytest.mark.slow
+def test_a_resumed_run_has_each_step_once_in_its_metrics(tmp_path):
+    """Killed after step 5 with its last checkpoint at step 4: the resume drops the line of step 5 (it runs
+    again), keeps those of steps 1-4 as written, and the file ends with each of steps 1-6 once."""
+    out = tmp_path / "killed"
+    common = [f"output_dir={out}", "max_steps=6", "save_every=2", "eval_every=3"]
+    proc = _distill([*common, "debug_exit_at_step=5"], check=False)
+    assert proc.returncode == 137
+    before = _metrics(out)
+    assert [line["step"] for line in before] == [1, 2, 3, 4, 5]
+    assert _is_png(out / "loss.png")  # drawn mid-run (evaluation at step 3, checkpoints at 2 and 4)
+    with open(out / "metrics.jsonl", "a") as f:  # a kill in the middle of a write
+        f.write('{"step": 6, "lo')
+    _distill([*common, "resume=latest"])
+    after = _metrics(out)
+    assert [line["step"] for line in after] == [1, 2, 3, 4, 5, 6]
+    assert after[:4] == before[:4]  # the checkpoint's steps keep their lines, timings included
+    assert after[4]["time"] > before[4]["time"]  # step 5 is the resumed run's, not the killed one's
+    for line, h in zip(after, _history(out, 6)):
+        assert {k: line[k] for k in h} == h
+
+
+def _bare_run(tmp_path, history=(), max_steps=5):
+    """A :class:`distill.training.Run` on the main process of a fake accelerator (no model, no data)."""
+    cfg = SimpleNamespace(output_dir=str(tmp_path), max_steps=max_steps, tracker="none", log_every=1,
+                          teacher="tiny", resume=None)
+    run = training.Run(cfg, _MainProcess(), tracker_project="test", progress="test")
+    run.state.history = [dict(h) for h in history]
+    run.state.step = len(history)
+    return run
+
+
+def test_a_resume_keeps_the_metrics_of_the_checkpoints_steps_and_drops_those_after_it(tmp_path):
+    history = [{"step": s, "lr": 1e-3, "loss": 4.0 - s / 10} for s in (1, 2, 3, 4)]
+    written = [{**history[0], "time": 1.0}, {**history[1], "time": 2.0},
+               {**history[2], "loss": 9.9, "time": 3.0},  # another run's step 3 (one resumed from an older step)
+               {"step": 5, "lr": 1e-3, "loss": 3.4, "time": 5.0}, {"step": 6, "lr": 1e-3, "loss": None}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(w) + "\n" for w in written) + '{"step": 7, "lo')
+    run = _bare_run(tmp_path, history)
+    run.resume_metrics()
+    # step 4's line was lost (the file's tail never reached the disk): written again from the checkpoint
+    assert _metrics(tmp_path) == [written[0], written[1], history[2], history[3]]
+    _bare_run(tmp_path).resume_metrics()  # a fresh run starts an empty file
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+def test_loss_png_is_redrawn_at_each_evaluation_and_before_a_divergence_stops_the_run(tmp_path, monkeypatch):
+    import distill.plots
+    from core.checkpoint import TrainingDiverged
+
+    drawn = []
+    monkeypatch.setattr(distill.plots, "plot_training", lambda history, evals, path, title="", diverged_at=None:
+                        drawn.append((len(history), len(evals), diverged_at, path.name)))
+    run = _bare_run(tmp_path)
+    run.state.evals.append({"step": 0, "perplexity": 9.0})  # at init: drawn with the first new one
+    run.resume_metrics()
+    with pytest.raises(TrainingDiverged):
+        for step in run.steps():
+            loss = float("nan") if step == 3 else 2.0
+            run.record(step, {"loss": loss, "kd": loss}, 1e-3, tokens=8)
+            if step == 1:
+                run.state.evals.append({"step": 2, "perplexity": 8.0})
+    assert drawn == [(2, 2, None, "loss.png"), (3, 2, 4, "loss.png")]
+    lines = _metrics(tmp_path)
+    assert [(line["step"], line["loss"], line.get("diverged")) for line in lines] == [
+        (1, 2.0, None), (2, 2.0, None), (3, 2.0, None), (4, None, True)]
