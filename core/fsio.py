@@ -11,7 +11,9 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -41,13 +43,14 @@ def fsync_tree(root: str | os.PathLike) -> None:
         fsync_dir(dirpath)
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` to ``path`` so that a reader sees the old file or the whole new one, never a mix."""
+def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -> None:
+    """Call ``write`` on a binary file that becomes ``path`` only once whole: a reader sees the old file or the
+    new one, never a mix, and a failure leaves the old one (e.g. ``lambda f: fig.savefig(f, format="png")``)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
     try:
-        with open(tmp, "w") as f:
-            f.write(text)
+        with open(tmp, "wb") as f:
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -55,6 +58,11 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` with :func:`atomic_write`."""
+    atomic_write(path, lambda f: f.write(text.encode()))
 
 
 def replace_dir(tmp: str | os.PathLike, target: str | os.PathLike) -> Path:

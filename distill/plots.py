@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import uuid
 from pathlib import Path
 
-from core.fsio import fsync_dir
+from core.fsio import atomic_write
 
 # A run plots at every held-out evaluation and checkpoint: above this many steps a series is drawn as the mean of
 # equal buckets inside the band of their minimum and maximum (what a line of every point paints at the figure's
@@ -86,15 +84,4 @@ def plot_training(history: list[dict], evals: list[dict], path: str | Path, titl
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            fig.savefig(f, format="png", dpi=100)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=100))

@@ -45,6 +45,7 @@ import torch
 
 import attention
 from core.config import ConfigError, check_output_dir
+from core.fsio import atomic_write_text
 from core.models import (
     ModelSourceError,
     cache_kwargs,
@@ -375,9 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        tmp = out / ".longctx.json.tmp"
-        tmp.write_text(json.dumps(result, indent=1))
-        tmp.replace(out / "longctx.json")
+        atomic_write_text(out / "longctx.json", json.dumps(result, indent=1))
         plot_heatmap(result, out / "longctx.png", f"{args.model} ({attn})")
         print(f"wrote {out / 'longctx.json'} and {out / 'longctx.png'}")
     summary = {k: result[k] for k in ("model", "attention", "accuracy", "lengths", "trials", "kinds",

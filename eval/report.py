@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import uuid
 from pathlib import Path
 
-from core.fsio import atomic_write_text, fsync_dir
+from core.fsio import atomic_write, atomic_write_text
 
 
 def _fmt(x: float | None, digits: int = 4) -> str:
@@ -40,17 +38,10 @@ def histogram(path: Path, candidate: list[float], baseline: list[float], floor: 
     ax.set_title(title)
     ax.legend()
     fig.tight_layout()
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")  # whole or absent, as the text files
     try:
-        fig.savefig(tmp, dpi=110, format="png")
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        atomic_write(path, lambda f: fig.savefig(f, dpi=110, format="png"))  # whole or absent, as the text files
     finally:
         plt.close(fig)
-        tmp.unlink(missing_ok=True)
-    fsync_dir(path.parent)
 
 
 def write_samples(path: Path, samples: list[dict]) -> None:
