@@ -564,18 +564,25 @@ def _chat_jsonl(path, n: int) -> str:
     return str(path)
 
 
+def _masked_case(n: int, seed: int, spans: list[tuple[int, int]]):
+    """A tiny teacher, a student cut from it, ``n`` blocks of 20 tokens and a completion mask: block i's targets are
+    positions ``spans[i]`` (blocks past the spans have none)."""
+    teacher = tiny_model("llama", layers=3).requires_grad_(False)
+    student = prune_to(teacher, importance(teacher, _blocks(), progress=False), Arch(2, 64, 2, 2, 64))
+    ids = _blocks(n, seq=20, seed=seed)
+    mask = torch.zeros_like(ids, dtype=torch.bool)
+    for row, (start, end) in enumerate(spans):
+        mask[row, start:end] = True
+    return teacher, student, ids, mask
+
+
 def test_heldout_counts_only_completion_targets():
     """With a loss mask, held-out KL / perplexity / agreement are the naive sums over the masked-in targets only."""
     import math
 
     from distill.prune import HeldOut
 
-    teacher = tiny_model("llama", layers=3).requires_grad_(False)
-    student = prune_to(teacher, importance(teacher, _blocks(), progress=False), Arch(2, 64, 2, 2, 64))
-    ids = _blocks(3, seq=20, seed=5)
-    mask = torch.zeros_like(ids, dtype=torch.bool)
-    mask[0, 8:] = True
-    mask[1, 3:12] = True  # block 2: prompt only, no target
+    teacher, student, ids, mask = _masked_case(3, 5, [(8, 20), (3, 12)])  # block 2: prompt only, no target
     got = HeldOut(teacher, ids, batch_size=2, mask=mask).stats(student)
     with torch.no_grad():  # naive reference: position t counts when its label t+1 is a target
         ls, lt = (m(input_ids=ids).logits[:, :-1].float() for m in (student, teacher))
@@ -603,12 +610,7 @@ def test_short_distill_trains_only_on_masked_in_targets():
     from distill.config import DistillConfig
     from distill.prune import short_distill
 
-    teacher = tiny_model("llama", layers=3).requires_grad_(False)
-    base = prune_to(teacher, importance(teacher, _blocks(), progress=False), Arch(2, 64, 2, 2, 64))
-    ids = _blocks(2, seq=20, seed=7)
-    mask = torch.zeros_like(ids, dtype=torch.bool)
-    mask[0, 10:] = True
-    mask[1, 4:9] = True
+    teacher, base, ids, mask = _masked_case(2, 7, [(10, 20), (4, 9)])
 
     def params(m):
         return {k: v.detach().clone() for k, v in m.named_parameters()}
