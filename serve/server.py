@@ -6,7 +6,9 @@
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``"stream": true`` gives server-sent
 events: one event per generated token, a final event with ``finish_reason``, with ``"stream_options":
 {"include_usage": true}`` one more with ``"choices": []`` and ``usage``, then ``data: [DONE]``),
-``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text).
+``GET /v1/models``, ``GET /v1/models/{model}``, ``GET /health``, ``GET /metrics`` (Prometheus text). A
+generation that fails inside the engine gets 500 ``generation_failed``; when streaming, an error event
+``{"error": {...}}`` then ``[DONE]`` (never a finish chunk, so a client cannot take the cut text as whole).
 
 Why Starlette + uvicorn: the whole server is a handful of routes and one streaming response, so a thin
 ASGI toolkit is enough; Starlette is the maintained core FastAPI itself is built on, its
@@ -18,7 +20,14 @@ either. Each HTTP connection gets ``TCP_NODELAY`` so a small SSE event leaves at
 for Nagle's algorithm to batch it with the next.
 
 Every request field is checked at the boundary: a bad one gets 400 with an OpenAI-style body
-``{"error": {"message", "type", "param", "code"}}`` before anything reaches the engine. Limits: bodies
+``{"error": {"message", "type", "param", "code"}}`` before anything reaches the engine. Fields are an
+allowlist per endpoint (``IMPLEMENTED``, ``NEUTRAL``, ``IGNORED``): an unknown field, or an OpenAI field this
+server does not implement (``logprobs``, penalties, ``tools``, ``tool_choice`` ``"required"``, ``audio``,
+``modalities`` beyond ``["text"]``, ``prediction``, ...) at anything but its neutral value gets 400 naming it
+(code ``unsupported``). Accepted and ignored, because none can change the output: ``user``, ``metadata``,
+``store``, ``service_tier``, ``parallel_tool_calls``, ``safety_identifier``, ``prompt_cache_key``. Chat
+messages: ``developer`` is templated as ``system``; a message ``name`` gets 400. ``max_tokens`` and
+``max_completion_tokens`` may both be sent only with one value. Limits: bodies
 over ``--max-body-bytes`` get 413, a body that does not arrive within ``--body-timeout`` 408 (a request
 head that does not: the connection is closed), a request not finished within ``--request-timeout`` 504
 (an error event when streaming). A client that disconnects cancels its request, streaming or not. With ``--api-key`` (or ``HYBRID_DISTILL_API_KEY``) every route but
@@ -146,13 +155,29 @@ _UINT64_MAX = 2**64 - 1
 _INT32_MAX = 2**31 - 1
 MAX_STOP_CHARS = 512
 ROLES = ("system", "developer", "user", "assistant", "tool")
-# OpenAI fields we do not implement: accepted only at their neutral value, so a client that relies on
-# one hears about it instead of silently getting something else.
-UNSUPPORTED = {
-    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
-    "logit_bias": ({},), "logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,), "best_of": (1,),
-    "suffix": ("",), "tools": ([],), "functions": ([],), "response_format": ({"type": "text"},),
+# Every request field this server knows, per endpoint; any other field gets 400, as OpenAI's own API does, so
+# a client that relies on one hears about it instead of silently getting something else.
+# Implemented (each checked in check_common, _sampling, _completion_prompt or _chat_messages); top_k and
+# ignore_eos are extensions (vLLM's names).
+IMPLEMENTED = ("model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+               "top_k", "n", "seed", "stop", "ignore_eos")
+# Accepted and ignored: none of them can change what is generated.
+IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "safety_identifier",
+           "prompt_cache_key")
+# Not implemented: accepted only when null or at the neutral value listed (an empty tuple: only null).
+_NEUTRAL_COMMON = {
+    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0), "logit_bias": ({},),
 }
+NEUTRAL = {
+    # Completions: logprobs is a count there, and 0 asks for the sampled token's logprob.
+    "completions": {**_NEUTRAL_COMMON, "logprobs": (), "echo": (False,), "best_of": (1,), "suffix": ("",)},
+    "chat": {**_NEUTRAL_COMMON, "logprobs": (False,), "top_logprobs": (0,), "tools": ([],), "functions": ([],),
+             "tool_choice": ("none", "auto"), "function_call": ("none", "auto"), "modalities": (["text"],),
+             "response_format": ({"type": "text"},), "audio": (), "prediction": (), "web_search_options": (),
+             "reasoning_effort": (), "verbosity": ()},
+}
+KNOWN = {"completions": frozenset(("prompt",) + IMPLEMENTED + IGNORED) | NEUTRAL["completions"].keys(),
+         "chat": frozenset(("messages",) + IMPLEMENTED + IGNORED) | NEUTRAL["chat"].keys()}
 
 
 def _type_name(v: Any) -> str:
@@ -197,8 +222,14 @@ def _number(body: dict[str, Any], key: str, default: float, lo: float, hi: float
     return v
 
 
-def _check_unsupported(body: dict[str, Any]) -> None:
-    for key, neutral in UNSUPPORTED.items():
+def _check_fields(body: dict[str, Any], endpoint: str) -> None:
+    """Refuse a field this server does not know, or an unimplemented one at a value other than its neutral one."""
+    for key in body:
+        if key not in KNOWN[endpoint]:
+            path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+            raise BadRequest(f"unrecognized request field '{key[:100]}' for {path}; this server does not implement "
+                             "it, leave it out", key[:100], "unsupported")
+    for key, neutral in NEUTRAL[endpoint].items():
         v = body.get(key)
         if v is not None and not any(type(v) is type(n) and v == n for n in neutral):
             raise BadRequest(f"'{key}' is not supported by this server; leave it out", key, "unsupported")
@@ -211,6 +242,10 @@ def _sampling(body: dict[str, Any], n_prompt: int, max_seq_len: int, default_max
         raise BadRequest(f"the prompt has {n_prompt} tokens but the model context is {max_seq_len}; "
                          "shorten the prompt", "messages" if "messages" in body else "prompt", "context_length_exceeded")
     key = "max_tokens" if body.get("max_tokens") is not None else "max_completion_tokens"
+    both = body.get("max_tokens"), body.get("max_completion_tokens")
+    if None not in both and not (type(both[0]) is type(both[1]) and both[0] == both[1]):
+        raise BadRequest("'max_tokens' and 'max_completion_tokens' are both set and differ; send one of them",
+                         "max_completion_tokens")
     max_tokens = _int(body, key, None, 1, room, f" for this prompt of {n_prompt} tokens (context {max_seq_len})")
     if max_tokens is None:
         max_tokens = min(default_max or room, room)
@@ -253,7 +288,12 @@ def _completion_prompt(body: dict[str, Any], vocab: int) -> str | list[int]:
 
 
 def _chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
-    """``messages`` as ``[{role, content}]`` with string content (text parts joined by newlines)."""
+    """``messages`` as ``[{role, content}]`` with string content (text parts joined by newlines).
+
+    ``developer`` is OpenAI's newer name for ``system``: it reaches the chat template as ``system`` (templates
+    know only that one, and some add a default system prompt when they do not see it). A message ``name`` is
+    refused: the template would drop it, yet it is part of what the client asked the model to read.
+    """
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list of {role, content} objects", "messages")
@@ -265,6 +305,9 @@ def _chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
         role, content = m.get("role"), m.get("content")
         if role not in ROLES:
             raise BadRequest(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", where + ".role")
+        if m.get("name") is not None:
+            raise BadRequest(f"{where}.name is not supported by this server (the chat template cannot show it); "
+                             "leave it out or put the name in the content", where + ".name", "unsupported")
         if isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
@@ -280,7 +323,7 @@ def _chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
         if not isinstance(content, str):
             raise BadRequest(f"{where}.content must be a string or a list of text parts, got {_type_name(content)}",
                              where + ".content", "invalid_type")
-        out.append({"role": role, "content": content})
+        out.append({"role": "system" if role == "developer" else role, "content": content})
     return out
 
 
@@ -386,6 +429,7 @@ class OpenAIRoutes:
         self.engine, self.aengine = engine, aengine
         self.request_log = request_log
         self.model_name = model_name
+        self.started = int(time.time())  # /v1/models' "created"
         self.max_body_bytes, self.request_timeout, self.body_timeout = max_body_bytes, request_timeout, body_timeout
         self.vocab = engine.model.config.vocab_size
         # One worker: tokenizing off the event loop keeps /health and streams responsive during a huge
@@ -428,7 +472,8 @@ class OpenAIRoutes:
             raise BadRequest("the body must be a JSON object", None, "invalid_json")
         return body
 
-    def check_common(self, body: dict[str, Any]) -> None:
+    def check_common(self, body: dict[str, Any], chat: bool) -> None:
+        _check_fields(body, "chat" if chat else "completions")
         _bool(body, "stream", False)
         name = body.get("model")
         if name is not None and not isinstance(name, str):
@@ -447,7 +492,6 @@ class OpenAIRoutes:
             if include is not None and not isinstance(include, bool):
                 raise BadRequest(f"'stream_options.include_usage' must be a boolean, got {_type_name(include)}",
                                  "stream_options.include_usage", "invalid_type")
-        _check_unsupported(body)
 
     async def tokenize(self, body: dict[str, Any], chat: bool) -> list[int]:
         loop = asyncio.get_running_loop()
@@ -477,7 +521,7 @@ class OpenAIRoutes:
         deadline = asyncio.get_running_loop().time() + self.request_timeout
         try:
             body = await self.read_json(request)
-            self.check_common(body)
+            self.check_common(body, chat)
             prompt_ids = await self.tokenize(body, chat)
             try:
                 params = _sampling(body, len(prompt_ids), self.engine.max_seq_len, None if chat else 16)
@@ -514,15 +558,25 @@ class OpenAIRoutes:
     async def metrics(self, _: HTTPRequest) -> Response:
         return PlainTextResponse(self.aengine.metrics.render(), media_type="text/plain; version=0.0.4")
 
+    def model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self.started, "owned_by": "hybrid-distill"}
+
     async def models(self, _: HTTPRequest) -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model",
-                                                          "owned_by": "hybrid-distill"}]})
+        return JSONResponse({"object": "list", "data": [self.model_card()]})
+
+    async def model(self, request: HTTPRequest) -> Response:
+        name = request.path_params["model"]
+        if name != self.model_name:
+            return APIError(404, f"model '{name[:100]}' is not served here; this server serves '{self.model_name}' "
+                            "(GET /v1/models)", param="model", code="model_not_found").response()
+        return JSONResponse(self.model_card())
 
     def routes(self) -> list[Route]:
         return [
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.model, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
         ]
@@ -542,6 +596,8 @@ class _Reply:
         self.timeout_error = APIError(504, f"the request did not finish within {api.request_timeout:g} s (server "
                                       "flag --request-timeout); lower max_tokens or retry later",
                                       type="timeout_error", code="request_timeout")
+        self.generation_error = APIError(500, "generation failed for this request; see the server log",
+                                         type="server_error", code="generation_failed")
 
     def log(self) -> None:
         """Append this request's timings to the server's request log, if it keeps one (serve.metrics.RequestLog)."""
@@ -565,7 +621,7 @@ class _Reply:
             delta: dict[str, str] = {"content": text}
             if first:
                 delta["role"] = "assistant"
-            return {"index": 0, "delta": delta, "finish_reason": finish}
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
 
     async def next_event(self) -> tuple[str, int | None, str | None] | None:
@@ -595,6 +651,10 @@ class _Reply:
                         yield "data: [DONE]\n\n"
                         return
                     delta, _token, finish = event
+                    if finish == "error":  # as the non-streaming 500: an error event, never a normal-looking finish
+                        yield f"data: {json.dumps(self.generation_error.payload())}\n\n"
+                        yield "data: [DONE]\n\n"
+                        return
                     chunk = {**head, "choices": [self.choice(delta, finish, first)]}
                     if include_usage:
                         chunk["usage"] = None
@@ -640,13 +700,13 @@ class _Reply:
         if finish == "cancelled":  # only a disconnected client cancels a non-streaming request
             return Response(status_code=499)
         if finish == "error":
-            return APIError(500, "generation failed for this request; see the server log", type="server_error",
-                            code="generation_failed").response()
+            return self.generation_error.response()
         text = "".join(parts)
-        msg = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text, "logprobs": None}
+        msg = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
         return JSONResponse({"id": self.rid, "object": self.obj, "created": self.created,
                              "model": self.api.model_name,
-                             "choices": [{"index": 0, **msg, "finish_reason": finish}], "usage": self.usage()})
+                             "choices": [{"index": 0, **msg, "logprobs": None, "finish_reason": finish}],
+                             "usage": self.usage()})
 
 
 async def _http_error(_: HTTPRequest, exc: Exception) -> Response:

@@ -513,3 +513,87 @@ def test_help_shows_each_default_once(capsys, entry, flag, default):
     assert f"(default: {default})" in entries[flag]
     for name, text in entries.items():
         assert text.count("default") <= 1 and "(default: None)" not in text, name
+
+
+# OpenAI fields that change the output but are not implemented, and per-endpoint meanings: each refused with
+# 400 naming it, never dropped silently. (path, body, param)
+REFUSED = [
+    ("completions-logprobs-0", C, {**OK, "logprobs": 0}, "logprobs"),  # 0 = the sampled token's logprob
+    ("chat-logprobs-0", CHAT, {"messages": MSG, "logprobs": 0}, "logprobs"),  # a boolean there
+    ("chat-logprobs-true", CHAT, {"messages": MSG, "logprobs": True}, "logprobs"),
+    ("chat-modalities-audio", CHAT, {"messages": MSG, "modalities": ["text", "audio"]}, "modalities"),
+    ("chat-audio", CHAT, {"messages": MSG, "audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ("chat-prediction", CHAT, {"messages": MSG, "prediction": {"type": "content", "content": "hi"}}, "prediction"),
+    ("chat-web-search", CHAT, {"messages": MSG, "web_search_options": {}}, "web_search_options"),
+    ("chat-tool-choice-required", CHAT, {"messages": MSG, "tool_choice": "required"}, "tool_choice"),
+    ("chat-tool-choice-named", CHAT, {"messages": MSG, "tool_choice": {"type": "function", "function": {
+        "name": "f"}}}, "tool_choice"),
+    ("chat-reasoning-effort", CHAT, {"messages": MSG, "reasoning_effort": "low"}, "reasoning_effort"),
+    ("unknown-field", C, {**OK, "min_p": 0.1}, "min_p"),
+    ("chat-field-on-completions", C, {**OK, "top_logprobs": 2}, "top_logprobs"),
+    ("completions-field-on-chat", CHAT, {"messages": MSG, "echo": False}, "echo"),
+    ("message-name", CHAT, {"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, "messages[0].name"),
+    ("both-max-tokens-differ", C, {**OK, "max_tokens": 3, "max_completion_tokens": 10}, "max_completion_tokens"),
+    ("chat-both-max-tokens-differ", CHAT, {"messages": MSG, "max_tokens": 3, "max_completion_tokens": 4},
+     "max_completion_tokens"),
+]
+
+
+@pytest.mark.parametrize("name, path, body, param", REFUSED, ids=[c[0] for c in REFUSED])
+def test_fields_that_would_change_the_output_are_refused(client, name, path, body, param):
+    r = client.post(path, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["type"], err["param"]) == ("invalid_request_error", param)
+    assert err["code"] == ("invalid_value" if "max-tokens" in name else "unsupported")
+    assert param.split(".")[-1] in err["message"]
+
+
+# Neutral values, and fields that cannot change the output: accepted. (path, body)
+ACCEPTED = [
+    ("chat-logprobs-false", CHAT, {"logprobs": False, "top_logprobs": 0}),
+    ("chat-logprobs-null", CHAT, {"logprobs": None}),
+    ("completions-logprobs-null", C, {"logprobs": None}),
+    ("chat-modalities-text", CHAT, {"modalities": ["text"]}),
+    ("chat-tool-choice-none", CHAT, {"tool_choice": "none", "tools": []}),
+    ("chat-tool-choice-auto", CHAT, {"tool_choice": "auto"}),
+    ("chat-harmless", CHAT, {"user": "u1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto",
+                             "parallel_tool_calls": True}),
+    ("completions-user", C, {"user": "u1"}),
+    ("both-max-tokens-equal", C, {"max_tokens": 3, "max_completion_tokens": 3}),
+    ("message-name-null", CHAT, {"messages": [{"role": "user", "content": "hi", "name": None}]}),
+]
+
+
+@pytest.mark.parametrize("name, path, extra", ACCEPTED, ids=[c[0] for c in ACCEPTED])
+def test_neutral_and_harmless_fields_are_accepted(client, name, path, extra):
+    base = OK if path == C else {"messages": MSG, "max_tokens": 3, "temperature": 0}
+    r = client.post(path, json={**base, **extra})
+    assert r.status_code == 200, r.text
+
+
+def test_developer_role_is_templated_as_system(model_dir):
+    """OpenAI's ``developer`` is the ``system`` role renamed: the template must see ``system``."""
+    engine = Engine(model_dir, max_batch=1, max_seq_len=128)
+    seen: list[list[int]] = []
+    encode = engine.encode
+    engine.encode = lambda *a: seen.append(encode(*a)) or seen[-1]
+    with ServerThread(create_app(engine, model_name="tiny")) as srv, httpx.Client(base_url=srv.url, timeout=60) as c:
+        answers = [c.post(CHAT, json={"messages": [{"role": role, "content": "be terse"}, *MSG], "max_tokens": 4,
+                                      "temperature": 0}) for role in ("developer", "system")]
+    assert [r.status_code for r in answers] == [200, 200]
+    assert len(seen) == 2 and seen[0] == seen[1]
+    text = engine.tokenizer.decode(seen[0])
+    assert "system" in text and "developer" not in text
+    assert answers[0].json()["choices"][0]["message"] == answers[1].json()["choices"][0]["message"]
+
+
+def test_retrieving_a_model(client):
+    card = client.get("/v1/models/tiny")
+    assert card.status_code == 200, card.text
+    assert card.json() == client.get("/v1/models").json()["data"][0]
+    r = client.get("/v1/models/gpt-4")
+    assert r.status_code == 404
+    err = r.json()["error"]
+    assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", "model", "model_not_found")
+    assert client.get("/v1/models/tiny", headers={"Authorization": ""}).status_code == 401

@@ -129,3 +129,29 @@ def test_server_answers_500_for_the_failing_request_only(tmp_path, monkeypatch):
 def test_engine_without_a_row_is_refused():
     with pytest.raises(ValueError, match="max_batch must be >= 1"):
         Engine(model=tiny_model("qwen2"), tokenizer=tiny_tokenizer(), max_batch=0)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_failed_streamed_generation_ends_with_an_error_event(tmp_path, monkeypatch, path):
+    """Not a finish chunk (``"error"`` is no OpenAI finish reason: a client would take the cut text as whole)."""
+    import json
+
+    engine = Engine(save_tiny(tmp_path, arch="qwen2"), max_batch=2, max_seq_len=256)
+    monkeypatch.setattr(serve.engine, "sample", poisoned_sampler(3))
+    body = {"max_tokens": 12, "temperature": 1.0, "seed": POISON_SEED, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True},
+            **({"prompt": "the lazy dog"} if "chat" not in path else {"messages": [{"role": "user", "content": "hi"}]})}
+    with ServerThread(create_app(engine, model_name="tiny")) as srv, \
+            httpx.Client(base_url=srv.url, timeout=60) as c:
+        with c.stream("POST", path, json=body) as r:
+            lines = [line[len("data: "):] for line in r.iter_lines() if line]
+        assert lines[-1] == "[DONE]"
+        events = [json.loads(e) for e in lines[:-1]]
+        *chunks, last = events
+        assert last == {"error": {"message": last["error"]["message"], "type": "server_error", "param": None,
+                                  "code": "generation_failed"}}
+        assert chunks and all(ch["choices"][0]["finish_reason"] is None for ch in chunks)
+        assert c.get("/health").json()["active"] == 0
+        # The server still serves: the sampler fails only the poisoned request's third call.
+        ok = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "temperature": 0})
+        assert ok.status_code == 200

@@ -306,3 +306,27 @@ def test_full_gc_pauses_are_timed_and_exposed():
         m.unwatch_gc()
     gc.collect()
     assert m.gc_pause.count == 2 and m._on_gc not in gc.callbacks
+
+
+def test_models_carry_created_and_can_be_retrieved(client):
+    listed = client.get("/v1/models").json()["data"]
+    assert len(listed) == 1
+    card = listed[0]
+    assert set(card) == {"id", "object", "created", "owned_by"}
+    assert isinstance(card["created"], int) and 0 < card["created"] <= time.time()
+    assert client.get("/v1/models/tiny").json() == card
+    missing = client.get("/v1/models/other")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_chat_choices_carry_null_logprobs(client):
+    """As OpenAI's: every chat choice, whole or streamed, has ``"logprobs": null``."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0}
+    choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert list(choice) == ["index", "message", "logprobs", "finish_reason"] and choice["logprobs"] is None
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        chunks = sse_events(r.iter_lines())[:-1]
+    assert chunks and all(list(c["choices"][0]) == ["index", "delta", "logprobs", "finish_reason"]
+                          and c["choices"][0]["logprobs"] is None for c in chunks)
+    text = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3}).json()["choices"][0]
+    assert list(text) == ["index", "text", "logprobs", "finish_reason"]
