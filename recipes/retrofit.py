@@ -16,15 +16,29 @@ Reads top to bottom: config → data → models → loop → save.
 * At the end LoRA is merged (``merge_and_unload``) and ``final/`` is a plain HF directory whose
   config.json carries the hybrid spec: ``attention.load(dir)`` serves it hybrid, plain
   ``AutoModelForCausalLM.from_pretrained(dir)`` loads it dense.
+* The closing evaluation (held-out perplexity and agreement of the merged model, the pass-key check of
+  it and of the dense model) is cached: each measurement's numbers go to a small JSON keyed by a hash of
+  the measured model as it computes (every state-dict tensor plus its config, so the hybrid spec and head
+  roles) and of every setting that changes the result (held-out blocks, lengths, depths, trials, seed,
+  batch size, tokenizer, precision, device, threads, torch/transformers and the eval code). The merged
+  model's entries live in ``output_dir/eval_cache/``, so a run killed during the evaluation and resumed
+  (``resume=latest``) measures only what is missing; the dense model's pass-key result, the same for every
+  run on the same teacher and settings, lives in ``eval_cache_dir`` (default ``$HYBRID_DISTILL_CACHE/eval``,
+  beside the prepared data), shared across runs. A used entry is logged in one line; a changed model or
+  setting has another key and is measured again. Delete a folder to force a fresh measurement.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
+import importlib
+import json
 import math
 import sys
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +50,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
-from accelerate.utils import set_seed
+from accelerate.utils import broadcast_object_list, set_seed
 
 import attention
 from attention.errors import HybridAttentionError
@@ -44,10 +58,12 @@ from attention.gates import CONTEXTS as GATE_CONTEXTS
 from attention.spec import CONFIG_KEY, HybridAttentionConfig
 from core import checkpoint as ckpt
 from core.config import ConfigError, check_fields, field, run_cli
-from core.models import ModelSourceError, enable_checkpointing, load_causal_lm
+from core.fsio import atomic_write_text
+from core.models import ModelSourceError, cache_root, enable_checkpointing, load_causal_lm
 from core.tiny import TINY, tiny_teacher
 from distill.config import check_sources
 from distill.data import BUILTIN, build_data, parse_sources, steps_for_tokens
+from distill.data.text import tokenizer_fingerprint
 from distill.model import KD_KINDS, DistillModel, LossConfig
 from distill.sources import load_recipe_tokenizer
 from distill.training import (
@@ -63,6 +79,7 @@ from distill.training import (
     train_step,
     warmup_cosine,
 )
+from eval.fingerprint import json_hash
 from eval.longctx import INTERIOR_DEPTHS, LongCtxError, check_prompt_fits, plot_heatmap, run_longctx
 
 logger = get_logger(__name__)
@@ -72,7 +89,7 @@ logger = get_logger(__name__)
 # max_steps may only grow. Anything else would make the finished model match neither config.
 RESUME_SAFE = ("eval_every", "log_every", "save_every", "keep_checkpoints", "tracker", "output_dir", "resume",
                "overwrite", "debug_exit_at_step", "gate", "gate_prompts", "gradient_checkpointing", "threads",
-               "longctx_lengths", "longctx_trials", "longctx_depths")
+               "longctx_lengths", "longctx_trials", "longctx_depths", "eval_cache_dir")
 ATTN_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJ = ("gate_proj", "up_proj", "down_proj")
 
@@ -150,6 +167,10 @@ class RetrofitConfig:
                                         help="needle depths of that check: interior ones, since a needle at 0 "
                                         "sits in the sink tokens and one at 1 in the window, where every head "
                                         "sees it (and this demo model echoes \"the pass key\" at depth 1 even dense)")
+    eval_cache_dir: str | None = field(None, help="where the dense model's closing pass-key result is cached, shared "
+                                      "across runs (keyed by its weights and the check's settings); default "
+                                      "$HYBRID_DISTILL_CACHE/eval. The final model's results go to "
+                                      "output_dir/eval_cache")
     # loop
     max_steps: int = field(30, ge=1, help="optimizer steps")
     micro_batch_size: int = field(1, ge=1, help="blocks per forward on each process")
@@ -426,16 +447,24 @@ def training_function(cfg: RetrofitConfig, accelerator: Accelerator) -> dict:
         run.maybe_exit(step)
 
     # ---- merge, save, measure what was saved ---------------------------------------------
-    merged = peft_model.merge_and_unload()  # same module objects: folds LoRA into the base weights
+    merged, prints = merge_and_save(cfg, accelerator, peft_model, teacher, tokenizer)
+    summary = measure_and_summarize(cfg, accelerator, run, merged, teacher, heldout, spec,
+                                    global_batch=global_batch, trainable=trainable, prints=prints)
+    if cfg.longctx_lengths and accelerator.is_main_process:  # retrieval, which perplexity does not show
+        summary["longctx"] = retrieval_check(cfg, merged, teacher, tokenizer, prints=prints, log=run.write)
+    run.write_records(summary, title=f"{cfg.teacher}: hybrid retrofit ({Path(cfg.output_dir).name})")
+    return summary
+
+
+def merge_and_save(cfg: RetrofitConfig, accelerator: Accelerator, peft_model, teacher, tokenizer) -> tuple:
+    """``(merged, prints)``: LoRA folded into the base weights (the same module objects), saved to ``final/``, and
+    the fingerprints of the merged and dense models, hashed once for the closing evaluation's cache keys (under a
+    second each at 135M)."""
+    merged = peft_model.merge_and_unload()
     merged.config.use_cache = True
     save_hf_dir(accelerator, merged, tokenizer, Path(cfg.output_dir) / "final")
     merged.config.use_cache = False
-    summary = measure_and_summarize(cfg, accelerator, run, merged, teacher, heldout, spec,
-                                    global_batch=global_batch, trainable=trainable)
-    if cfg.longctx_lengths and accelerator.is_main_process:  # retrieval, which perplexity does not show
-        summary["longctx"] = retrieval_check(cfg, merged, teacher, tokenizer)
-    run.write_records(summary, title=f"{cfg.teacher}: hybrid retrofit ({Path(cfg.output_dir).name})")
-    return summary
+    return merged, {"merged": model_fingerprint(merged), "dense": model_fingerprint(teacher)}
 
 
 def choose_head_roles(cfg: RetrofitConfig, model, teacher, tokenizer, spec: HybridAttentionConfig, train_blocks,
@@ -504,12 +533,27 @@ def initial_perplexity(cfg: RetrofitConfig, accelerator: Accelerator, run: Run, 
     return init
 
 
-def measure_and_summarize(cfg: RetrofitConfig, accelerator: Accelerator, run: Run, merged, teacher,
-                          heldout: dict[int, torch.Tensor], spec: HybridAttentionConfig, *, global_batch: int,
-                          trainable: int) -> dict:
-    """Held-out perplexity of the merged model (what was saved) at every length, and the summary."""
-    state = run.state
-    dense_ppl = state.init["dense"][str(cfg.seq_len)]
+def closing_heldout(cfg: RetrofitConfig, accelerator: Accelerator, merged, teacher,
+                    heldout: dict[int, torch.Tensor], *, prints: dict[str, str] | None = None,
+                    log: Callable[[str], None] = print) -> dict:
+    """``{"perplexity": {length: ppl}, "top1_agreement", "kl"}`` of the merged model on the held-out blocks
+    (agreement and KL to the dense model at seq_len); cached in ``output_dir/eval_cache`` (see the module doc).
+
+    Every process takes the main process's cache decision: a hit skips the (collective) evaluation everywhere.
+    """
+    prints = prints or {"merged": model_fingerprint(merged), "dense": model_fingerprint(teacher)}
+    settings = {
+        "measurement": "heldout", "model": prints["merged"], "reference": prints["dense"],
+        "blocks": {str(n): _tensor_hash(b) for n, b in sorted(heldout.items())}, "reference_at": cfg.seq_len,
+        "micro_batch_size": cfg.micro_batch_size, "num_processes": accelerator.num_processes,
+        "mixed_precision": accelerator.mixed_precision, **_machine(accelerator.device),
+        "code": _source_hash("eval.metrics"),
+    }
+    folder = Path(cfg.output_dir) / EVAL_CACHE
+    hit = [cache_lookup(folder, "heldout", settings, log) if accelerator.is_main_process else None]
+    hit = broadcast_object_list(hit)[0]
+    if hit is not None:
+        return hit
     after, agreement = {}, None
     for length, blocks in sorted(heldout.items()):
         s, _ = evaluate(accelerator, merged, blocks, cfg.micro_batch_size,
@@ -517,6 +561,20 @@ def measure_and_summarize(cfg: RetrofitConfig, accelerator: Accelerator, run: Ru
         after[str(length)] = s.perplexity
         if length == cfg.seq_len:
             agreement = s
+    result = {"perplexity": after, "top1_agreement": agreement.top1_agreement, "kl": agreement.kl}
+    if accelerator.is_main_process:
+        cache_store(folder, "heldout", settings, result, log)
+    return result
+
+
+def measure_and_summarize(cfg: RetrofitConfig, accelerator: Accelerator, run: Run, merged, teacher,
+                          heldout: dict[int, torch.Tensor], spec: HybridAttentionConfig, *, global_batch: int,
+                          trainable: int, prints: dict[str, str] | None = None) -> dict:
+    """Held-out perplexity of the merged model (what was saved) at every length, and the summary."""
+    state = run.state
+    dense_ppl = state.init["dense"][str(cfg.seq_len)]
+    closing = closing_heldout(cfg, accelerator, merged, teacher, heldout, prints=prints, log=run.write)
+    after = closing["perplexity"]
     state.evals.append({"step": cfg.max_steps, "perplexity": after[str(cfg.seq_len)], "teacher_perplexity": dense_ppl})
 
     def table(length: int) -> dict[str, float]:
@@ -537,8 +595,8 @@ def measure_and_summarize(cfg: RetrofitConfig, accelerator: Accelerator, run: Ru
         "hybrid_before_ppl": state.init["hybrid_before"][key],
         "hybrid_after_ppl": after[key],
         "perplexity": {str(n): table(n) for n in sorted(heldout)},
-        "top1_agreement": agreement.top1_agreement,
-        "kl_to_dense": agreement.kl,
+        "top1_agreement": closing["top1_agreement"],
+        "kl_to_dense": closing["kl"],
         "hybrid_attention": spec.to_dict(),
         "lora": {"r": cfg.lora_r, "alpha": cfg.lora_alpha, "mlp": cfg.lora_mlp, "norms": cfg.train_norms,
                  "embeddings": cfg.train_embeddings},
@@ -565,19 +623,124 @@ def check_longctx(cfg: RetrofitConfig, model: torch.nn.Module, tokenizer) -> Non
         raise ConfigError(f"longctx_lengths: {err}") from None
 
 
-def retrieval_check(cfg: RetrofitConfig, merged, teacher, tokenizer) -> dict:
-    """Pass-key accuracy per length of the final (hybrid) model and the dense one; heatmap to longctx.png."""
+def retrieval_check(cfg: RetrofitConfig, merged, teacher, tokenizer, *, prints: dict[str, str] | None = None,
+                    log: Callable[[str], None] = print) -> dict:
+    """Pass-key accuracy per length of the final (hybrid) model and the dense one; heatmap to longctx.png.
+
+    Each model's result is cached (see the module doc): the hybrid one in ``output_dir/eval_cache``, the dense
+    one in :func:`dense_cache_dir`, shared across runs.
+    """
     out = {}
     for name, model in (("hybrid", merged), ("dense", teacher)):
-        result = run_longctx(model, tokenizer, lengths=cfg.longctx_lengths, depths=cfg.longctx_depths,
-                             trials=cfg.longctx_trials,
-                             kinds=("passkey",), seed=cfg.seed, device=str(next(model.parameters()).device))
+        device = str(next(model.parameters()).device)
+        fingerprint = (prints or {}).get("merged" if name == "hybrid" else "dense") or model_fingerprint(model)
+        settings = {
+            "measurement": "passkey", "model": fingerprint, "hybrid": getattr(model.config, CONFIG_KEY, None),
+            "lengths": list(cfg.longctx_lengths), "depths": list(cfg.longctx_depths), "trials": cfg.longctx_trials,
+            "seed": cfg.seed, "kinds": ["passkey"], "scoring": "exact", "tokenizer": tokenizer_fingerprint(tokenizer),
+            "bos": tokenizer.bos_token_id, "dtype": str(next(model.parameters()).dtype), **_machine(device),
+            "code": _source_hash("eval.longctx"),
+        }
+        folder = Path(cfg.output_dir) / EVAL_CACHE if name == "hybrid" else dense_cache_dir(cfg)
+        result = cache_lookup(folder, f"passkey-{name}", settings, log)
+        if result is None:
+            result = run_longctx(model, tokenizer, lengths=cfg.longctx_lengths, depths=cfg.longctx_depths,
+                                 trials=cfg.longctx_trials, kinds=("passkey",), seed=cfg.seed, device=device)
+            cache_store(folder, f"passkey-{name}", settings, result, log)
         out[name] = result["accuracy"]["passkey"]
         if name == "hybrid":
             plot_heatmap(result, Path(cfg.output_dir) / "longctx.png", title=f"{cfg.teacher}: pass-key retrieval, hybrid")
     out["ratio"] = {n: (out["hybrid"][n] / out["dense"][n] if out["dense"][n] else None) for n in out["hybrid"]}
     out["depths"], out["trials"] = result["depths"], cfg.longctx_trials
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# The closing evaluation's cache
+# --------------------------------------------------------------------------------------------
+
+EVAL_CACHE = "eval_cache"  # in output_dir: the results of the run's own (merged) model
+# Config entries that change nothing a model computes: left out of its fingerprint.
+_CONFIG_NOISE = ("_name_or_path", "use_cache", "transformers_version")
+
+
+def dense_cache_dir(cfg: RetrofitConfig) -> Path:
+    """Where the dense model's closing results are shared across runs: ``eval_cache_dir``, else
+    ``$HYBRID_DISTILL_CACHE/eval`` (``core.models.cache_root``)."""
+    return Path(cfg.eval_cache_dir) if cfg.eval_cache_dir else cache_root() / "eval"
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """SHA-256 of a model as it computes: its config (so a hybrid spec and its head roles), whether it runs
+    hybrid, train/eval mode, and every state-dict tensor's name, dtype, shape and bytes. A single changed
+    weight gives another fingerprint, so a changed model can never read another's cached results."""
+    h = hashlib.sha256()
+    config = {k: v for k, v in model.config.to_dict().items() if k not in _CONFIG_NOISE}
+    h.update(json.dumps(config, sort_keys=True, default=str).encode())
+    h.update(f"\nhybrid={attention.is_hybrid(model)} training={model.training}\n".encode())
+    for name, t in sorted(model.state_dict().items()):
+        h.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\n".encode())
+        h.update(_tensor_bytes(t))
+    return h.hexdigest()
+
+
+def _tensor_bytes(t: torch.Tensor):
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
+
+
+def _tensor_hash(t: torch.Tensor) -> str:
+    return hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode() + _tensor_bytes(t).tobytes()).hexdigest()
+
+
+def _source_hash(*modules: str) -> str:
+    """The measuring code itself (the modules' files): a fix to it never reads the old code's results."""
+    h = hashlib.sha256()
+    for name in modules:
+        h.update(Path(importlib.import_module(name).__file__).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _machine(device: torch.device | str) -> dict:
+    """What decides a measurement's last bits beside the model and the settings: packages, device, threads."""
+    import transformers
+
+    device = torch.device(device)
+    where = {"device": device.type, "torch": torch.__version__, "transformers": transformers.__version__}
+    if device.type == "cuda":
+        where.update(device_name=torch.cuda.get_device_name(device),
+                     matmul_precision=torch.get_float32_matmul_precision())
+    else:
+        where.update(cpu=torch.backends.cpu.get_cpu_capability(), threads=torch.get_num_threads())
+    return where
+
+
+def _cache_path(folder: Path, what: str, key: str) -> Path:
+    return folder / f"{what}-{key[:32]}.json"
+
+
+def cache_lookup(folder: Path, what: str, settings: dict, log: Callable[[str], None] = print) -> dict | None:
+    """The cached result of measurement ``what`` under ``settings`` (None: not cached, or unreadable)."""
+    key = json_hash(settings)
+    path = _cache_path(folder, what, key)
+    try:
+        entry = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(entry, dict) or entry.get("key") != key or not isinstance(entry.get("result"), dict):
+        return None
+    log(f"closing evaluation: {what} from the cache ({path}; same weights and settings), not measured again")
+    return entry["result"]
+
+
+def cache_store(folder: Path, what: str, settings: dict, result: dict, log: Callable[[str], None] = print) -> None:
+    """Write ``result`` under ``settings``' key, whole or not at all; a cache that cannot be written only warns."""
+    key = json_hash(settings)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(_cache_path(folder, what, key),
+                          json.dumps({"key": key, "settings": settings, "result": result}, indent=1))
+    except OSError as err:
+        log(f"warning: could not cache the closing {what} result in {folder} ({err}); the run goes on")
 
 
 def print_summary(summary: dict, out: Path) -> None:

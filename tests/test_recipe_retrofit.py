@@ -310,3 +310,141 @@ def test_missing_data_and_an_output_under_a_file_are_refused_before_the_model_lo
             retrofit.main([*TINY, *argv])
         assert "\n" not in str(err.value)
     assert sorted(tmp_path.iterdir()) == [afile] and afile.read_text() == "not a folder"
+
+
+# Runs the recipe with the closing measurements counted: eval.longctx.run_longctx (one pass-key check per model)
+# and distill.training.evaluate on the merged model (one per held-out length). argv: the recipe, its arguments.
+COUNTING = """import atexit, json, runpy, sys
+import distill.training as training
+import eval.longctx as longctx
+calls = {"passkey": 0, "heldout": 0}
+real_longctx, real_evaluate = longctx.run_longctx, training.evaluate
+def run_longctx(*a, **k):
+    calls["passkey"] += 1
+    return real_longctx(*a, **k)
+def evaluate(*a, **k):
+    calls["heldout"] += "merged" in (k.get("progress") or "")
+    return real_evaluate(*a, **k)
+longctx.run_longctx, training.evaluate = run_longctx, evaluate
+atexit.register(lambda: print("CALLS " + json.dumps(calls)))
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+CLOSING = ("perplexity", "hybrid_after_ppl", "top1_agreement", "kl_to_dense", "longctx")
+
+
+def run_counting(args):
+    """``(summary, calls, stdout)`` of a tiny retrofit run whose closing measurements are counted."""
+    proc = subprocess.run([sys.executable, "-c", COUNTING, "recipes/retrofit.py", *TINY, *args], cwd=ROOT,
+                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"}, timeout=600)
+    if proc.returncode != 0:
+        raise AssertionError(f"recipe failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    calls = json.loads(proc.stdout.split("CALLS ")[-1])
+    out = next(a.split("=", 1)[1] for a in args if a.startswith("output_dir="))
+    return json.loads((Path(out) / "summary.json").read_text()), calls, proc.stdout
+
+
+def test_closing_evaluation_is_cached_for_a_resume_and_the_dense_check_across_runs(tmp_path):
+    """A run killed during its closing evaluation and resumed (here: resumed once finished, which replays the
+    same merge) reads the results back instead of measuring again, and reports the same numbers; a changed
+    pass-key setting measures the check again; another run on the same teacher reuses the dense check only."""
+    shared = f"eval_cache_dir={tmp_path / 'shared'}"
+    a = [f"output_dir={tmp_path / 'a'}", shared, "max_steps=2", "save_every=2"]
+    first, calls, out = run_counting(a)
+    assert calls == {"passkey": 2, "heldout": 2} and "from the cache" not in out
+    assert sorted(p.name.split("-")[0] for p in (tmp_path / "a" / "eval_cache").iterdir()) == ["heldout", "passkey"]
+    assert [p.name.split("-")[1] for p in (tmp_path / "shared").iterdir()] == ["dense"]
+    (tmp_path / "a" / "longctx.png").unlink()
+
+    again, calls, out = run_counting([*a, "resume=latest"])
+    assert calls == {"passkey": 0, "heldout": 0}
+    assert [line.split(" from the cache")[0] for line in out.splitlines() if "from the cache" in line] == [
+        "closing evaluation: heldout", "closing evaluation: passkey-hybrid", "closing evaluation: passkey-dense"]
+    assert {k: again[k] for k in CLOSING} == {k: first[k] for k in CLOSING}  # exactly: the measured numbers
+    assert (tmp_path / "a" / "longctx.png").stat().st_size > 1000  # the heatmap is drawn from the cached result
+
+    more, calls, out = run_counting([*a, "resume=latest", "longctx_trials=2"])  # another check: both measured
+    assert calls == {"passkey": 2, "heldout": 0} and more["longctx"]["trials"] == 2
+    assert {k: more[k] for k in CLOSING if k != "longctx"} == {k: first[k] for k in CLOSING if k != "longctx"}
+
+    other, calls, out = run_counting([f"output_dir={tmp_path / 'b'}", shared, "max_steps=2", "save_every=2",
+                                      "full_head_share=0"])  # another model from the same teacher
+    assert calls == {"passkey": 1, "heldout": 2} and "passkey-dense from the cache" in out
+    assert other["longctx"]["dense"] == first["longctx"]["dense"]
+
+
+def test_closing_cache_misses_a_changed_model_or_setting(tmp_path, monkeypatch):
+    """Each key holds the measured weights and config (head roles included) and every setting of the measurement:
+    a change to any of them measures again, an unchanged one reads the cache back; a torn entry is measured again."""
+    import dataclasses
+    import types
+
+    from core.tiny import tiny_teacher_tokenizer
+    from eval.metrics import LMStats
+    from recipes import retrofit
+
+    cfg = parse_config(RetrofitConfig, [*TINY, f"output_dir={tmp_path / 'o'}", f"eval_cache_dir={tmp_path / 's'}"])
+    tokenizer, teacher = tiny_teacher_tokenizer(), tiny_teacher(0).eval()
+    merged = attention.retrofit(tiny_teacher(0), cfg.spec()).eval()
+    measured, logs = [], []
+    real = retrofit.run_longctx
+
+    def counted(model, *args, **kwargs):
+        measured.append("hybrid" if attention.is_hybrid(model) else "dense")
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(retrofit, "run_longctx", counted)
+    monkeypatch.setattr(retrofit, "plot_heatmap", lambda *a, **k: None)
+
+    def check(want):
+        measured.clear()
+        result = retrofit.retrieval_check(cfg, merged, teacher, tokenizer, log=logs.append)
+        assert measured == want
+        return result
+
+    first = check(["hybrid", "dense"])
+    assert check([]) == first and len(logs) == 2
+    with torch.no_grad():
+        merged.model.norm.weight[0] += 1e-3  # one weight of the final model
+    check(["hybrid"])
+    with torch.no_grad():
+        teacher.model.embed_tokens.weight[5, 0] += 1e-3  # one weight of the dense model
+    check(["dense"])
+    attention.retrofit(merged, dataclasses.replace(cfg.spec(), full_heads={1: [0]}))  # other head roles
+    check(["hybrid"])
+    for key, value in (("longctx_trials", 2), ("longctx_depths", [0.5]), ("seed", 1), ("longctx_lengths", [200])):
+        setattr(cfg, key, value)
+        check(["hybrid", "dense"])
+    check([])
+    for entry in (tmp_path / "s").iterdir():
+        entry.write_text(entry.read_text()[:-20])  # torn
+    check(["dense"])
+
+    # Held-out perplexity and agreement: keyed by both models, the blocks and the batching.
+    calls = []
+
+    def evaluate(accelerator, model, blocks, batch_size, reference=None, progress=None):
+        calls.append(blocks.shape[1])
+        return LMStats(nll_sum=float(blocks.shape[1]), tokens=blocks.numel(), agree=3, ref_tokens=4), None
+
+    monkeypatch.setattr(retrofit, "evaluate", evaluate)
+    accelerator = types.SimpleNamespace(num_processes=1, mixed_precision="no", device=torch.device("cpu"),
+                                        is_main_process=True)
+    heldout = {128: torch.arange(256).view(2, 128), 256: torch.arange(512).view(2, 256)}
+
+    def heldout_check(want):
+        calls.clear()
+        result = retrofit.closing_heldout(cfg, accelerator, merged, teacher, heldout, log=logs.append)
+        assert calls == want
+        return result
+
+    first = heldout_check([128, 256])
+    assert heldout_check([]) == first and first["top1_agreement"] == 0.75
+    with torch.no_grad():
+        merged.model.layers[0].self_attn.q_proj.weight[0, 0] += 1e-3
+    heldout_check([128, 256])
+    heldout[256] = heldout[256] + 1  # other held-out text
+    heldout_check([128, 256])
+    cfg.micro_batch_size = 1
+    heldout_check([128, 256])
+    heldout_check([])
