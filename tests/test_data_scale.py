@@ -51,8 +51,8 @@ def _chat(path: Path, n: int) -> str:
 
 
 def _reference_pack(texts: list[str], tok, seq_len: int, fraction: float):
-    """The pre-issue-18 path: hash-split documents, then data.pack in one process."""
-    held = [_heldout(f"{i}:{t[:64]}", fraction) for i, t in enumerate(texts)]
+    """The pre-issue-18 path: hash-split documents (by their whole text), then data.pack in one process."""
+    held = [_heldout(hashlib.sha256(t.encode()).hexdigest(), fraction) for t in texts]
     return (D.pack([t for t, h in zip(texts, held) if not h], tok, seq_len),
             D.pack([t for t, h in zip(texts, held) if h], tok, seq_len))
 
@@ -592,3 +592,249 @@ def test_blocks_index_like_the_tensor_they_replace(tmp_path, tok):
     assert torch.equal(data.train[1:4, 2:], full[1:4, 2:])
     assert torch.equal(data.train[torch.tensor([5, 0])], full[torch.tensor([5, 0])])
     assert torch.equal(data.train[2], full[2])
+
+
+# -- streaming with grad_accum: a step's blocks are read again without rewinding -----------------
+
+def _recipe_step(order, train, step: int, rank: int, world: int, micro: int):
+    """The recipes' access pattern (recipes/distill.py, recipes/retrofit.py): every micro-batch of the step
+    first, then ``loss_mask`` of each in the step's token weights, then again in each micro-batch's forward."""
+    batch = list(order.micro_batches(train, step, rank, world, micro))
+    weights = [train.loss_mask(index) for index, _ in batch]
+    forward = [train.loss_mask(index) for index, _ in batch]
+    return batch, weights, forward
+
+
+@pytest.mark.filterwarnings("ignore:streamed data resumes")
+@pytest.mark.filterwarnings("error:stream rewound")  # reading a block of the current step again must not rewind
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("kind", ["text", "chat", "mixture"])  # mixture: a streamed chat source, a prepared text one
+def test_grad_accum_reads_each_stream_once_and_matches_prepared_blocks(tmp_path, tok, monkeypatch, kind, world):
+    from distill.data.stream import StreamBlocks
+
+    micro, grad_accum, steps = 2, 2, 5
+    global_batch = micro * grad_accum * world
+    cache = str(tmp_path / "c")
+    src = _jsonl(tmp_path / "a.jsonl", _texts(400, 30)) if kind == "text" else _chat(tmp_path / "chat.jsonl", 300)
+    other = _jsonl(tmp_path / "b.jsonl", _texts(300, 31))
+    refs = [D.build_data(tok, dataset=x, seq_len=16, eval_blocks=2, data_cache=cache, progress=False)
+            for x in (src, other)]  # the naive reference: prepared, indexed by block number
+    assert steps * global_batch < refs[0].train.shape[0]  # the run is shorter than one pass over the stream
+    passes: dict[int, int] = {}
+    blocks = StreamBlocks.blocks
+
+    def counting(self, split):
+        if split == "train":
+            passes[id(self)] = passes.get(id(self), 0) + 1
+        return blocks(self, split)
+
+    monkeypatch.setattr(StreamBlocks, "blocks", counting)
+    mix = [{"source": src, "weight": 1, "streaming": True}, {"source": other, "weight": 1}]
+    # One data object per rank, as each process builds its own.
+    ranks = [D.build_data(tok, dataset=src, seq_len=16, eval_blocks=2, streaming=True) if kind != "mixture" else
+             D.build_data(tok, datasets=mix, seq_len=16, eval_blocks=2, data_cache=cache, progress=False)
+             for _ in range(world)]
+    streams = [d.train if kind != "mixture" else d.train.parts[0] for d in ranks]
+    parts = 1 if kind != "mixture" else 2
+    orders = [d.order(global_batch, seed=0) for d in ranks]
+    for t in range(steps):
+        for r, (data, order) in enumerate(zip(ranks, orders)):
+            batch, weights, forward = _recipe_step(order, data.train, t, r, world, micro)
+            assert len(batch) == grad_accum
+            for (index, rows), m1, m2 in zip(batch, weights, forward):
+                assert (m1 is None) == (m2 is None)  # None: every token (plain text, or no chat row here)
+                assert (m1 is None) == (kind == "text") or kind == "mixture"
+                for j, i in enumerate(index.tolist()):
+                    ref = refs[i % parts]
+                    k = i // parts
+                    assert torch.equal(rows[j], ref.train[k])
+                    want = ref.train.loss_mask([k])
+                    want = torch.ones(16, dtype=torch.bool) if want is None else want[0]
+                    for m in (m1, m2):
+                        assert torch.equal(want, torch.ones(16, dtype=torch.bool) if m is None else m[j])
+    assert [passes.get(id(s), 0) for s in streams] == [1] * world  # one pass each, none restarted or rewound
+    assert all(s.restarts == 0 for s in streams)
+    assert all(len(s._recent) <= micro * grad_accum for s in streams)  # memory: at most one step's blocks
+
+
+# -- the held-out split, bad records and files, durable caches, the intermediate table, progress ----------
+
+def _docs_of(blocks: np.ndarray, tok) -> list[str]:
+    """The whole documents in a packed split (EOS-separated; the cut-off last one is left out)."""
+    flat = np.asarray(blocks, dtype=np.int64).ravel().tolist()
+    docs, cur = [], []
+    for t in flat:
+        if t == tok.eos_token_id:
+            docs.append(tok.decode(cur))
+            cur = []
+        else:
+            cur.append(t)
+    return docs
+
+
+@pytest.mark.parametrize("reader", ["jsonl", "datasets"])
+def test_duplicated_documents_fall_on_one_side_of_the_split(tmp_path, tok, monkeypatch, reader):
+    unique = [f"doc {i} " + t for i, t in enumerate(_texts(200, 11))]
+    rng = np.random.default_rng(0)
+    texts = [unique[i] for i in rng.permutation(np.repeat(np.arange(200), 5))]  # 5 copies each, shuffled
+    src = _jsonl(tmp_path / "dup.jsonl", texts)
+    if reader == "datasets":
+        monkeypatch.setattr(P, "_jsonl_files", lambda spec: None)
+    prep = P.prepare_source(SourceSpec(src), tok, P.PackSettings(16, eval_fraction=0.2),
+                            data_cache=str(tmp_path / "c"), num_proc=1, progress=False)
+    train, held = set(_docs_of(prep.train, tok)), set(_docs_of(prep.eval, tok))
+    assert len(held) > 10 and len(train) > 100 and held <= set(unique)
+    assert not train & held  # no held-out document is trained on
+    # Chat: the same conversation flips alike whatever its key order or the None fields datasets fills in.
+    conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    same = [[{"content": m["content"], "role": m["role"]} for m in conv],
+            [{**m, "tool_calls": None} for m in conv]]
+    assert len({P.chat_key(c) for c in [conv, *same]}) == 1
+    assert P.chat_key(conv) != P.chat_key(conv[:1])
+    assert P.FORMAT >= 3  # caches split the old way are rebuilt
+
+
+def _chat_rows(n: int) -> list[dict]:
+    return [{"messages": [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": "the dog"}]}
+            for i in range(n)]
+
+
+def test_a_malformed_chat_record_is_named_by_file_and_record(tmp_path, tok, monkeypatch):
+    rows = _chat_rows(40)
+    rows.insert(20, {"text": "a stray text record"})
+    src = tmp_path / "chat.jsonl"
+    src.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    monkeypatch.setattr(P, "_MIN_BYTES_PER_PROC", 100)
+    monkeypatch.setattr(parallel, "_MIN_RANGE", 300)  # several ranges: the bad one is not the first
+    for n, proc in enumerate((1, 2)):
+        with pytest.raises(DataError, match=rf"^{src}: record 20 has no 'messages' list .*fix or remove that record$"):
+            P.prepare_source(SourceSpec(str(src)), tok, P.PackSettings(8), data_cache=str(tmp_path / f"c{n}"),
+                             num_proc=proc, progress=False)
+    # A directory of files: the record is numbered within its own file.
+    d = tmp_path / "dir"
+    d.mkdir()
+    (d / "a.jsonl").write_text("\n".join(json.dumps(r) for r in _chat_rows(30)) + "\n")
+    bad = _chat_rows(10)
+    bad[7]["messages"][1].pop("content")
+    (d / "b.jsonl").write_text("\n".join(json.dumps(r) for r in bad) + "\n")
+    with pytest.raises(DataError, match=r"b\.jsonl: record 7 has message 1 without a 'content'"):
+        P.prepare_source(SourceSpec(str(d)), tok, P.PackSettings(8), data_cache=str(tmp_path / "cd"), num_proc=1,
+                         progress=False)
+    # Through datasets (hub, parquet, json): the source and the record, also from a worker process.
+    monkeypatch.setattr(P, "_jsonl_files", lambda spec: None)
+    monkeypatch.setattr(P, "_MIN_RECORDS_PER_PROC", 10)
+    for n, proc in enumerate((1, 2)):
+        with pytest.raises(DataError, match=rf"{src}: record 20 has no 'messages' list"):
+            P.prepare_source(SourceSpec(str(src)), tok, P.PackSettings(8), data_cache=str(tmp_path / f"e{n}"),
+                             num_proc=proc, progress=False)
+    with pytest.raises(DataError, match=r"record 20 has no 'messages' list"):
+        D.texts_from(str(src), tok)
+
+
+def test_non_utf8_and_empty_files_are_named(tmp_path, tok, monkeypatch):
+    def prepare(path, kind, num_proc=1):
+        return P.prepare_source(SourceSpec(str(path)), tok, P.PackSettings(8), data_cache=str(tmp_path / kind),
+                                num_proc=num_proc, progress=False)
+
+    latin = tmp_path / "bad.jsonl"
+    latin.write_bytes(b'{"text": "hello world the fox"}\n' * 50 + b'{"text": "caf\xe9 latin1"}\n')
+    with pytest.raises(DataError, match=rf"^{latin} is not UTF-8 \(record 50, byte 1613: invalid continuation "
+                                        r"byte\); re-save it as UTF-8"):
+        prepare(latin, "a")
+    txt = tmp_path / "bad.txt"
+    txt.write_bytes(b"hello world the fox\n" * 50 + b"caf\xe9 latin1\n")
+    with pytest.raises(DataError, match=rf"^{txt} is not UTF-8 \(byte 1003: invalid continuation byte\)"):
+        prepare(txt, "b")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(DataError, match=rf"^{empty} holds no records; add data or drop the source$"):
+        prepare(empty, "c")
+    monkeypatch.setattr(P, "_jsonl_files", lambda spec: None)  # the same .jsonl through datasets, 1 or 2 workers
+    monkeypatch.setattr(P, "_MIN_RECORDS_PER_PROC", 10)
+    for proc in (1, 2):
+        with pytest.raises(DataError, match=rf"^{latin} is not UTF-8 \(byte 1613: invalid continuation byte\)"):
+            prepare(latin, f"d{proc}", proc)
+    # The check reads in chunks: a character cut by a chunk edge is still UTF-8, a bad byte there is not.
+    from distill.data import text as T
+
+    edge = tmp_path / "edge.txt"
+    edge.write_bytes(b"a" * ((1 << 20) - 1) + "é".encode() + b"b")
+    assert T.not_utf8(edge) is None
+    edge.write_bytes(b"a" * ((1 << 20) - 1) + b"\xc3")
+    assert T.not_utf8(edge) == f"byte {(1 << 20) - 1}: unexpected end of data"
+
+
+def test_the_cache_is_fsynced_before_it_is_named_complete_and_a_torn_meta_is_refused(tmp_path, tok, monkeypatch):
+    src = _jsonl(tmp_path / "a.jsonl", _texts(100, 12))
+    cache = tmp_path / "c"
+    calls = []
+    real_tree, real_dir = getattr(P, "fsync_tree", None), getattr(P, "fsync_dir", None)
+
+    def tree(path):
+        calls.append(("tree", Path(path).name, (Path(path) / "meta.json").exists(),
+                      sorted(p.name for p in cache.iterdir() if not p.name.startswith(".tmp-"))))
+        real_tree(path)
+
+    def fdir(path):
+        calls.append(("dir", Path(path), sorted(p.name for p in cache.iterdir())))
+        real_dir(path)
+
+    monkeypatch.setattr(P, "fsync_tree", tree, raising=False)  # (getattr, raising: fail on the calls, not a name)
+    monkeypatch.setattr(P, "fsync_dir", fdir, raising=False)
+    prep = P.prepare_source(SourceSpec(src), tok, P.PackSettings(16), data_cache=str(cache), progress=False)
+    assert [c[0] for c in calls] == ["tree", "dir"]
+    assert calls[0][1].startswith(".tmp-") and calls[0][2] and calls[0][3] == []  # whole, and not yet renamed
+    assert calls[1][1] == cache and calls[1][2] == [prep.path.name]  # the rename, then its directory
+    text = (prep.path / "meta.json").read_text()
+    for torn in (text[: len(text) // 2], "", "[]", json.dumps({"key_fields": {}})):
+        (prep.path / "meta.json").write_text(torn)
+        for opener in (lambda: P.open_prepared(prep.path),
+                       lambda: P.prepare_source(SourceSpec(src), tok, P.PackSettings(16), data_cache=str(cache),
+                                                progress=False)):
+            with pytest.raises(DataError, match=r"meta\.json is unreadable .* damaged: delete .* and prepare again"):
+                opener()
+
+
+def test_the_datasets_intermediate_table_stores_the_final_dtypes(tmp_path, tok, monkeypatch):
+    src = _chat(tmp_path / "chat.jsonl", 60)
+    direct = P.prepare_source(SourceSpec(src), tok, P.PackSettings(16, eval_fraction=0.2),
+                              data_cache=str(tmp_path / "c1"), progress=False)
+    seen = {}
+    real_pack = P._pack
+
+    def pack(mapped, *a, **k):
+        seen.update({name: f.feature.dtype if hasattr(f, "feature") else f.dtype
+                     for name, f in mapped.features.items()})
+        return real_pack(mapped, *a, **k)
+
+    monkeypatch.setattr(P, "_pack", pack)
+    monkeypatch.setattr(P, "_jsonl_files", lambda spec: None)
+    via = P.prepare_source(SourceSpec(src), tok, P.PackSettings(16, eval_fraction=0.2),
+                           data_cache=str(tmp_path / "c2"), progress=False)
+    assert via.meta["reader"] == "datasets"
+    assert seen == {"ids": "uint16", "mask": "uint8", "heldout": "bool"}
+    for a, b in ((direct.train, via.train), (direct.eval, via.eval), (direct.train_mask, via.train_mask),
+                 (direct.eval_mask, via.eval_mask)):
+        assert a.shape[0] > 0 and np.array_equal(a, b)
+
+
+def test_every_long_stage_shows_a_bar_unless_progress_is_off(tmp_path, tok, monkeypatch, capsys):
+    src = _jsonl(tmp_path / "a.jsonl", _texts(100, 13))
+    P.prepare_source(SourceSpec(src), tok, P.PackSettings(16), data_cache=str(tmp_path / "c1"), progress=False)
+    monkeypatch.setattr(P, "_jsonl_files", lambda spec: None)
+    P.prepare_source(SourceSpec(src), tok, P.PackSettings(16), data_cache=str(tmp_path / "c2"), progress=False)
+    err = capsys.readouterr().err
+    assert not any(s in err for s in ("count records", "tokenize", "concatenate", "pack", "it/s"))
+    monkeypatch.undo()
+
+    def counted(*_a):
+        raise AssertionError("records were counted: only an error message needs their number")
+
+    monkeypatch.setattr(parallel, "_records_before", counted, raising=False)  # no silent counting pass
+    monkeypatch.setattr(parallel, "_MIN_RANGE", 500)
+    P.prepare_source(SourceSpec(src), tok, P.PackSettings(16), data_cache=str(tmp_path / "c3"), progress=True)
+    err = capsys.readouterr().err
+    assert all(s in err for s in ("tokenize a.jsonl", "concatenate a.jsonl"))
+    monkeypatch.setattr(P, "_jsonl_files", lambda spec: None)
+    P.prepare_source(SourceSpec(src), tok, P.PackSettings(16), data_cache=str(tmp_path / "c4"), progress=True)
+    assert "pack a.jsonl" in capsys.readouterr().err

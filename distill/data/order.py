@@ -192,10 +192,13 @@ class MixtureOrder:
         """This process's micro-batches for step ``step``: ``([micro] block indices, [micro, seq])``.
 
         ``blocks[index]`` reads only those rows (a memory-mapped :class:`~distill.data.corpus.Blocks`
-        or a tensor).
+        or a tensor). A stream (``blocks.streaming``) is told to keep this process's blocks of the step,
+        so the recipes' later ``loss_mask(index)`` of any micro-batch of the step reads none of them again.
         """
         idx = self.step_indices(step)
         per_rank = self.global_batch // world
+        if getattr(blocks, "streaming", False):
+            blocks.hold(per_rank)
         mine = idx[rank * per_rank: (rank + 1) * per_rank]
         for i in range(0, per_rank, micro):
             index = mine[i: i + micro]

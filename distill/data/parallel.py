@@ -6,13 +6,13 @@ again: on two cores that serial load-and-repack share capped the speedup near 1.
 file is cut into byte ranges at line ends; forked workers (which inherit the tokenizer, nothing
 pickled) each parse their range's lines, tokenize them, and write packed token ids straight into
 ``part-K.{train,eval}[.mask].bin``; the parent only concatenates the parts in range order. The
-result is byte-identical whatever the number of workers: record ``i`` (the ``i``-th non-blank line
-over the files in order, as ``datasets``' json loader counts them) gets the same held-out coin flip
-and lands at the same place in the token stream.
+result is byte-identical whatever the number of workers: a record's held-out coin flip depends on
+its content only (:func:`distill.data.prepare.split_key`), and it lands at the same place in the
+token stream (records are the non-blank lines over the files in order, as ``datasets``' json loader
+counts them).
 
-Two passes over each range: one counts records (so every range knows the global index of its
-first record, which the held-out hash needs), one tokenizes; the first is a read from the page
-cache and costs a few percent of the second.
+One pass over each range: no range needs to know how many records come before it. Only an error
+message does (it names the record by its number in the file), and counts them then.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from distill.data.text import DataError
+from distill.data.text import DataError, RecordError
 
 _BATCH = 1000  # records per tokenizer call: large enough for the Rust batch path, small for memory
 _MIN_RANGE = 1 << 20
@@ -58,8 +58,8 @@ def byte_ranges(files: list[Path], num_proc: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def _lines(path: Path, start: int, end: int):
-    """The non-blank lines of ``path[start:end]`` (a range from :func:`byte_ranges`)."""
+def _lines_at(path: Path, start: int, end: int):
+    """``(offset, line)`` of the non-blank lines of ``path[start:end]`` (a range from :func:`byte_ranges`)."""
     with open(path, "rb") as fh:
         fh.seek(start)
         pos = start
@@ -67,19 +67,47 @@ def _lines(path: Path, start: int, end: int):
             line = fh.readline()
             if not line:
                 return
-            pos += len(line)
             if line.strip():
-                yield line
+                yield pos, line
+            pos += len(line)
 
 
-def _count(unit: tuple[int, int, int]) -> int:
-    k, start, end = unit
-    return sum(1 for _ in _lines(_JOB["files"][k], start, end))
+def _lines(path: Path, start: int, end: int):
+    """The non-blank lines of ``path[start:end]``."""
+    return (line for _, line in _lines_at(path, start, end))
 
 
-def _tokenize_range(task: tuple[int, tuple[int, int, int], int]) -> tuple[int, dict]:
+class _BadLine(Exception):
+    """A line that is not UTF-8 or not JSON; :meth:`error` words it once the record's number is known."""
+
+    def __init__(self, path: Path, offset: int, line: bytes, err: ValueError):
+        super().__init__(path, offset, line, err)
+        self.path, self.offset, self.line, self.err = path, offset, line, err
+
+    def error(self, number: int) -> DataError:
+        if isinstance(self.err, UnicodeDecodeError):  # a ValueError too: tell it apart from bad JSON
+            return DataError(f"{self.path} is not UTF-8 (record {number}, byte {self.offset + self.err.start}: "
+                             f"{self.err.reason}); re-save it as UTF-8 (e.g. iconv -f latin1 -t utf-8)")
+        return DataError(f"{self.path}: record {number} is not valid JSON ({self.line[:60]!r}); fix or remove "
+                         "that line")
+
+
+def _parse(path: Path, number: int, offset: int, line: bytes):
+    """``json.loads(line)``; :class:`_BadLine` when it is not UTF-8 or not JSON."""
+    try:
+        return json.loads(line)
+    except ValueError as err:
+        raise _BadLine(path, offset, line, err) from None
+
+
+def _records_before(path: Path, start: int) -> int:
+    """How many records ``path`` holds before byte ``start`` (for an error message: the file's record number)."""
+    return sum(1 for _ in _lines(path, 0, start))
+
+
+def _tokenize_range(task: tuple[int, tuple[int, int, int]]) -> tuple[int, dict]:
     """Tokenize one range into its part files; ``{split: (tokens, docs)}``."""
-    part, (k, start, end), first = task
+    part, (k, start, end) = task
     job = _JOB
     fn, fields, folder, dtype, with_mask = job["fn"], job["fields"], job["folder"], job["dtype"], job["with_mask"]
     path = job["files"][k]
@@ -89,7 +117,10 @@ def _tokenize_range(task: tuple[int, tuple[int, int, int], int]) -> tuple[int, d
 
     def flush(batch: list[dict], index: int) -> None:
         cols = {f: [r.get(f) if isinstance(r, dict) else None for r in batch] for f in fields}
-        out = fn(cols, list(range(index, index + len(batch))))
+        try:
+            out = fn(cols, list(range(index, index + len(batch))))  # indices within the range
+        except RecordError as err:
+            raise RecordError(path, _records_before(path, start) + err.index, err.reason) from None
         for split, sel in (("train", [not h for h in out["heldout"]]), ("eval", list(out["heldout"]))):
             docs = [ids for ids, s in zip(out["ids"], sel) if s and ids]
             if not docs:
@@ -103,13 +134,12 @@ def _tokenize_range(task: tuple[int, tuple[int, int, int], int]) -> tuple[int, d
 
     try:
         batch: list[dict] = []
-        index = first
-        for n, line in enumerate(_lines(path, start, end)):
+        index = 0
+        for n, (offset, line) in enumerate(_lines_at(path, start, end)):
             try:
-                batch.append(json.loads(line))
-            except ValueError:
-                raise DataError(f"{path}: record {first + n} is not valid JSON ({line[:60]!r}); fix or remove "
-                                "that line") from None
+                batch.append(_parse(path, n, offset, line))
+            except _BadLine as bad:
+                raise bad.error(_records_before(path, start) + n) from None
             if len(batch) == _BATCH:
                 flush(batch, index)
                 index += len(batch)
@@ -145,12 +175,11 @@ def _append(src, dst) -> None:
 def first_record(files: list[Path]) -> dict:
     """The first record of the source (its fields decide text vs chat, as ``datasets`` infers a schema)."""
     for f in files:
-        for line in _lines(f, 0, f.stat().st_size):
+        for offset, line in _lines_at(f, 0, f.stat().st_size):
             try:
-                rec = json.loads(line)
-            except ValueError:
-                raise DataError(f"{f}: the first record is not valid JSON ({line[:60]!r}); fix or remove that "
-                                "line") from None
+                rec = _parse(f, 0, offset, line)
+            except _BadLine as bad:
+                raise bad.error(0) from None
             if not isinstance(rec, dict):
                 raise DataError(f"{f}: records must be JSON objects like {{\"text\": ...}}, got {line[:60]!r}")
             return rec
@@ -173,39 +202,44 @@ def tokenize_jsonl(files: list[Path], fn: Callable, fields: list[str], folder: P
     if nproc > 1 and "fork" not in mp.get_all_start_methods():
         nproc = 1  # no fork (Windows): one process; the output is the same
     _JOB = {"files": files, "fn": fn, "fields": fields, "folder": folder, "dtype": dtype, "with_mask": with_mask}
-    bar = tqdm(total=len(units), desc=desc, unit="range", disable=not progress)
+    name = desc.split(" (")[0].removeprefix("tokenize ")
+    done: dict = {}
     try:
-        if nproc > 1:
-            with mp.get_context("fork").Pool(nproc) as pool:
-                counts = pool.map(_count, units, chunksize=1)
-                firsts = np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()
-                done = {}
-                for part, c in pool.imap_unordered(_tokenize_range, list(zip(range(len(units)), units, firsts))):
+        with mp.get_context("fork").Pool(nproc) if nproc > 1 else _Serial() as pool:
+            with tqdm(total=len(units), desc=desc, unit="range", disable=not progress) as bar:
+                for part, c in pool.imap_unordered(_tokenize_range, list(enumerate(units))):
                     done[part] = c
                     bar.update(1)
-        else:
-            firsts, done, n = [], {}, 0
-            for unit in units:
-                firsts.append(n)
-                n += _count(unit)
-            for task in zip(range(len(units)), units, firsts):
-                part, c = _tokenize_range(task)
-                done[part] = c
-                bar.update(1)
     finally:
         _JOB = None
-        bar.close()
     t_cat = time.time()
     totals: dict = {"num_proc": nproc}
-    for split in ("train", "eval"):
-        names = [f"{split}.bin"] + ([f"{split}.mask.bin"] if with_mask else [])
-        for name in names:
-            with open(folder / name, "wb") as out:
+    names = [f"{s}{m}.bin" for s in ("train", "eval") for m in ("", ".mask") if m == "" or with_mask]
+    size = sum((folder / f"part-{p:06d}.{n}").stat().st_size for p in range(len(units)) for n in names)
+    with tqdm(total=size, desc=f"concatenate {name}", unit="B", unit_scale=True, disable=not progress) as bar:
+        for fname in names:
+            with open(folder / fname, "wb") as out:
                 for part in range(len(units)):
-                    piece = folder / f"part-{part:06d}.{name}"
+                    piece = folder / f"part-{part:06d}.{fname}"
                     with open(piece, "rb") as fh:
                         _append(fh, out)
+                    bar.update(piece.stat().st_size)
                     os.unlink(piece)
+    for split in ("train", "eval"):
         totals[split] = (sum(done[p][split][0] for p in done), sum(done[p][split][1] for p in done))
     totals["concat_s"] = time.time() - t_cat
     return totals
+
+
+class _Serial:
+    """The pool's ``imap_unordered`` in this process (one worker, or no fork), in order."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    @staticmethod
+    def imap_unordered(fn, items):
+        return map(fn, items)

@@ -10,9 +10,12 @@ A prepared source is a folder ``<cache>/data/<name>-<key>/`` holding
 
 The key hashes the source's identity (file paths, sizes, mtimes; or the hub name), the tokenizer's
 full serialization, ``seq_len`` and the packing settings, so another tokenizer or length never
-matches an old cache. The folder is built under a temporary name and renamed only when complete:
-an interrupted prepare leaves a ``.tmp-*`` folder that no run reads (and the next prepare removes
-once it is stale).
+matches an old cache. The folder is built under a temporary name, fsynced, and renamed only when
+complete: an interrupted prepare leaves a ``.tmp-*`` folder that no run reads (and the next prepare
+removes once it is stale).
+
+Held-out documents are chosen by a hash of their whole content (the text, or the canonical JSON of
+the messages), so every copy of a duplicated document lands on the same side of the split.
 """
 
 from __future__ import annotations
@@ -30,12 +33,16 @@ from pathlib import Path
 import numpy as np
 
 from core.corpus import heldout
+from core.fsio import fsync_dir, fsync_tree
 from distill.data import parallel
 from distill.data.text import (
     BUILTIN,
     DataError,
+    RecordError,
     SourceSpec,
+    chat_problem,
     encode_chat,
+    encoding_error,
     load_records,
     local_files,
     source_identity,
@@ -43,7 +50,9 @@ from distill.data.text import (
     tokenizer_fingerprint,
 )
 
-FORMAT = 2  # bump when the on-disk layout or packing changes: old caches stop matching (2: jsonl read directly)
+# Bump when the on-disk layout, packing or split changes: old caches stop matching.
+# 2: jsonl read directly; 3: the held-out coin flip keys on a hash of the whole document, not its index.
+FORMAT = 3
 _STALE_TMP_S = 24 * 3600
 _MIN_RECORDS_PER_PROC = 2000  # below this a datasets worker's start-up (~1 s) costs more than it tokenizes
 _MIN_BYTES_PER_PROC = 1 << 20  # a forked jsonl worker starts in ms; below ~1 MB of text it is not worth one
@@ -130,7 +139,16 @@ def open_prepared(path: str | Path, expect: dict | None = None) -> Prepared:
     meta_file = path / "meta.json"
     if not meta_file.exists():
         raise DataError(f"{path} is not a prepared data folder (no meta.json); run python -m distill.data prepare")
-    meta = json.loads(meta_file.read_text())
+    try:
+        meta = json.loads(meta_file.read_text())
+        if not isinstance(meta, dict) or not isinstance(meta.get("key_fields"), dict):
+            raise ValueError("not a prepared folder's meta object")
+        missing = [n for n in ("dtype", "has_mask", "seq_len", "train_blocks", "eval_blocks") if n not in meta]
+        if missing:
+            raise ValueError(f"no {', '.join(missing)}")
+    except ValueError as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise DataError(f"{meta_file} is unreadable ({type(err).__name__}: {str(err)[:80]}); the cache is damaged: "
+                        f"delete {path} and prepare again") from None
     if expect is not None:
         built = meta["key_fields"]
         for name in ("tokenizer", "seq_len", "completion_only", "eval_fraction", "role", "format"):
@@ -165,20 +183,49 @@ def _encoder(tokenizer) -> Callable[[list[str]], list[list[int]]]:
     return lambda texts: [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
 
 
+def split_key(content: str) -> str:
+    """The held-out coin flip's key of a document: a hash of all of it, so equal documents flip alike.
+
+    (Keyed by record index, each copy of a duplicated document got its own flip, and a document both
+    trained on and held out inflates the held-out score.)
+    """
+    return hashlib.sha256(content.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _canonical(x):
+    """``x`` without None-valued dict entries: ``datasets`` fills a field other records have with None."""
+    if isinstance(x, dict):
+        return {k: _canonical(v) for k, v in x.items() if v is not None}
+    if isinstance(x, list):
+        return [_canonical(v) for v in x]
+    return x
+
+
+def chat_key(messages: list[dict]) -> str:
+    """:func:`split_key` of a conversation's canonical JSON: key order and None-valued fields do not matter,
+    so both readers (jsonl and ``datasets``, which fills absent fields with None) flip it alike."""
+    return split_key(json.dumps(_canonical(messages), sort_keys=True, separators=(",", ":")))
+
+
 def _tokenize_fn(tokenizer, spec: SourceSpec, settings: PackSettings, chat: bool) -> Callable:
     eos = tokenizer.eos_token_id
     text_field = spec.text_field
     encode = _encoder(tokenizer)
+    split = settings.role == "split"
 
     def fn(batch: dict, indices: list[int]) -> dict:
         if chat:
+            for i, m in zip(indices, batch["messages"]):
+                problem = chat_problem(m)
+                if problem:  # the jsonl reader puts its file and in-file number on it
+                    raise RecordError(spec.source, i, problem)
             ids, masks = encode_chat(tokenizer, batch["messages"], settings.completion_only)
-            keys = [f"{i}:{json.dumps(m)[:64]}" for i, m in zip(indices, batch["messages"])]
+            keys = [chat_key(m) for m in batch["messages"]] if split and "heldout" not in batch else None
         else:
             texts = [t if isinstance(t, str) and t.strip() else "" for t in batch[text_field]]
             ids = encode(texts)
             masks = None
-            keys = [f"{i}:{t[:64]}" for i, t in zip(indices, texts)]
+            keys = [split_key(t) for t in texts] if split and "heldout" not in batch else None
             ids = [x if t else [] for x, t in zip(ids, texts)]  # empty records are dropped
         out_ids, out_mask = [], []
         for j, x in enumerate(ids):
@@ -192,8 +239,8 @@ def _tokenize_fn(tokenizer, spec: SourceSpec, settings: PackSettings, chat: bool
             if masks is not None:
                 # The joining EOS is no target for chat: the template already ends each turn.
                 out_mask.append(masks[j] + ([0] if eos is not None else []))
-        if settings.role == "split":
-            held = batch["heldout"] if "heldout" in batch else [heldout(k, settings.eval_fraction) for k in keys]
+        if split:
+            held = batch["heldout"] if keys is None else [heldout(k, settings.eval_fraction) for k in keys]
         else:
             held = [settings.role == "eval"] * len(ids)
         out = {"ids": out_ids, "heldout": held}
@@ -267,12 +314,14 @@ def prepare_source(spec: SourceSpec, tokenizer, settings: PackSettings, *, data_
         meta["seconds"] = time.time() - t0
         meta["stage_seconds"] = stages
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))  # written last: marks the folder complete
+        fsync_tree(tmp)  # the blocks and meta.json on disk before the name says complete
         try:
             os.rename(tmp, final)
         except OSError:  # another process finished the same key first: theirs is equally good
             if not (final / "meta.json").exists():
                 raise
             shutil.rmtree(tmp, ignore_errors=True)
+        fsync_dir(root)  # the rename itself
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -358,18 +407,25 @@ def _tokenize_datasets(spec: SourceSpec, tokenizer, settings: PackSettings, tmp:
     with_mask = chat and settings.completion_only
     nproc = num_proc or default_num_proc()
     nproc = max(1, min(nproc, len(records) // _MIN_RECORDS_PER_PROC))
+    dtype = token_dtype(len(tokenizer))
+    bars_were_on = datasets.is_progress_bar_enabled()
     if not progress:
         datasets.disable_progress_bars()
-    with _tokenizer_threads(nproc):
-        mapped = records.map(
-            _tokenize_fn(tokenizer, spec, settings, chat), batched=True, batch_size=1000, with_indices=True,
-            num_proc=nproc if nproc > 1 else None, remove_columns=cols,
-            cache_file_name=str(tmp / "tokens.arrow"), desc=f"tokenize {spec.name} ({nproc} proc)",
-        )
+    try:
+        with _tokenizer_threads(nproc):
+            mapped = records.map(
+                _tokenize_fn(tokenizer, spec, settings, chat), batched=True, batch_size=1000, with_indices=True,
+                num_proc=nproc if nproc > 1 else None, remove_columns=cols, features=mapped_features(dtype, with_mask),
+                cache_file_name=str(tmp / "tokens.arrow"), desc=f"tokenize {spec.name} ({nproc} proc)",
+            )
+    except UnicodeDecodeError as err:  # pyarrow's json reader loads bytes that are not UTF-8; reading them fails
+        raise encoding_error(spec.source, err) from None
+    finally:
+        if bars_were_on and not progress:
+            datasets.enable_progress_bars()
     t_tok = time.time()
-    dtype = token_dtype(len(tokenizer))
     writers = {"train": _Writer(tmp, "train", dtype, with_mask), "eval": _Writer(tmp, "eval", dtype, with_mask)}
-    _pack(mapped, writers, with_mask)
+    _pack(mapped, writers, with_mask, progress, f"pack {spec.name}")
     meta = {"dtype": dtype.name, "has_mask": with_mask, "chat": chat, "num_proc": nproc, "reader": "datasets"}
     for name, w in writers.items():
         meta |= {f"{name}_blocks": w.close(settings.seq_len), f"{name}_tokens": w.tokens, f"{name}_docs": w.docs}
@@ -379,17 +435,33 @@ def _tokenize_datasets(spec: SourceSpec, tokenizer, settings: PackSettings, tmp:
     return meta, {"load": t_load - t0, "tokenize": t_tok - t_load, "pack": time.time() - t_tok}
 
 
-def _pack(mapped, writers: dict, with_mask: bool) -> None:
+def mapped_features(dtype: np.dtype, with_mask: bool):
+    """The intermediate table's schema: ids in the final files' dtype, a uint8 mask, a bool split flag.
+
+    Left to inference, ``datasets`` stores Python ints as int64: that table was ~4x the final files.
+    """
+    import datasets
+
+    feats = {"ids": datasets.List(datasets.Value(dtype.name)), "heldout": datasets.Value("bool")}
+    if with_mask:
+        feats["mask"] = datasets.List(datasets.Value("uint8"))
+    return datasets.Features(feats)
+
+
+def _pack(mapped, writers: dict, with_mask: bool, progress: bool = False, desc: str = "pack") -> None:
     """Stream the tokenized table in Arrow batches into the split writers, in document order."""
     import pyarrow.compute as pc
+    from tqdm.auto import tqdm
 
-    for batch in mapped.with_format("arrow").iter(batch_size=10_000):
-        held = batch.column("heldout").to_numpy(zero_copy_only=False)
-        for name, sel in (("train", ~held), ("eval", held)):
-            if not sel.any():
-                continue
-            part = batch.filter(sel)
-            ids = pc.list_flatten(part.column("ids")).to_numpy()
-            mask = pc.list_flatten(part.column("mask")).to_numpy() if with_mask else None
-            docs = int(pc.sum(pc.greater(pc.list_value_length(part.column("ids")), 0)).as_py() or 0)
-            writers[name].add(ids, mask, docs)
+    with tqdm(total=len(mapped), desc=desc, unit="doc", disable=not progress) as bar:
+        for batch in mapped.with_format("arrow").iter(batch_size=10_000):
+            held = batch.column("heldout").to_numpy(zero_copy_only=False)
+            for name, sel in (("train", ~held), ("eval", held)):
+                if not sel.any():
+                    continue
+                part = batch.filter(sel)
+                ids = pc.list_flatten(part.column("ids")).to_numpy()
+                mask = pc.list_flatten(part.column("mask")).to_numpy() if with_mask else None
+                docs = int(pc.sum(pc.greater(pc.list_value_length(part.column("ids")), 0)).as_py() or 0)
+                writers[name].add(ids, mask, docs)
+            bar.update(batch.num_rows)

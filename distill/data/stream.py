@@ -68,7 +68,8 @@ class _Packer:
 
 
 class StreamBlocks:
-    """Training blocks of a streamed source, read in order; ``blocks[index]`` wants increasing indices."""
+    """Training blocks of a streamed source, read in order; ``blocks[index]`` wants increasing indices
+    (or indices among the latest :attr:`window` read, e.g. those of the current step)."""
 
     streaming = True
 
@@ -78,8 +79,10 @@ class StreamBlocks:
         self.sizes = [None]
         self._it: Iterator | None = None
         self._pos = 0  # block number the iterator yields next
-        # The blocks of the latest reads, so loss_mask(index) after blocks[index] re-reads none of them;
-        # as large as the largest index asked for (one micro-batch), never the whole stream.
+        # The blocks of the latest reads, so loss_mask(index) of any micro-batch of the step re-reads none
+        # of them (the recipes read every micro-batch of a step first, then each one's mask, twice): as many
+        # as this process reads in a step (:meth:`hold`, set by the order) or the largest index asked for,
+        # never the whole stream.
         self._recent: OrderedDict[int, tuple[np.ndarray, np.ndarray | None]] = OrderedDict()
         self.window = 1
         self.restarts = 0
@@ -150,6 +153,11 @@ class StreamBlocks:
                     self._recent.popitem(last=False)
                 return block
 
+    def hold(self, blocks: int) -> None:
+        """Keep at least the latest ``blocks`` blocks read: one optimizer step of this process
+        (``micro_batch_size × grad_accum``), so reading a block of the current step again never rewinds."""
+        self.window = max(self.window, int(blocks))
+
     def _indices(self, index) -> np.ndarray:
         ks = np.asarray(index, dtype=np.int64).reshape(-1)
         self.window = max(self.window, len(ks))
@@ -213,6 +221,12 @@ class MixedBlocks:
     @property
     def shape(self) -> tuple[None, int]:
         return None, self.seq_len
+
+    def hold(self, blocks: int) -> None:
+        """Each streamed source keeps ``blocks`` recent blocks (:meth:`StreamBlocks.hold`); a bound on its share."""
+        for p in self.parts:
+            if getattr(p, "streaming", False):
+                p.hold(blocks)
 
     def _split(self, index) -> tuple[np.ndarray, np.ndarray]:
         idx = np.asarray(index, dtype=np.int64).reshape(-1)

@@ -46,13 +46,99 @@ def local_files(source: str) -> tuple[str, list[Path]] | None:
     return None
 
 
+class RecordError(DataError):
+    """Record ``index`` of ``where`` (a file, or a source read through ``datasets``) is unusable: ``reason``."""
+
+    def __init__(self, where: str, index: int, reason: str):
+        super().__init__(where, index, reason)  # the args rebuild it when it crosses a process boundary
+        self.where, self.index, self.reason = str(where), index, reason
+
+    def __str__(self) -> str:
+        return f"{self.where}: record {self.index} {self.reason}; fix or remove that record"
+
+
+def chat_problem(messages) -> str | None:
+    """What is wrong with a record's ``messages`` (None when it is a list of ``{role, content}`` dicts)."""
+    if messages is None:
+        return "has no 'messages' list (chat and non-chat records are mixed)"
+    if not isinstance(messages, list):
+        return f"has 'messages' of type {type(messages).__name__}, not a list of {{role, content}} dicts"
+    if not messages:
+        return "has an empty 'messages' list"
+    for j, m in enumerate(messages):
+        if not isinstance(m, dict):
+            return f"has message {j} of type {type(m).__name__}, not a {{role, content}} dict"
+        if not isinstance(m.get("role"), str):
+            return f"has message {j} without a string 'role'"
+        content = m.get("content")
+        if not (isinstance(content, (str, list)) or (content is None and m.get("tool_calls"))):
+            return f"has message {j} without a 'content' (a string or a list of parts)"
+    return None
+
+
+def not_utf8(path: Path) -> str | None:
+    """Where ``path`` stops being UTF-8 (``"byte N: reason"``), or None when all of it decodes."""
+    offset, carry = 0, b""  # offset: the file position of carry[0]
+    with open(path, "rb") as fh:
+        while True:
+            chunk = fh.read(1 << 20)
+            data = carry + chunk
+            try:
+                data.decode("utf-8")
+            except UnicodeDecodeError as err:
+                if chunk and err.end == len(data):  # perhaps a character cut by the read: decide with the next one
+                    carry, offset = data[err.start:], offset + err.start
+                    continue
+                return f"byte {offset + err.start}: {err.reason}"
+            if not chunk:
+                return None
+            carry, offset = b"", offset + len(data)
+
+
+def _utf8_error(f: Path, where: str) -> DataError:
+    return DataError(f"{f} is not UTF-8 ({where}); re-save it as UTF-8 (e.g. iconv -f latin1 -t utf-8)")
+
+
+def encoding_error(source: str, err: UnicodeDecodeError) -> DataError:
+    """A one-line error for text that is not UTF-8 met after loading (pyarrow's json reader lets it through)."""
+    local = local_files(source) if source != BUILTIN else None
+    for f in (local[1] if local is not None else []):
+        where = not_utf8(f)
+        if where is not None:
+            return _utf8_error(f, where)
+    return DataError(f"{source} holds text that is not UTF-8 ({err.reason}); re-save it as UTF-8")
+
+
+def _unreadable(source: str, kind: str, files: list[Path], err: Exception) -> DataError:
+    """The one-line cause of ``datasets`` failing on local ``files``: an encoding, no records, or its own message."""
+    if kind in ("text", "json"):
+        for f in files:
+            where = not_utf8(f)
+            if where is not None:
+                return _utf8_error(f, where)
+    if all(f.stat().st_size == 0 for f in files):
+        where = files[0] if len(files) == 1 else f"{source} (its {len(files)} files are empty)"
+        return DataError(f"{where} holds no records; add data or drop the source")
+    cause = err
+    while cause.__cause__ is not None or (cause.__context__ is not None and not cause.__suppress_context__):
+        cause = cause.__cause__ or cause.__context__
+    detail = (str(cause).strip().splitlines() or [""])[0][:200]
+    where = files[0] if len(files) == 1 else f"one of the {len(files)} files of {source}"
+    return DataError(f"cannot read {where} as {kind} ({type(cause).__name__}: {detail}); fix the file or drop it")
+
+
 def load_records(source: str, split: str | None, streaming: bool = False):
     import datasets
 
     local = local_files(source)
     if local is not None:
         kind, files = local
-        return datasets.load_dataset(kind, data_files=[str(p) for p in files], split="train", streaming=streaming)
+        if streaming:  # read lazily: a bad file shows when the stream reaches it
+            return datasets.load_dataset(kind, data_files=[str(p) for p in files], split="train", streaming=True)
+        try:
+            return datasets.load_dataset(kind, data_files=[str(p) for p in files], split="train")
+        except Exception as err:  # noqa: BLE001 - datasets wraps every reader error in DatasetGenerationError
+            raise _unreadable(source, kind, files, err) from None
     try:
         return datasets.load_dataset(source, split=split or "train", streaming=streaming)
     except Exception as err:  # noqa: BLE001 - report any hub failure in one line
@@ -177,10 +263,20 @@ def texts_from(source: str, tokenizer, *, text_field: str = "text", split: str |
     if "messages" in cols:
         if getattr(tokenizer, "chat_template", None) is None:
             raise DataError(f"{source} is in chat format but the tokenizer has no chat template; use text records")
-        return [tokenizer.apply_chat_template(r["messages"], tokenize=False) for r in records]
-    if text_field not in cols:
+    elif text_field not in cols:
         raise DataError(f"{source} has no '{text_field}' column (columns: {cols}); set text_field=")
-    return [t for t in records[text_field] if isinstance(t, str) and t.strip()]
+    try:
+        if "messages" not in cols:
+            return [t for t in records[text_field] if isinstance(t, str) and t.strip()]
+        out = []
+        for i, r in enumerate(records):
+            problem = chat_problem(r["messages"])
+            if problem:
+                raise RecordError(source, i, problem)
+            out.append(tokenizer.apply_chat_template(r["messages"], tokenize=False))
+        return out
+    except UnicodeDecodeError as err:
+        raise encoding_error(source, err) from None
 
 
 def pack(texts: list[str], tokenizer, seq_len: int) -> torch.Tensor:
