@@ -490,11 +490,11 @@ class Run:
         self._plotted_evals = len(self.state.evals)
         if not self.main:
             return
-        from distill.plots import plot_training
-
         title = (f"{getattr(self.cfg, 'teacher', '')}: {self.progress} ({self.out.name}), "
                  f"step {self.state.step}/{self.cfg.max_steps}")
         try:
+            from distill.plots import plot_training  # matplotlib: a broken install warns too
+
             plot_training(self.state.history, self.state.evals, self.out / "loss.png", diverged_at=diverged_at,
                           title=f"{title}, diverged at step {diverged_at}" if diverged_at else title)
         except Exception as err:  # noqa: BLE001 - matplotlib, the disk: report, keep training
