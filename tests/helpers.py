@@ -13,3 +13,13 @@ def child_env(**extra: str) -> dict[str, str]:
     the caller's own ``PYTHONPATH`` holds kept after it (replacing it would hide packages installed there)."""
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+def write_text_corpus(path, lines: int = 300, words: int = 40) -> str:
+    """A .txt corpus of ``lines`` distinct documents (one per line) of ``words`` common words: distinct, so the
+    content-hash held-out split puts some on each side."""
+    import random
+
+    vocab = "the quick brown fox jumps over the lazy dog and distills a teacher into a student".split()
+    path.write_text("\n".join(" ".join(random.Random(i).choices(vocab, k=words)) for i in range(lines)) + "\n")
+    return str(path)

@@ -34,6 +34,7 @@ from distill.prune import (
     student_from_record,
 )
 from distill.student import kept_channels, kept_layers
+from tests.helpers import write_text_corpus
 
 
 def _blocks(n: int = 4, seq: int = 24, seed: int = 0) -> torch.Tensor:
@@ -469,9 +470,7 @@ def test_cli_writes_a_loadable_pruned_model(tmp_path, capsys):
     import json
 
     path = save_tiny(tmp_path / "teacher", layers=3)
-    words = "the quick brown fox jumps over the lazy dog and distills a teacher into a student".split()
-    lines = [" ".join(words[(i * 7 + j) % len(words)] for j in range(40)) for i in range(300)]
-    (tmp_path / "text.txt").write_text("\n".join(lines) + "\n")
+    write_text_corpus(tmp_path / "text.txt")
     out = tmp_path / "pruned"
     code = main(["--model", str(path), "--out", str(out), "--target-ratio", "0.5", "--axes", "depth,mlp",
                  "--dataset", str(tmp_path / "text.txt"), "--seq-len", "32", "--calib-blocks", "4",

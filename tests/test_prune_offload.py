@@ -27,6 +27,7 @@ from distill.prune import (
     short_distill,
     student_from_record,
 )
+from tests.helpers import write_text_corpus
 
 # Embeddings, half the layers, the final norm and the head on disk: every kind of weight prune reads is offloaded.
 DISK_MAP = {"model.embed_tokens": "disk", "model.layers.0": "cpu", "model.layers.1": "disk", "model.layers.2": "disk",
@@ -94,9 +95,7 @@ def test_short_distill_from_offloaded_teacher_equals_in_memory(teachers):
 
 def test_cli_offload_writes_a_loadable_pruned_model(tmp_path, monkeypatch, capsys):
     path = save_tiny(tmp_path / "teacher", layers=3)
-    words = "the quick brown fox jumps over the lazy dog and distills a teacher into a student".split()
-    lines = [" ".join(words[(i * 7 + j) % len(words)] for j in range(40)) for i in range(300)]
-    (tmp_path / "text.txt").write_text("\n".join(lines) + "\n")
+    write_text_corpus(tmp_path / "text.txt")
     loaded = []
 
     def small_memory_load(name, *args, **kwargs):
