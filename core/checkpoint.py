@@ -5,7 +5,8 @@ only once every file is on disk (and ``COMPLETE`` marks it), so ``resume=latest`
 whole one. Layout of ``step-N/``: the accelerate state (``model.safetensors`` with ``student.*`` and
 ``projectors.*`` keys, optimizer, scheduler, RNG states), ``student/`` (the student's config,
 generation config and tokenizer: enough to rebuild it for export), ``config.yaml`` (the resolved
-recipe config) and ``trainer_state.json`` (step, loss history, initial metrics).
+recipe config) and ``trainer_state.json`` (step, loss history, initial metrics, and the number of
+processes and global batch that wrote it: a resume must run on as many processes).
 """
 
 from __future__ import annotations

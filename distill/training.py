@@ -25,6 +25,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,12 @@ from eval.prompt_set import default_prompts_path
 TRACKERS = ("none", "tensorboard", "wandb")
 PRECISIONS = ("no", "bf16", "fp16", "auto")
 
+# How long a rank waits at a barrier or collective before the process group gives up. Some work runs on the
+# main process alone while the others wait: preparing a large corpus (main_process_first), the retrofit's
+# pass-key check. NCCL's own default (10 minutes) would abort those runs.
+DIST_TIMEOUT_ENV = "HYBRID_DISTILL_DIST_TIMEOUT"
+DIST_TIMEOUT_S = 3 * 3600
+
 
 # --------------------------------------------------------------------------------------------
 # Run setup and teardown
@@ -63,6 +70,21 @@ def launched_with_fsdp() -> bool:
     return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
 
 
+def dist_timeout() -> timedelta:
+    """The process group's timeout: ``$HYBRID_DISTILL_DIST_TIMEOUT`` seconds, by default 3 hours."""
+    raw = os.environ.get(DIST_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return timedelta(seconds=DIST_TIMEOUT_S)
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ConfigError(f"{DIST_TIMEOUT_ENV}={raw!r} is not a positive number of seconds; unset it for the "
+                          f"default ({DIST_TIMEOUT_S} s)")
+    return timedelta(seconds=seconds)
+
+
 def make_accelerator(cfg: Any, project_dir: Path) -> Accelerator:
     """An ``Accelerator`` from a recipe config (``mixed_precision``, ``grad_accum``, ``tracker``).
 
@@ -71,13 +93,16 @@ def make_accelerator(cfg: Any, project_dir: Path) -> Accelerator:
     accelerate miscounts processes. The LR schedule is stepped by :func:`train_step`, once per optimizer
     step: accelerate's own stepping advances it ``num_processes`` times per step (it assumes a
     dataloader split across ranks, so a 2-process run would warm up and decay twice as fast).
+    Every backend waits :func:`dist_timeout` at a barrier (NCCL's default would be 10 minutes).
     """
     mixed = cfg.mixed_precision
     if mixed == "auto":
         mixed = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
     launched_apart = int(os.environ.get("WORLD_SIZE", "1")) > 1
     distributed = launched_apart or launched_with_deepspeed()
-    handlers = [InitProcessGroupKwargs(backend="gloo")] if distributed and not torch.cuda.is_available() else []
+    gloo = distributed and not torch.cuda.is_available()
+    handlers = [InitProcessGroupKwargs(backend="gloo", timeout=dist_timeout()) if gloo
+                else InitProcessGroupKwargs(timeout=dist_timeout())]  # the backend: accelerate's choice
     log_with = None if cfg.tracker == "none" else cfg.tracker
     accelerator = Accelerator(gradient_accumulation_steps=cfg.grad_accum, mixed_precision=mixed, log_with=log_with,
                               project_dir=str(project_dir), kwargs_handlers=handlers,
@@ -96,9 +121,10 @@ def start_run(config_cls: type, argv: list[str] | None = None, *, resume_safe: I
     Every process checks the folder before anything loads (:func:`core.rundir.check_output_dir`);
     the main process then claims it: an old run is removed only if ``overwrite`` allows it and the
     folder carries our marker, so a mistyped ``output_dir`` never loses files we did not write. A
-    resume is checked here too: a config that differs from the checkpoint's outside ``resume_safe``
-    is refused before any model or data loads. ``without_deepspeed``: the error for a recipe that does
-    not run under DeepSpeed, raised before the folder is touched when a DeepSpeed config launched it;
+    resume is checked here too: a config that differs from the checkpoint's outside ``resume_safe``, or
+    another number of processes (:func:`check_resume_world`), is refused before any model or data loads.
+    ``without_deepspeed``: the error for a recipe that does not run under DeepSpeed, raised before the
+    folder is touched when a DeepSpeed config launched it;
     ``without_fsdp`` the same for an FSDP config. ``check``: the recipe's own checks of the parsed config
     (e.g. :func:`distill.config.check_sources`), run before the folder is touched.
     """
@@ -110,9 +136,10 @@ def start_run(config_cls: type, argv: list[str] | None = None, *, resume_safe: I
     if without_fsdp and launched_with_fsdp():
         raise ConfigError(without_fsdp)
     out = rundir.check_output_dir(cfg.output_dir, cfg.overwrite, cfg.resume)
-    if cfg.resume is not None:
-        check_resume(cfg, out, resume_safe)
+    resume = check_resume(cfg, out, resume_safe) if cfg.resume is not None else None
     accelerator = make_accelerator(cfg, out)
+    if resume is not None:  # the world size is known once the accelerator exists; still before any model loads
+        check_resume_world(resume, accelerator.num_processes)
     setup_threads(cfg.threads, accelerator.is_main_process)  # every core, even under `accelerate launch`
     if accelerator.is_main_process:
         rundir.claim_output_dir(out, cfg.overwrite, cfg.resume)
@@ -130,20 +157,43 @@ def check_resume(cfg: Any, out: Path, resume_safe: Iterable[str] = ()) -> Path:
     return path
 
 
+class WorldSizeMismatch(ckpt.CheckpointError):
+    """A resume on another number of processes than the checkpoint was written by."""
+
+
+def check_resume_world(path: Path, num_processes: int) -> None:
+    """Refuse to resume checkpoint ``path`` on another number of processes than wrote it.
+
+    The global batch counts the processes, the data order starts step t at about t × global batch, a token
+    budget (``max_tokens``) sets the step count from it, and each rank restores its own RNG state: on another
+    world size the resumed run would silently train on other data for another number of steps. A checkpoint
+    from before the world size was recorded is accepted unchecked.
+    """
+    saved = ckpt.read_state(path).get("num_processes")
+    if saved is not None and saved != num_processes:
+        raise WorldSizeMismatch(
+            f"checkpoint {path} was written by {saved} process{'es' * (saved != 1)} but this run has "
+            f"{num_processes}; the data order and step count depend on the world size: launch with {saved} "
+            f"process{'es' * (saved != 1)} (accelerate launch --num_processes {saved}) to resume it")
+
+
 def finish_run(cfg: Any, accelerator: Accelerator, out: Path, summary: dict[str, Any],
                print_summary: Callable[[dict[str, Any], Path], None]) -> None:
     """Run the release gate when ``cfg.gate`` asks, then write ``summary.json`` and print the summary.
 
     A gate that does not pass ends the process with exit code 1 (after everything is written), so a CI job
     that trains with ``gate=true`` fails with it; the verdict and the report are in ``summary.json``.
+    The ranks meet first: what follows is the main process's alone, and the others end without waiting for
+    the gate (a barrier after it would hold them for as long as it runs).
     """
-    if cfg.gate and accelerator.is_main_process:
-        summary["gate"] = gate_against_teacher(cfg, out, summary)
-    if accelerator.is_main_process:
-        atomic_write_text(out / "summary.json", json.dumps(summary, indent=1))
-        print_summary(summary, out)
     accelerator.wait_for_everyone()
-    if accelerator.is_main_process and cfg.gate and summary["gate"]["verdict"] != "pass":
+    if not accelerator.is_main_process:
+        return
+    if cfg.gate:
+        summary["gate"] = gate_against_teacher(cfg, out, summary)
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=1))
+    print_summary(summary, out)
+    if cfg.gate and summary["gate"]["verdict"] != "pass":
         print(f"error: the release gate says {summary['gate']['verdict'].upper()} (report: "
               f"{summary['gate']['report']}); the run's outputs are kept", file=sys.stderr)
         raise SystemExit(1)
@@ -305,6 +355,10 @@ class TrainerState:
     evals: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     init: dict[str, Any] = dataclasses.field(default_factory=dict)
     environment: dict[str, Any] = dataclasses.field(default_factory=dict)  # the writer's (core.environment)
+    # The world size and global batch (blocks per step) that wrote it: a resume must match them
+    # (check_resume_world). None: not known (a fake accelerator in tests).
+    num_processes: int | None = None
+    global_batch: int | None = None
 
 
 def json_line(record: dict[str, Any]) -> str:
@@ -330,7 +384,10 @@ class Run:
         self.cfg, self.accelerator = cfg, accelerator
         self.out = Path(cfg.output_dir)
         self.main = accelerator.is_main_process
-        self.state = TrainerState(environment=environment())
+        world = getattr(accelerator, "num_processes", None)
+        batch = (getattr(cfg, "micro_batch_size", None), getattr(cfg, "grad_accum", None), world)
+        self.state = TrainerState(environment=environment(), num_processes=world,
+                                  global_batch=math.prod(batch) if None not in batch else None)
         self.tracker_project, self.progress = tracker_project, progress
         self.bar = None
         self._t_step = 0.0
@@ -352,6 +409,8 @@ class Run:
         if self.cfg.resume is None:
             return self.state
         path = ckpt.resolve_resume(self.cfg.resume, self.out)  # its config was checked by start_run
+        if self.state.num_processes is not None:  # start_run checked the run's own; an ablation's is checked here
+            check_resume_world(path, self.state.num_processes)
         saved = ckpt.read_state(path)
         try:
             self.accelerator.load_state(str(path))
@@ -359,8 +418,8 @@ class Run:
             raise ckpt.CheckpointError(f"cannot load checkpoint {path} ({type(err).__name__}: {err}); resume from "
                                        "an older step-N folder") from None
         changed = differences(saved.get("environment"), self.state.environment)
-        self.state = TrainerState(step=saved["step"], history=saved["history"], evals=saved["evals"],
-                                  init=saved["init"], environment=self.state.environment)
+        self.state = dataclasses.replace(self.state, step=saved["step"], history=saved["history"],
+                                         evals=saved["evals"], init=saved["init"])
         self.resumed_from = path
         if self.main:
             print(f"resumed from {path} at step {self.state.step}")

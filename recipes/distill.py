@@ -285,18 +285,24 @@ def resume_ablation(cfg: DistillConfig, base: DistillConfig, accelerator: Accele
     The checkpoint's config is checked as the run's is (:func:`distill.training.check_resume`). The run's own
     check has already refused any change the user made, so an ablation checkpoint that differs was written with
     other derived settings (another student source, an older toolkit) and cannot give this run's ablation:
-    ``ce_only/`` is removed and the ablation starts over, saying why in one line.
+    ``ce_only/`` is removed and the ablation starts over, saying why in one line. So is one that an older
+    toolkit wrote beside the distilled student (``model_1``: the accelerator still held the first run's model).
     """
     folder = Path(base.output_dir)
     last = ckpt.latest_checkpoint(folder) if cfg.resume is not None else None
     if last is None:
         return base
     resumed = dataclasses.replace(base, resume=str(last), overwrite=False)
-    try:
-        check_resume(resumed, folder, RESUME_SAFE)
-        return resumed
-    except ConfigError as err:
-        why = str(err).split("; ")[0]
+    if any(p.name.startswith(("model_1", "pytorch_model_1")) for p in last.iterdir()):
+        # Written beside the distilled student (an older toolkit kept it in the accelerator): its first model
+        # is the distilled one, which a resume would load into the CE-only student.
+        why = "it holds the distilled student's weights too"
+    else:
+        try:
+            check_resume(resumed, folder, RESUME_SAFE)
+            return resumed
+        except ConfigError as err:
+            why = str(err).split("; ")[0]
     accelerator.wait_for_everyone()  # every rank has decided before the folder goes
     if accelerator.is_main_process:
         print(f"ablation: not resuming {last}, written with other settings ({why}); the CE-only student starts over")
@@ -322,6 +328,10 @@ def main(argv: list[str] | None = None) -> None:
             teacher_cache=None, debug_exit_at_step=ablation_exit_at_step(cfg), on_policy_fraction=0.0,
             student=str(out / PRUNED_DIR) if searched else cfg.student,
         )
+        # A fresh start for the accelerator: it holds the distilled run's model, optimizer and scheduler (memory,
+        # and every ablation checkpoint would save them too), and under DeepSpeed its first engine, which
+        # accelerator.backward would keep stepping while the ablation's optimizer did nothing.
+        accelerator.free_memory()
         base = resume_ablation(cfg, base, accelerator)
         if accelerator.is_main_process:
             print("\nablation: training a CE-only student for the same steps")

@@ -345,11 +345,11 @@ def training_window(spec: HybridAttentionConfig, seq_len: int, seed: int, step: 
     return entries[int(torch.randint(len(entries), (1,), generator=g))]
 
 
-def heldout_blocks(cfg: RetrofitConfig, tokenizer, length: int) -> torch.Tensor:
+def heldout_blocks(cfg: RetrofitConfig, tokenizer, length: int, progress: bool = True) -> torch.Tensor:
     """``[n, length]`` held-out blocks (the same documents at every length, packed differently)."""
     data = build_data(tokenizer, dataset=cfg.dataset, datasets=cfg.datasets, eval_dataset=cfg.eval_dataset,
                       seq_len=length, eval_blocks=cfg.eval_blocks, text_field=cfg.text_field, min_train_blocks=0,
-                      completion_only=cfg.completion_only, data_cache=cfg.data_cache)
+                      completion_only=cfg.completion_only, data_cache=cfg.data_cache, progress=progress)
     return data.eval
 
 
@@ -376,16 +376,17 @@ def training_function(cfg: RetrofitConfig, accelerator: Accelerator) -> dict:
     global_batch = cfg.micro_batch_size * cfg.grad_accum * accelerator.num_processes
     if cfg.max_tokens:  # a token budget sets the step count
         cfg.max_steps = steps_for_tokens(cfg.max_tokens, global_batch, cfg.seq_len)
+    main = accelerator.is_main_process
     with accelerator.main_process_first():  # one process prepares, the others map the cache
         data = build_data(tokenizer, dataset=cfg.dataset, datasets=cfg.datasets, eval_dataset=cfg.eval_dataset,
                           seq_len=cfg.seq_len, eval_blocks=cfg.eval_blocks, text_field=cfg.text_field,
                           min_train_blocks=global_batch, max_train_blocks=cfg.max_train_blocks,
                           completion_only=cfg.completion_only, data_cache=cfg.data_cache, progress=main)
+        heldout = {cfg.seq_len: data.eval}
+        for length in cfg.eval_lengths():  # the extra held-out lengths too: one prepare each, not one per rank
+            if length not in heldout:
+                heldout[length] = heldout_blocks(cfg, tokenizer, length, progress=main)
     order = data.order(global_batch, cfg.seed)
-    heldout = {cfg.seq_len: data.eval}
-    for length in cfg.eval_lengths():
-        if length not in heldout:
-            heldout[length] = heldout_blocks(cfg, tokenizer, length)
 
     if cfg.full_head_share > 0:  # which KV heads keep full attention, scored on the dense teacher
         spec = (resumed_head_roles(cfg, model, spec, accelerator.is_main_process)

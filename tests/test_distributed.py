@@ -307,3 +307,46 @@ def test_retrofit_cpu_ddp_two_processes(tmp_path):
     assert (out / "checkpoints" / "step-3" / "COMPLETE").is_file()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["num_processes"] == 2 and summary["steps"] == 3
+
+
+@needs_recipe
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_recipe_deepspeed_zero2_ce_only_ablation_trains(tmp_path):
+    """The CE-only ablation under DeepSpeed gets an engine of its own: with the distilled run's engine still tied
+    to the accelerator, accelerator.backward stepped that one and the ablation's student never trained."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    summary = _run_recipe("deepspeed_zero2.yaml", out, False, "compare_ce_only=true", "eval_every=0")
+    assert summary["deepspeed"]["zero_stage"] == 2
+    assert summary["ce_only_ppl_final"] < summary["student_ppl_init"]
+    assert summary["ce_only_ppl_final"] != pytest.approx(summary["student_ppl_final"], rel=1e-6)
+    history = json.loads((out / "ce_only" / "checkpoints" / "step-3" / "trainer_state.json").read_text())["history"]
+    assert [h["step"] for h in history] == [1, 2, 3] and history[-1]["ce"] < history[0]["ce"]
+    second = ("pytorch_model_1", "model_1", "optimizer_1", "scheduler_1")  # a second model's state beside its own
+    assert [p.name for p in (out / "ce_only" / "checkpoints" / "step-2").iterdir() if p.name.startswith(second)] == []
+    # keep_layers "0,3": the student starts as the teacher's layers 0 and 3; the CE-only one moved away from them
+    from core.tiny import tiny_teacher
+
+    ce, teacher = load_file(str(out / "ce_only" / "final" / "model.safetensors")), tiny_teacher(0).state_dict()
+    key = "model.layers.0.self_attn.q_proj.weight"
+    assert ce[key].shape == teacher[key].shape and not torch.allclose(ce[key], teacher[key])
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_retrofit_prepares_each_extra_heldout_length_once(tmp_path):
+    """The extra held-out lengths (eval_seq_lens) are prepared by the main process while the others wait, then
+    mapped from the cache: with a fresh data cache each length is tokenized and packed once, not once per rank."""
+    out = tmp_path / "run"
+    proc = _launch("cpu_ddp_2proc.yaml", [str(RETROFIT), "--config", str(RETROFIT_TINY), f"output_dir={out}",
+                                          f"data_cache={tmp_path / 'data'}", "max_steps=1", "save_every=0",
+                                          "eval_every=0", "eval_blocks=2", "eval_seq_lens=[256]",
+                                          "longctx_lengths=[]", "full_head_share=0"], cpu_ddp=True)
+    lines = (proc.stdout + proc.stderr).replace("\r", "\n").splitlines()
+    packed = [line for line in lines if line.startswith("pack builtin:stdlib-docs") and "100%" in line]
+    assert len(packed) == 2, packed  # seq_len 128 and 256, each once
+    assert len(list((tmp_path / "data").glob("*/meta.json"))) == 2
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["num_processes"] == 2 and set(summary["perplexity"]) == {"128", "256"}

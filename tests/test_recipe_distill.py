@@ -391,3 +391,35 @@ def test_a_kill_inside_the_ce_only_ablation_resumes_it_from_its_checkpoint(tmp_p
         wa, wb = (load_file(str(p / "ce_only" / "final" / "model.safetensors")) for p in (full, out))
         for k in wa:
             torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_the_ce_only_ablation_checkpoints_its_own_student_only(tmp_path):
+    """The ablation starts from an accelerator freed of the distilled run: its checkpoints hold the CE-only
+    student alone (the distilled model, optimizer and scheduler stayed registered beside it, doubling the memory
+    and the checkpoints, and a resume loaded the distilled weights into the first slot). An ablation checkpoint
+    written that way is not resumed: the CE-only student starts over, and ends as an uninterrupted one."""
+    common = [*TINY, "max_steps=4", "save_every=2", "keep_checkpoints=2", "eval_every=0", "compare_ce_only=true"]
+    out = tmp_path / "run"
+    run([*common, f"output_dir={out}"])
+    ablation = out / "ce_only" / "checkpoints"
+    names = sorted(p.name for p in (ablation / "step-2").iterdir())
+    assert "model.safetensors" in names and not [n for n in names if n.startswith(("model_1", "optimizer_1",
+                                                                                   "scheduler_1"))], names
+    ce, distilled = (load_file(str(p)) for p in (ablation / "step-2" / "model.safetensors",
+                                                  out / "checkpoints" / "step-4" / "model.safetensors"))
+    assert any(not torch.equal(ce[k], distilled[k]) for k in ce.keys() & distilled.keys())
+    state = json.loads((ablation / "step-2" / "trainer_state.json").read_text())
+    assert state["num_processes"] == 1 and [h["step"] for h in state["history"]] == [1, 2]
+    first = json.loads((out / "summary.json").read_text())
+
+    # A checkpoint as the older toolkit wrote it: the distilled model first, the CE-only student as model_1.
+    older = ablation / "step-4"
+    (older / "model.safetensors").rename(older / "model_1.safetensors")
+    (older / "model.safetensors").write_bytes((out / "checkpoints" / "step-4" / "model.safetensors").read_bytes())
+    proc = run([*common, f"output_dir={out}", "resume=latest"])
+    assert "ablation: not resuming" in proc.stdout and "distilled student's weights" in proc.stdout
+    assert "resumed from" not in proc.stdout.split("ablation:")[-1]
+    again = json.loads((out / "summary.json").read_text())
+    for key in ("ce_only_ppl_final", "ce_only_top1_agreement", "student_ppl_final"):
+        assert again[key] == pytest.approx(first[key], rel=1e-6), key

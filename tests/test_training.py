@@ -249,3 +249,116 @@ def test_loss_png_is_redrawn_at_each_evaluation_and_before_a_divergence_stops_th
     lines = _metrics(tmp_path)
     assert [(line["step"], line["loss"], line.get("diverged")) for line in lines] == [
         (1, 2.0, None), (2, 2.0, None), (3, 2.0, None), (4, None, True)]
+
+
+# --------------------------------------------------------------------------------------------
+# Distributed runs: the process group's timeout, the barrier before the gate, resuming on another world size.
+# --------------------------------------------------------------------------------------------
+
+def _handlers(monkeypatch, cuda: bool, world: int) -> list:
+    """The kwargs handlers :func:`distill.training.make_accelerator` gives accelerate (no process group starts)."""
+    seen = {}
+
+    class FakeAccelerator:
+        num_processes = world
+
+        def __init__(self, **kwargs):
+            seen.update(kwargs)
+
+    monkeypatch.setattr(training, "Accelerator", FakeAccelerator)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
+    training.make_accelerator(SimpleNamespace(mixed_precision="no", grad_accum=1, tracker="none"), "out")
+    return seen["kwargs_handlers"]
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+@pytest.mark.parametrize("world", [1, 2])
+def test_every_process_group_waits_hours_at_a_barrier_not_nccls_ten_minutes(monkeypatch, cuda, world):
+    """Rank 0 alone may prepare a corpus or run a long check while the others wait: NCCL's default of 10 minutes
+    would abort them. Every backend gets the toolkit's timeout (3 hours; $HYBRID_DISTILL_DIST_TIMEOUT)."""
+    from datetime import timedelta
+
+    from accelerate.utils import InitProcessGroupKwargs
+
+    from core.config import ConfigError
+
+    ENV = "HYBRID_DISTILL_DIST_TIMEOUT"
+    monkeypatch.delenv(ENV, raising=False)
+    (handler,) = [h for h in _handlers(monkeypatch, cuda, world) if isinstance(h, InitProcessGroupKwargs)]
+    kwargs = handler.to_kwargs()  # what accelerate passes to init_process_group (values differing from its defaults)
+    assert kwargs["timeout"] == timedelta(hours=3)
+    if world > 1 and not cuda:
+        assert kwargs["backend"] == "gloo"
+    else:
+        assert "backend" not in kwargs  # accelerate's own choice (NCCL on GPUs)
+
+    monkeypatch.setenv(ENV, "7200")
+    (handler,) = _handlers(monkeypatch, cuda, world)
+    assert handler.to_kwargs()["timeout"] == timedelta(hours=2)
+    for bad in ("soon", "0", "-5", "inf"):
+        monkeypatch.setenv(ENV, bad)
+        with pytest.raises(ConfigError) as err:
+            _handlers(monkeypatch, cuda, world)
+        assert ENV in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("main", [True, False])
+def test_the_ranks_meet_before_the_gate_so_none_waits_for_it(tmp_path, monkeypatch, main):
+    events = []
+
+    class Rank:
+        is_main_process = main
+
+        def wait_for_everyone(self) -> None:
+            events.append("barrier")
+
+    def gate(cfg, out, summary):
+        events.append("gate")
+        return {"verdict": "pass", "exit_code": 0, "report": "gate/report.md"}
+
+    monkeypatch.setattr(training, "gate_against_teacher", gate)
+    training.finish_run(SimpleNamespace(gate=True), Rank(), tmp_path, {"loss": 1.0}, lambda s, out: events.append("print"))
+    assert events == (["barrier", "gate", "print"] if main else ["barrier"])
+    assert (tmp_path / "summary.json").is_file() == main
+
+
+@pytest.mark.slow
+def test_a_resume_on_another_number_of_processes_is_refused_before_any_model_loads(tmp_path, monkeypatch):
+    """The global batch counts the processes and the data order follows it (a token budget sets the step count
+    from it too): a checkpoint resumes only on as many processes as wrote it, or the run would silently train on
+    other data. An older checkpoint, without the record, resumes unchecked."""
+    from core.config import ConfigError
+    from distill.config import RESUME_SAFE, DistillConfig, check_sources
+    from tests.helpers import ROOT
+
+    out = tmp_path / "run"
+    _distill([f"output_dir={out}", "max_steps=2", "save_every=2", "eval_every=0"])
+    state_path = out / "checkpoints" / "step-2" / "trainer_state.json"
+    state = json.loads(state_path.read_text())
+    assert state["num_processes"] == 1 and state["global_batch"] == 2  # micro_batch_size 2 × grad_accum 1 × 1
+
+    def start(world: int):
+        monkeypatch.setattr(training, "make_accelerator", lambda cfg, out: SimpleNamespace(
+            num_processes=world, is_main_process=True, wait_for_everyone=lambda: None))
+        monkeypatch.setattr(training, "setup_threads", lambda *args: None)
+        return training.start_run(DistillConfig, ["--config", str(ROOT / "recipes/configs/tiny.yaml"),
+                                                  f"output_dir={out}", "resume=latest", "max_steps=4"],
+                                  resume_safe=RESUME_SAFE, check=check_sources)
+
+    with pytest.raises(ConfigError) as err:
+        start(2)
+    message = str(err.value)
+    assert "\n" not in message and "written by 1 process but this run has 2" in message
+    assert "launch with 1 process (accelerate launch --num_processes 1)" in message
+    start(1)  # the same world size passes
+
+    del state["num_processes"], state["global_batch"]  # a checkpoint from before the record: accepted
+    state_path.write_text(json.dumps(state))
+    start(2)
+    state_path.write_text(json.dumps({**state, "num_processes": 1, "global_batch": 2}))
+
+    proc = _distill([f"output_dir={out}", "resume=latest", "max_steps=4", "save_every=2", "eval_every=0"])
+    assert f"resumed from {out / 'checkpoints' / 'step-2'} at step 2" in proc.stdout
+    assert json.loads((out / "checkpoints" / "step-4" / "trainer_state.json").read_text())["num_processes"] == 1
