@@ -237,10 +237,7 @@ def check_sources(cfg: Any) -> None:
     for key, name in models:
         if name:
             check_model_source(name, key)
-    if cfg.datasets:
-        for spec in parse_sources(cfg.datasets):
-            check_data_source(spec.source, "datasets source")
-    else:
-        check_data_source(cfg.dataset, "dataset")
+    for spec in parse_sources(cfg.datasets, cfg.dataset):  # neither set: a DataError naming both keys
+        check_data_source(spec.source, "datasets source" if cfg.datasets else "dataset")
     if cfg.eval_dataset:
         check_data_source(cfg.eval_dataset, "eval_dataset")

@@ -641,7 +641,7 @@ class HeldOut:
                 raise PruneError("the held-out blocks hold no completion target (completion_only masks every token); "
                                  "raise prune_eval_blocks or seq_len, or set completion_only=false")
             self.rank_blocks = int(scored[0]) + 1
-        device = next(teacher.parameters()).device
+        device = input_device(teacher)
         with torch.no_grad():
             self.hidden = torch.cat([teacher.model(input_ids=blocks[s:s + batch_size].to(device), use_cache=False)
                                      .last_hidden_state.cpu() for s in range(0, blocks.shape[0], batch_size)])

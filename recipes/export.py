@@ -172,6 +172,11 @@ def export(cfg: ExportConfig) -> ExportResult:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     out = Path(cfg.output_dir).expanduser().absolute()
+    with ex.export_lock(out):  # a second export to out would take this one's temp folders for leftovers
+        return _export(cfg, out)
+
+
+def _export(cfg: ExportConfig, out: Path) -> ExportResult:
     # A killed export left its temp folders (full model copies) beside out: only those named after out go,
     # and an export it was replacing is put back (serve.export.clean_leftovers).
     ex.clean_leftovers(out)

@@ -513,6 +513,50 @@ def temp_prefix(target: str | os.PathLike, kind: str) -> str:
     return f".{Path(target).name}.{kind}-"
 
 
+class ExportBusy(ConfigError):
+    """Another export to the same output is running."""
+
+
+@contextlib.contextmanager
+def export_lock(target: str | os.PathLike) -> Iterator[Path]:
+    """Hold ``.NAME.export.lock`` beside ``target`` for a whole export, or raise :class:`ExportBusy` at once.
+
+    Two exports to one output would each take the other's temp folders for a killed export's leftovers
+    (:func:`clean_leftovers`) and delete them mid-write. The lock is an ``flock``: a killed holder releases it.
+    The file is removed on release; a process that locked a file just removed (its inode is no longer the
+    path's) tries again, so two holders never coexist.
+    """
+    import fcntl
+
+    target = Path(target).expanduser().absolute()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    path = target.parent / f".{target.name}.export.lock"
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise ExportBusy(f"another export to {target} is running (pid {holder}, lock {path.name}); wait for it "
+                             "to finish or choose another output_dir") from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)  # the previous holder removed the file after we opened it: lock the new one
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield path
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        os.close(fd)  # closing releases the flock
+
+
 def clean_leftovers(target: str | os.PathLike) -> list[Path]:
     """Remove the temp folders a killed export to ``target`` left beside it; return the ones handled.
 

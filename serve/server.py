@@ -26,7 +26,8 @@ server does not implement (``logprobs``, penalties, ``tools``, ``tool_choice`` `
 ``modalities`` beyond ``["text"]``, ``prediction``, ...) at anything but its neutral value gets 400 naming it
 (code ``unsupported``). Accepted and ignored, because none can change the output: ``user``, ``metadata``,
 ``store``, ``service_tier``, ``parallel_tool_calls``, ``safety_identifier``, ``prompt_cache_key``. Chat
-messages: ``developer`` is templated as ``system``; a message ``name`` gets 400. ``max_tokens`` and
+messages: ``developer`` is templated as ``system``; a message ``name`` (a string) is accepted and not shown to the
+model, as chat templates drop it. ``max_tokens`` and
 ``max_completion_tokens`` may both be sent only with one value. Limits: bodies
 over ``--max-body-bytes`` get 413, a body that does not arrive within ``--body-timeout`` 408 (a request
 head that does not: the connection is closed), a request not finished within ``--request-timeout`` 504
@@ -292,7 +293,7 @@ def _chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
 
     ``developer`` is OpenAI's newer name for ``system``: it reaches the chat template as ``system`` (templates
     know only that one, and some add a default system prompt when they do not see it). A message ``name`` is
-    refused: the template would drop it, yet it is part of what the client asked the model to read.
+    accepted and dropped, as chat templates drop it: agent frameworks send one on every message.
     """
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -305,9 +306,9 @@ def _chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
         role, content = m.get("role"), m.get("content")
         if role not in ROLES:
             raise BadRequest(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", where + ".role")
-        if m.get("name") is not None:
-            raise BadRequest(f"{where}.name is not supported by this server (the chat template cannot show it); "
-                             "leave it out or put the name in the content", where + ".name", "unsupported")
+        if m.get("name") is not None and not isinstance(m["name"], str):
+            raise BadRequest(f"{where}.name must be a string, got {_type_name(m['name'])}", where + ".name",
+                             "invalid_type")
         if isinstance(content, list):
             texts = []
             for j, part in enumerate(content):

@@ -73,6 +73,24 @@ def test_prepared_blocks_equal_the_in_memory_reference_and_are_compact(tmp_path,
     assert P.token_dtype(70_000) == np.uint32
 
 
+def test_prepare_works_with_datasets_before_4_which_has_no_list_feature(tmp_path, tok, monkeypatch):
+    import datasets
+
+    monkeypatch.delattr(datasets, "List", raising=False)  # datasets 3.x: variable-length lists are Sequence
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [json.loads(line) for line in Path(_chat(tmp_path / "chat.jsonl", 30)).read_text().splitlines()]
+    src = str(tmp_path / "chat.parquet")  # parquet goes through datasets.map (jsonl has its own reader)
+    pq.write_table(pa.Table.from_pylist(rows), src)
+    prep = P.prepare_source(SourceSpec(src), tok, P.PackSettings(32, eval_fraction=0.0), data_cache=str(tmp_path / "c"),
+                            progress=False)
+    ids, masks = D.text.encode_chat(tok, [rows[0]["messages"]], True)
+    n = len(ids[0])
+    assert np.asarray(prep.train).reshape(-1)[:n].tolist() == ids[0]
+    assert np.asarray(prep.train_mask).reshape(-1)[:n].tolist() == masks[0]
+
+
 def test_blocks_read_prepared_rows_with_pread_not_through_the_map(tmp_path, tok, monkeypatch):
     from distill.data import corpus as C
 

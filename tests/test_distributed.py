@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -173,12 +174,27 @@ def _launch_env(cpu_ddp: bool) -> dict[str, str]:
     return env
 
 
-def _launch(config: str, script: list[str], cpu_ddp: bool, timeout: int = 420) -> subprocess.CompletedProcess:
+# What a rank prints when it aborts at interpreter exit, after its work and the process group are finished:
+# seen about once in twenty full-suite runs on a loaded 2-core machine, never twice in a row.
+EXIT_ABORT = "terminate called without an active exception"
+
+
+def _launch(config: str, script: list[str], cpu_ddp: bool, timeout: int = 420,
+            rerun_exit_abort: bool = False) -> subprocess.CompletedProcess:
+    """Launch ``script`` on two processes; assert it exits 0.
+
+    ``rerun_exit_abort``: a run whose only failure is :data:`EXIT_ABORT` is run once more (only for scripts
+    that can rerun into the same folder); a second failure of any kind fails the test.
+    """
     cmd = [*_accelerate_bin(), "--config_file", str(LAUNCH / config), "--main_process_port", "0"]
     if not cpu_ddp:
         cmd += ["--num_processes", "2", "--mixed_precision", "no"]  # bf16 is slow on CPUs
     proc = subprocess.run(cmd + script, cwd=ROOT, env=_launch_env(cpu_ddp), capture_output=True, text=True,
                           timeout=timeout)
+    if rerun_exit_abort and proc.returncode != 0 and EXIT_ABORT in proc.stdout + proc.stderr:
+        warnings.warn(f"a rank aborted at exit ({EXIT_ABORT!r}); running once more", stacklevel=2)
+        proc = subprocess.run(cmd + script, cwd=ROOT, env=_launch_env(cpu_ddp), capture_output=True, text=True,
+                              timeout=timeout)
     assert proc.returncode == 0, f"launch failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}"
     return proc
 
@@ -215,7 +231,7 @@ def _check_schedule(out: Path) -> None:
 def test_probe_cpu_ddp_two_processes(tmp_path):
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
-    _launch("cpu_ddp_2proc.yaml", [str(script), str(tmp_path)], cpu_ddp=True)
+    _launch("cpu_ddp_2proc.yaml", [str(script), str(tmp_path)], cpu_ddp=True, rerun_exit_abort=True)
     r0, r1 = _reports(tmp_path)
     assert r0["world"] == r1["world"] == 2 and r0["distributed_type"] == "DistributedType.MULTI_CPU"
     assert r0["teacher_type"] == "LlamaForCausalLM" and not r0["zero3"]
@@ -230,7 +246,7 @@ def test_probe_cpu_ddp_two_processes(tmp_path):
 def test_probe_deepspeed_zero3_two_processes(tmp_path):
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
-    _launch("deepspeed_zero3.yaml", [str(script), str(tmp_path)], cpu_ddp=False)
+    _launch("deepspeed_zero3.yaml", [str(script), str(tmp_path)], cpu_ddp=False, rerun_exit_abort=True)
     r0, r1 = _reports(tmp_path)
     assert r0["world"] == 2 and r0["distributed_type"] == "DistributedType.DEEPSPEED" and r0["zero3"]
     assert r0["teacher_type"] == "DeepSpeedEngine"

@@ -20,6 +20,7 @@ from core.config import ConfigError, parse_config
 from core.tiny import save_tiny, tiny_model, tiny_tokenizer
 from recipes.export import ExportConfig, export
 from serve import export as ex
+from tests.helpers import ROOT
 
 REPO = Path(__file__).resolve().parent.parent
 HYBRID = {"sink_tokens": 4, "window": 8, "global_every": 16, "max_globals": 2}
@@ -587,6 +588,30 @@ def test_an_export_killed_between_its_two_renames_gets_its_previous_export_back(
     with pytest.raises(ConfigError, match="already exists; pass overwrite=true"):  # it is back, so not replaced
         run_export(src, out)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "final"]
+
+
+def test_a_second_export_to_the_same_output_is_refused_while_the_first_runs(tmp_path: Path) -> None:
+    """A concurrent export would take the running one's temp folder for a killed export's leftovers."""
+    src = save_tiny(tmp_path / "final")
+    out = tmp_path / "export"
+    running = tmp_path / ".export.partial-r7nn1ng_"  # the first export's half-written model
+    running.mkdir()
+    (running / "model.safetensors").write_bytes(b"x" * 100)
+    code = ("import sys, time; from serve.export import export_lock\n"
+            "with export_lock(sys.argv[1]):\n    print('held', flush=True); time.sleep(60)\n")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(out)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(ex.ExportBusy, match=f"another export to {out} is running \\(pid {holder.pid}"):
+            run_export(src, out)
+        assert (running / "model.safetensors").read_bytes() == b"x" * 100 and not out.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    # A killed holder leaves its lock file but no lock: the next export goes ahead, and removes both.
+    assert (tmp_path / ".export.export.lock").is_file()
+    run_export(src, out)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "final"]
 
 

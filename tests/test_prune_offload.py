@@ -93,6 +93,20 @@ def test_short_distill_from_offloaded_teacher_equals_in_memory(teachers):
         torch.testing.assert_close(got, want, msg=name)
 
 
+def test_heldout_of_offloaded_teacher_equals_in_memory(teachers):
+    """The search's held-out set runs the teacher once: its ids go where the embeddings run, not to ``meta``."""
+    plain, offloaded = teachers
+    ids = _blocks(seed=2)
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[:, :5] = False
+    want, got = prune.HeldOut(plain, ids, batch_size=2, mask=mask), prune.HeldOut(offloaded, ids, batch_size=2, mask=mask)
+    torch.testing.assert_close(got.hidden, want.hidden)
+    student = prune_to(plain, importance(plain, ids, batch_size=2, progress=False),
+                       Arch(layers=2, hidden=64, kv_heads=2, group=2, intermediate=64))
+    a, b = want.stats(student), got.stats(student)
+    assert a.tokens == b.tokens and (a.nll_sum, a.kl_sum, a.agree) == pytest.approx((b.nll_sum, b.kl_sum, b.agree))
+
+
 def test_cli_offload_writes_a_loadable_pruned_model(tmp_path, monkeypatch, capsys):
     path = save_tiny(tmp_path / "teacher", layers=3)
     write_text_corpus(tmp_path / "text.txt")

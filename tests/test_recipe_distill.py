@@ -341,7 +341,8 @@ def test_source_checks_pass_what_only_loading_can_judge_and_refuse_missing_local
     for keys, says in (({"student": str(tmp_path / "nope")}, "student: model path"),
                        ({"student": str(tmp_path)}, "has no config.json"),
                        ({"dataset": "data/train.parquet"}, "dataset data/train.parquet does not exist"),
-                       ({"datasets": ["org/data", {"source": "~/no/such.txt"}]}, "datasets source ~/no/such.txt")):
+                       ({"datasets": ["org/data", {"source": "~/no/such.txt"}]}, "datasets source ~/no/such.txt"),
+                       ({"dataset": None}, "no training data: set dataset= or datasets=")):
         with pytest.raises(ConfigError) as err:
             check_sources(DistillConfig(**keys))
         assert says in str(err.value) and "\n" not in str(err.value)

@@ -532,7 +532,6 @@ REFUSED = [
     ("unknown-field", C, {**OK, "min_p": 0.1}, "min_p"),
     ("chat-field-on-completions", C, {**OK, "top_logprobs": 2}, "top_logprobs"),
     ("completions-field-on-chat", CHAT, {"messages": MSG, "echo": False}, "echo"),
-    ("message-name", CHAT, {"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, "messages[0].name"),
     ("both-max-tokens-differ", C, {**OK, "max_tokens": 3, "max_completion_tokens": 10}, "max_completion_tokens"),
     ("chat-both-max-tokens-differ", CHAT, {"messages": MSG, "max_tokens": 3, "max_completion_tokens": 4},
      "max_completion_tokens"),
@@ -549,6 +548,12 @@ def test_fields_that_would_change_the_output_are_refused(client, name, path, bod
     assert param.split(".")[-1] in err["message"]
 
 
+def test_a_message_name_must_be_a_string(client):
+    r = client.post(CHAT, json={"messages": [{"role": "user", "content": "hi", "name": 7}], "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    assert (r.json()["error"]["param"], r.json()["error"]["code"]) == ("messages[0].name", "invalid_type")
+
+
 # Neutral values, and fields that cannot change the output: accepted. (path, body)
 ACCEPTED = [
     ("chat-logprobs-false", CHAT, {"logprobs": False, "top_logprobs": 0}),
@@ -562,6 +567,7 @@ ACCEPTED = [
     ("completions-user", C, {"user": "u1"}),
     ("both-max-tokens-equal", C, {"max_tokens": 3, "max_completion_tokens": 3}),
     ("message-name-null", CHAT, {"messages": [{"role": "user", "content": "hi", "name": None}]}),
+    ("message-name", CHAT, {"messages": [{"role": "user", "content": "hi", "name": "bob"}]}),  # LangChain sends it
 ]
 
 
@@ -570,6 +576,20 @@ def test_neutral_and_harmless_fields_are_accepted(client, name, path, extra):
     base = OK if path == C else {"messages": MSG, "max_tokens": 3, "temperature": 0}
     r = client.post(path, json={**base, **extra})
     assert r.status_code == 200, r.text
+
+
+def test_a_message_name_reaches_the_model_as_the_same_prompt_without_it(model_dir):
+    """Agent frameworks name every message; chat templates drop names, so the prompt is the nameless one."""
+    engine = Engine(model_dir, max_batch=1, max_seq_len=128)
+    seen: list[list[int]] = []
+    encode = engine.encode
+    engine.encode = lambda *a: seen.append(encode(*a)) or seen[-1]
+    with ServerThread(create_app(engine, model_name="tiny")) as srv, httpx.Client(base_url=srv.url, timeout=60) as c:
+        answers = [c.post(CHAT, json={"messages": [{"role": "user", "content": "hi", **extra}], "max_tokens": 4,
+                                      "temperature": 0}) for extra in ({"name": "bob"}, {})]
+    assert [r.status_code for r in answers] == [200, 200]
+    assert len(seen) == 2 and seen[0] == seen[1]
+    assert answers[0].json()["choices"][0]["message"] == answers[1].json()["choices"][0]["message"]
 
 
 def test_developer_role_is_templated_as_system(model_dir):

@@ -442,9 +442,10 @@ def mapped_features(dtype: np.dtype, with_mask: bool):
     """
     import datasets
 
-    feats = {"ids": datasets.List(datasets.Value(dtype.name)), "heldout": datasets.Value("bool")}
+    as_list = getattr(datasets, "List", None) or datasets.Sequence  # List is datasets>=4; Sequence before
+    feats = {"ids": as_list(datasets.Value(dtype.name)), "heldout": datasets.Value("bool")}
     if with_mask:
-        feats["mask"] = datasets.List(datasets.Value("uint8"))
+        feats["mask"] = as_list(datasets.Value("uint8"))
     return datasets.Features(feats)
 
 
