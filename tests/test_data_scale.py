@@ -749,6 +749,28 @@ def test_a_malformed_chat_record_is_named_by_file_and_record(tmp_path, tok, monk
         D.texts_from(str(src), tok)
 
 
+def test_a_text_record_that_is_not_a_string_is_named_not_dropped(tmp_path, tok, monkeypatch):
+    """A number or a list under text_field is a schema mistake: dropping those records would lose data silently.
+    A null stays an empty record, as a blank line is."""
+    rows = [{"text": t} for t in _texts(40, 3)]
+    rows[5]["text"] = None
+    rows[25]["text"] = ["a", "list"]
+    src = tmp_path / "mixed.jsonl"
+    src.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    monkeypatch.setattr(P, "_MIN_BYTES_PER_PROC", 100)
+    monkeypatch.setattr(parallel, "_MIN_RANGE", 300)  # several ranges: the bad record is not in the first
+    says = rf"^{src}: record 25 has 'text' of type list, not a string .*fix or remove that record$"
+    for n, proc in enumerate((1, 2)):
+        with pytest.raises(DataError, match=says):
+            P.prepare_source(SourceSpec(str(src)), tok, P.PackSettings(8), data_cache=str(tmp_path / f"c{n}"),
+                             num_proc=proc, progress=False)
+    with pytest.raises(DataError, match=says):
+        D.texts_from(str(src), tok)
+    del rows[25]
+    src.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert D.texts_from(str(src), tok) == [r["text"] for r in rows if r["text"]]
+
+
 def test_non_utf8_and_empty_files_are_named(tmp_path, tok, monkeypatch):
     def prepare(path, kind, num_proc=1):
         return P.prepare_source(SourceSpec(str(path)), tok, P.PackSettings(8), data_cache=str(tmp_path / kind),

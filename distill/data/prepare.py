@@ -47,6 +47,7 @@ from distill.data.text import (
     local_files,
     source_identity,
     stdlib_docs,
+    text_problem,
     tokenizer_fingerprint,
 )
 
@@ -222,7 +223,10 @@ def _tokenize_fn(tokenizer, spec: SourceSpec, settings: PackSettings, chat: bool
             ids, masks = encode_chat(tokenizer, batch["messages"], settings.completion_only)
             keys = [chat_key(m) for m in batch["messages"]] if split and "heldout" not in batch else None
         else:
-            texts = [t if isinstance(t, str) and t.strip() else "" for t in batch[text_field]]
+            for i, t in zip(indices, batch[text_field]):
+                if t is not None and not isinstance(t, str):  # null is an empty record; a list or number is a mistake
+                    raise RecordError(spec.source, i, text_problem(text_field, t))
+            texts = [t if t is not None and t.strip() else "" for t in batch[text_field]]
             ids = encode(texts)
             masks = None
             keys = [split_key(t) for t in texts] if split and "heldout" not in batch else None

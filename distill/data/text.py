@@ -57,6 +57,12 @@ class RecordError(DataError):
         return f"{self.where}: record {self.index} {self.reason}; fix or remove that record"
 
 
+def text_problem(text_field: str, value) -> str:
+    """Why a text record whose ``text_field`` holds ``value`` (not a string, not null) is refused."""
+    return (f"has '{text_field}' of type {type(value).__name__}, not a string (set text_field= to the column that "
+            "holds the text)")
+
+
 def chat_problem(messages) -> str | None:
     """What is wrong with a record's ``messages`` (None when it is a list of ``{role, content}`` dicts)."""
     if messages is None:
@@ -267,7 +273,11 @@ def texts_from(source: str, tokenizer, *, text_field: str = "text", split: str |
         raise DataError(f"{source} has no '{text_field}' column (columns: {cols}); set text_field=")
     try:
         if "messages" not in cols:
-            return [t for t in records[text_field] if isinstance(t, str) and t.strip()]
+            texts = records[text_field]
+            for i, t in enumerate(texts):
+                if t is not None and not isinstance(t, str):
+                    raise RecordError(source, i, text_problem(text_field, t))
+            return [t for t in texts if t is not None and t.strip()]
         out = []
         for i, r in enumerate(records):
             problem = chat_problem(r["messages"])
