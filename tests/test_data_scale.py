@@ -794,6 +794,13 @@ def test_non_utf8_and_empty_files_are_named(tmp_path, tok, monkeypatch):
     for proc in (1, 2):
         with pytest.raises(DataError, match=rf"^{latin} is not UTF-8 \(byte 1613: invalid continuation byte\)"):
             prepare(latin, f"d{proc}", proc)
+    # Streamed (datasets=[{source: ..., streaming: true}]): met mid-stream, named the same way.
+    from distill.data.stream import StreamBlocks
+
+    for path, where in ((latin, "byte 1613"), (txt, "byte 1003")):
+        stream = StreamBlocks(SourceSpec(str(path), streaming=True), tok, P.PackSettings(8))
+        with pytest.raises(DataError, match=rf"^{path} is not UTF-8 \({where}: invalid continuation byte\)"):
+            list(stream.blocks("train"))
     # The check reads in chunks: a character cut by a chunk edge is still UTF-8, a bad byte there is not.
     from distill.data import text as T
 

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from distill.data.prepare import PackSettings, _tokenize_fn
-from distill.data.text import DataError, SourceSpec, load_records
+from distill.data.text import DataError, SourceSpec, encoding_error, load_records
 
 RESUME_NOTE = ("streamed data resumes by re-reading the stream up to the checkpoint's block; exact only if the "
                "source yields the same records in the same order (same files / same hub revision)")
@@ -93,6 +93,12 @@ class StreamBlocks:
 
     def blocks(self, split: str) -> Iterator[tuple[np.ndarray, np.ndarray | None]]:
         """Every ``split`` ('train' / 'eval') block of one pass over the stream."""
+        try:
+            yield from self._blocks(split)
+        except UnicodeDecodeError as err:  # met mid-stream, maybe hours in: name the file, line and byte
+            raise encoding_error(self.spec.source, err) from None
+
+    def _blocks(self, split: str) -> Iterator[tuple[np.ndarray, np.ndarray | None]]:
         records = load_records(self.spec.source, self.spec.split, streaming=True)
         batch: list[dict] = []
         index = 0
