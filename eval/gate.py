@@ -382,14 +382,22 @@ def _lm_metrics(cfg: GateConfig, models: dict[str, Path], prompts: list[Prompt],
         "top1_agreement": {"candidate": _interval_dict(c_stats, "top1_agreement", cfg), "text": source},
         "kl": {"candidate": _interval_dict(c_stats, "kl", cfg), "text": source},
     }
+    note = "KL(reference ‖ candidate) in nats per token; intervals bootstrap text windows"
     if cfg.heldout:
         b_stats = r_stats
         if ref_role != "baseline":
             del ref
             gc.collect()
-            base, _ = load_model(models["baseline"], settings.device,
-                                 "fp32" if settings.device == "cpu" else settings.dtype)
-            b_stats, _ = window_stats(base, windows, nbytes, None, batch_size=4, pad_id=pad, progress="lm baseline")
+            base, base_tok = load_model(models["baseline"], settings.device,
+                                        "fp32" if settings.device == "cpu" else settings.dtype)
+            b_windows, b_bytes, b_pad = windows, nbytes, pad
+            if base_tok.get_vocab() != tok.get_vocab():  # only the teacher's vocabulary was checked: own tokens
+                b_windows, b_bytes = text_windows(base_tok, text, cfg.lm_seq_len)
+                b_pad = base_tok.pad_token_id if base_tok.pad_token_id is not None else 0
+                note += ("; the baseline has its own tokenizer: its loss and perplexity are per its own tokens, "
+                         "compare bits_per_byte")
+            b_stats, _ = window_stats(base, b_windows, b_bytes, None, batch_size=4, pad_id=b_pad,
+                                      progress="lm baseline")
             del base
         for m in ("loss", "perplexity", "bits_per_byte"):
             metrics[m] = {"candidate": _interval_dict(c_stats, m, cfg), "baseline": _interval_dict(b_stats, m, cfg),
@@ -397,8 +405,7 @@ def _lm_metrics(cfg: GateConfig, models: dict[str, Path], prompts: list[Prompt],
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return {"reference_model": ref_role, "windows": len(windows), "tokens": sum(s.tokens for s in c_stats),
-            "note": "KL(reference ‖ candidate) in nats per token; intervals bootstrap text windows",
-            "metrics": metrics}
+            "note": note, "metrics": metrics}
 
 
 def _versions() -> dict[str, str]:

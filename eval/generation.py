@@ -141,7 +141,7 @@ class GenerationCache:
         self.path = None if cache_dir is None else Path(cache_dir) / "generations" / f"{fingerprint[:32]}.jsonl"
         self.rows: dict[str, dict] = {}
         if self.path is not None and self.path.is_file():
-            for line in self.path.read_text().splitlines():
+            for line in self.path.read_text().split("\n"):  # not splitlines(): outputs may hold a raw U+2028
                 try:
                     row = json.loads(line)
                     self.rows[row["key"]] = row

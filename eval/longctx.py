@@ -244,11 +244,16 @@ def run_longctx(model, tok, *, lengths: list[int], depths: int | str | list[floa
         for length in lengths:
             sel = [r for r in rows if r["kind"] == kind and r["length"] == length]
             acc[kind][str(length)] = sum(r["found"] for r in sel) / len(sel)
-            cells[kind][str(length)] = {f"{d:.3f}": sum(r["found"] for r in sel if r["depth"] == d) / trials
+            # The share of the cell's own samples: a length or depth given twice puts more than ``trials`` there.
+            cells[kind][str(length)] = {f"{d:.3f}": _share([r["found"] for r in sel if r["depth"] == d])
                                         for d in grid}
     return {"accuracy": acc, "cells": cells, "depths": grid, "lengths": lengths, "trials": trials,
             "kinds": list(kinds), "seed": seed, "key_tokens_canonical": canonical, "scoring": scoring,
             "seconds": time.perf_counter() - t0, "samples": rows}
+
+
+def _share(found: list[bool]) -> float:
+    return sum(found) / len(found) if found else float("nan")
 
 
 def plot_heatmap(result: dict[str, Any], path: Path, title: str) -> None:

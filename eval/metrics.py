@@ -100,8 +100,8 @@ def batch_stats(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: t
         logits: ``[batch, seq, vocab]`` of the evaluated model.
         input_ids: ``[batch, seq]``; the label of position t is token t+1.
         attention_mask: ``[batch, seq]``, 1 = real token.
-        ref_logits: ``[batch, seq, vocab']`` of a reference (teacher); vocab' ≥ vocab rows are
-            sliced to the evaluated model's vocabulary.
+        ref_logits: ``[batch, seq, vocab']`` of a reference (teacher); agreement and KL are taken over
+            the first ``min(vocab, vocab')`` ids, the wider side's extra (padding) columns dropped.
         loss_mask: ``[batch, seq]`` bool, True where the token is a target (completion-only chat
             data); a position counts only when its label is a target. None: every token.
 
@@ -114,9 +114,11 @@ def batch_stats(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: t
         stats.nll_sum += F.cross_entropy(lg, labels, reduction="sum").item()
         stats.tokens += n
         if ref is not None:
-            ref = ref.float()[..., : lg.shape[-1]]
-            stats.agree += int((lg.argmax(-1) == ref.argmax(-1)).sum())
-            stats.kl_sum += F.kl_div(F.log_softmax(lg, -1), F.log_softmax(ref, -1), log_target=True,
+            # Compare on the ids both have: either side's extra columns are padding of its embedding matrix.
+            width = min(lg.shape[-1], ref.shape[-1])
+            ref, shared = ref.float()[..., :width], lg[..., :width]
+            stats.agree += int((shared.argmax(-1) == ref.argmax(-1)).sum())
+            stats.kl_sum += F.kl_div(F.log_softmax(shared, -1), F.log_softmax(ref, -1), log_target=True,
                                      reduction="sum").item()
             stats.ref_tokens += n
     return stats

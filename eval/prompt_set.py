@@ -57,7 +57,9 @@ def _read_jsonl(path: Path, what: str) -> list[tuple[int, dict]]:
     except UnicodeDecodeError:
         raise GateInputError(f"{path.name}: not UTF-8 text; save it as UTF-8 JSON Lines") from None
     rows = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
+    # Records end at \n only: str.splitlines() would also split at U+2028, U+2029 or U+0085, which JSON strings may
+    # hold unescaped (json.dumps(ensure_ascii=False) writes them raw).
+    for lineno, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         try:

@@ -52,6 +52,7 @@ def write_markdown(path: Path, report: dict) -> None:
     bs = report["bertscore"]
     diff, cand, base = bs["difference"], bs["candidate"], bs["baseline"]
     thr = report["threshold"]
+    level = f"{100 * bs.get('confidence', 0.95):g} % interval"  # the run's --confidence, not always 95 %
     lines = [
         f"# Release gate: **{report['verdict'].upper()}**",
         "",
@@ -72,7 +73,7 @@ def write_markdown(path: Path, report: dict) -> None:
     lines += [f"- {r}" for r in report["reasons"]]
     lines += [
         "",
-        "| | mean | 95 % interval | SE |",
+        f"| | mean | {level} | SE |",
         "|---|---|---|---|",
         f"| candidate F1 | {_fmt(cand['mean'])} | [{_fmt(cand['low'])}, {_fmt(cand['high'])}] | {_fmt(cand['se'])} |",
         f"| baseline F1 | {_fmt(base['mean'])} | [{_fmt(base['low'])}, {_fmt(base['high'])}] | {_fmt(base['se'])} |",
@@ -112,7 +113,7 @@ def write_markdown(path: Path, report: dict) -> None:
     if "skipped" in lm:
         lines.append(f"Skipped: {lm['skipped']}.")
     else:
-        lines += ["| metric | model | value | 95 % interval | text |", "|---|---|---|---|---|"]
+        lines += [f"| metric | model | value | {level} | text |", "|---|---|---|---|---|"]
         for name, entry in lm["metrics"].items():
             for who, iv in entry.items():
                 if who == "text":

@@ -390,3 +390,46 @@ def test_a_rerun_that_dies_leaves_no_earlier_report_and_nothing_else_is_touched(
     res = run_gate(_cfg(env, "rerun-dies", candidate=str(env["orig"]), skip_lm_metrics=True), scorer=env["scorer"])
     assert json.loads(res.report_json.read_text())["verdict"] == res.verdict == "pass"
     assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]  # written through temp files, none left
+
+
+def test_generation_cache_keeps_outputs_with_unicode_line_separators(tmp_path):
+    """Outputs are written raw (ensure_ascii=False); a U+2028 / U+0085 a model generated must not tear its cache
+    row on reading, or that prompt misses the cache on every rerun."""
+    from eval.generation import GenerationCache
+
+    rows = [{"key": "k1", "id": "a", "output": "one\u2028two\u0085three\u2029", "new_tokens": 3, "hit_limit": False},
+            {"key": "k2", "id": "b", "output": "plain", "new_tokens": 1, "hit_limit": True}]
+    GenerationCache(tmp_path, "f" * 64).add(rows)
+    assert GenerationCache(tmp_path, "f" * 64).rows == {r["key"]: r for r in rows}
+
+
+def test_heldout_metrics_of_a_baseline_with_another_tokenizer_use_its_own_tokens(tmp_path):
+    """With --teacher, only the teacher's vocabulary is checked against the candidate's: a baseline with another
+    tokenizer was fed the candidate's token ids, and its perplexity / bits per byte were silently wrong."""
+    from core.tiny import tiny_model, tiny_tokenizer
+    from eval.gate import _lm_metrics
+    from eval.generation import load_model
+    from eval.metrics import evaluate_text
+
+    cand = Path(save_tiny(tmp_path / "cand", seed=0))
+    base = tmp_path / "base"
+    tiny_model(seed=1).save_pretrained(base)
+    tiny_tokenizer(["return the number of items in a container", "a brown dog jumps"] * 5).save_pretrained(base)
+    text = "Return the number of items in a container. The quick brown fox jumps over the lazy dog.\n" * 3
+    (tmp_path / "heldout.txt").write_text(text)
+    cfg = GateConfig(candidate=str(cand), baseline=str(base), teacher=str(cand), out=str(tmp_path / "out"),
+                     heldout=str(tmp_path / "heldout.txt"), lm_seq_len=64, resamples=50, device="cpu")
+    lm = _lm_metrics(cfg, {"candidate": cand, "baseline": base, "teacher": cand}, [], [])
+    model, tok = load_model(base, "cpu", "fp32")
+    want = evaluate_text(model, tok, text, seq_len=64)
+    got = lm["metrics"]["bits_per_byte"]["baseline"]["mean"]
+    assert got == pytest.approx(want.bits_per_byte, rel=1e-5)
+    assert lm["metrics"]["loss"]["baseline"]["mean"] == pytest.approx(want.loss, rel=1e-5)
+
+
+def test_report_md_labels_intervals_with_the_confidence_level_used(env):
+    """--confidence 0.8 gives 80 % intervals; report.md must not call them 95 % intervals."""
+    cfg = _cfg(env, "conf-md", candidate=str(env["orig"]), heldout=str(env["root"] / "heldout.txt"), confidence=0.8)
+    md = run_gate(cfg, scorer=env["scorer"]).report_md.read_text()
+    assert "95 %" not in md
+    assert md.count("80 % interval") == 2  # the BERTScore table and the language-model metrics table

@@ -189,3 +189,14 @@ def test_bad_flags_and_an_unwritable_out_are_refused_before_the_model_loads(tmp_
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and err.startswith("error: ") and says in err, (flags, err)
     assert afile.read_text() == "not a folder" and sorted(tmp_path.iterdir()) == [afile]
+
+
+def test_cells_are_accuracies_even_when_a_length_or_depth_repeats(tok, monkeypatch):
+    """A cell is the share of its samples found: a repeated length or depth must not push it above 1."""
+    monkeypatch.setattr(longctx, "score_sample", lambda *a, **k: (True, "[]"))
+    model = type("M", (), {"config": type("C", (), {"max_position_embeddings": 1024})()})()
+    res = longctx.run_longctx(model, tok, lengths=[300, 300, 400], depths="0.5,0.5,0.75", trials=2,
+                              kinds=("passkey",), progress=False)
+    assert res["accuracy"]["passkey"] == {"300": 1.0, "400": 1.0}
+    for length in ("300", "400"):
+        assert res["cells"]["passkey"][length] == {"0.500": 1.0, "0.750": 1.0}

@@ -113,3 +113,19 @@ def test_evaluate_lm_progress_shows_a_bar_and_changes_nothing(capsys):
     err = capsys.readouterr().err
     assert "held-out 16" in err and "3/3" in err
     assert shown == quiet  # the same sums, field by field
+
+
+def test_candidate_vocabulary_wider_than_the_reference_is_compared_on_the_shared_ids():
+    """A candidate with more logit columns than its reference (same tokenizer, e.g. a differently padded
+    embedding matrix) used to crash KL with a shape mismatch; it is compared on the shared ids."""
+    logits, ref, ids, mask = _pair(vocab=48)
+    ref = ref[..., :40]  # the reference is the narrower one now
+    st = batch_stats(logits, ids, mask, ref_logits=ref)
+    v = (mask[:, 1:] & mask[:, :-1]).bool()
+    lg, rf, lab = logits[:, :-1][v], ref[:, :-1][v], ids[:, 1:][v]
+    assert st.nll_sum == pytest.approx(F.cross_entropy(lg, lab, reduction="sum").item(), rel=1e-6)
+    lg40 = lg[:, :40].double()
+    p = torch.softmax(rf.double(), -1)
+    naive_kl = (p * (p.log() - torch.log_softmax(lg40, -1))).sum().item()
+    assert st.kl_sum == pytest.approx(naive_kl, rel=1e-5)
+    assert st.agree == int((lg40.argmax(-1) == rf.argmax(-1)).sum())

@@ -55,3 +55,17 @@ def test_field_types_are_checked(tmp_path, line, needle):
     with pytest.raises(GateInputError, match=needle) as info:
         load_prompts(f)
     assert "p.jsonl line 2" in str(info.value)
+
+
+def test_unicode_line_separators_inside_a_json_string_do_not_split_the_line(tmp_path):
+    """json.dumps(ensure_ascii=False) writes U+2028 / U+2029 / U+0085 raw; JSON Lines ends a record at \\n only."""
+    rows = [{"id": "a", "prompt": "first\u2028still first", "reference": "r\u0085r"},
+            {"id": "b", "prompt": "second\u2029x", "reference": "ok"}]
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(json.dumps(r, ensure_ascii=False) + "\r\n" for r in rows), encoding="utf-8")
+    ps = load_prompts(f)
+    assert [(p.id, p.prompt, p.reference) for p in ps] == [(r["id"], r["prompt"], r["reference"]) for r in rows]
+    refs = tmp_path / "r.jsonl"
+    refs.write_text(json.dumps({"id": "b", "reference": "x\u2028y"}, ensure_ascii=False) + "\n"
+                    + json.dumps({"id": "a", "reference": "z"}) + "\n", encoding="utf-8")
+    assert load_references(refs, ps) == ["z", "x\u2028y"]
