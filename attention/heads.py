@@ -188,7 +188,8 @@ class _Probe:
         k = key[0].repeat_interleave(group, 0)  # [heads, k_len, d]
         s = (q @ k.transpose(-1, -2)).float() * (scaling if scaling is not None else q.shape[-1] ** -0.5)
         n = key.shape[2]
-        causal = torch.arange(n) <= torch.arange(n - self.rows, n).unsqueeze(1)
+        pos = torch.arange(n, device=s.device)  # on the model's device (a CPU mask fails on CUDA scores)
+        causal = pos <= pos[n - self.rows:].unsqueeze(1)
         self.attn[module.layer_idx] = torch.softmax(s.masked_fill(~causal, float("-inf")), -1)
         return out.transpose(1, 2).contiguous(), None
 
@@ -219,7 +220,7 @@ def head_scores(model, samples: list[NeedleSample], *, progress: bool = True) ->
             model(input_ids=ids, use_cache=False, logits_to_keep=1)
             key_pos = torch.tensor(s.key_positions)
             for li in range(layers):
-                a = probe.attn[li]  # [heads, rows, k_len]; row r predicts answer token r
+                a = probe.attn[li].cpu()  # [heads, rows, k_len]; row r predicts answer token r (counts on CPU)
                 top = a.argmax(-1)  # [heads, rows]
                 hit[li] += (top == key_pos.unsqueeze(0)).float().sum(-1)
                 mass[li] += a.gather(-1, key_pos.view(1, -1, 1).expand(heads, -1, 1)).squeeze(-1).sum(-1)
@@ -299,10 +300,11 @@ def find_head_roles(model, tokenizer, spec: HybridAttentionConfig, haystack: tor
             half the samples single-key, half with 3 named keys).
         samples, length: how many samples of how many tokens.
         gate_steps, gate_lr, gate_l1: the gate training (``method="gates"`` only).
-        gate_window: the streaming window while the gates train (None: ``spec.window``; ``window_policy``
-            layers keep theirs). A smaller one puts more of each sample beyond the window at the same cost,
-            so the gates also learn which heads need the tokens between it and the serving window; the
-            roles apply to ``spec`` as given.
+        gate_window: the streaming window while the gates train (None: ``spec``'s window for ``length``,
+            its ``window_policy``'s when it has one; given, it replaces the policy while the gates train). A
+            smaller one puts more of each sample beyond the window at the same cost, so the gates also
+            learn which heads need the tokens between it and the serving window; the roles apply to
+            ``spec`` as given.
         gate_context: ``attention.gates.train_gates``' ``context`` (``"dense"``: only the question and answer
             run gated, so long samples cost little).
     """
@@ -314,11 +316,13 @@ def find_head_roles(model, tokenizer, spec: HybridAttentionConfig, haystack: tor
         return spec.streaming()
     extra: dict[str, Any] = {"samples": samples, "sample_len": length}
     if method == "gates":
-        trained = spec if gate_window is None else dataclasses.replace(spec, window=gate_window)
+        # gate_window replaces the policy too (else the policy's window would silently win); the record
+        # names the window the gates really trained under (a policy's for the sample length).
+        trained = spec if gate_window is None else spec.with_window(gate_window)
         result = learn_gates(model, tokenizer, trained, haystack, samples=samples, length=length, seed=seed,
                              steps=gate_steps, lr=gate_lr, l1=gate_l1, progress=progress, context=gate_context)
         extra.update(steps=gate_steps, lr=gate_lr, l1=gate_l1, multikey=result.multikey, context=gate_context,
-                     final_mse=round(result.history[-1]["mse"], 6), window=trained.window)
+                     final_mse=round(result.history[-1]["mse"], 6), window=trained.window_for(length))
         return choose_roles(spec, result.gates, share, method=method, tiebreak=result.pressure, extra=extra)
     min_start, min_distance = _needle_bounds(spec, length)
     data = needle_samples(tokenizer, haystack, count=samples, length=length, min_distance=min_distance,

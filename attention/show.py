@@ -99,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
                          ("max_globals", a.max_globals)):
             if val is not None:
                 base[key] = val
+        if a.window is not None:  # an explicit window replaces a saved window_policy (which would win otherwise)
+            base["window_policy"] = None
         base["global_rows"] = base["global_rows"] or a.global_rows
         if a.seq < 1:
             raise HybridAttentionError(f"--seq must be >= 1, got {a.seq}")

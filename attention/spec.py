@@ -45,6 +45,22 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def _index_list(value: Any) -> list[int] | None:
+    """Sorted distinct indices of a list, tuple or set of integers (numpy's too), else None (floats, bools, strings)."""
+    if not isinstance(value, (list, tuple, set, frozenset)) or not all(_is_int(x) for x in value):
+        return None
+    return sorted({int(x) for x in value})
+
+
+def _layer_key(value: Any) -> int | None:
+    """A ``full_heads`` layer key: an integer, or its decimal string (JSON object keys are strings)."""
+    if _is_int(value):
+        return int(value)
+    if isinstance(value, str) and value.isascii() and value.isdigit():
+        return int(value)
+    return None
+
+
 @dataclasses.dataclass
 class HybridAttentionConfig:
     sink_tokens: int = 128
@@ -86,6 +102,8 @@ class HybridAttentionConfig:
                 raise HybridAttentionError("window_policy needs [[max_len, window], ...] of integers with windows > 0, "
                                            f"got {self.window_policy!r}")
             bounds = [b for b, _ in policy if b is not None]
+            if any(b < 1 for b in bounds):  # no input is shorter than 1 token: never served, yet trained on
+                raise HybridAttentionError(f"window_policy bounds must be >= 1 (a length in tokens), got {bounds}")
             # strictly: with a repeated bound the later window is sampled in training but never served
             if any(a >= b for a, b in zip(bounds, bounds[1:])) or any(b is None for b, _ in policy[:-1]):
                 raise HybridAttentionError("window_policy bounds must strictly increase; only the last may be None "
@@ -96,22 +114,19 @@ class HybridAttentionConfig:
                 raise HybridAttentionError("full_heads needs {layer: [kv_head, ...]}, e.g. {0: [1], 5: [0, 2]}")
             heads: dict[int, list[int]] = {}
             for layer, hs in self.full_heads.items():
-                try:
-                    li, his = int(layer), sorted({int(h) for h in hs})
-                except (TypeError, ValueError):
-                    raise HybridAttentionError(f"full_heads[{layer!r}] must be a list of KV head indices, "
-                                               f"got {hs!r}") from None
+                li, his = _layer_key(layer), _index_list(hs)
+                if li is None or his is None:
+                    raise HybridAttentionError(f"full_heads[{layer!r}] must be a list of KV head indices under an "
+                                               f"integer layer, got {hs!r}")
                 if li < 0 or any(h < 0 for h in his):
                     raise HybridAttentionError(f"full_heads has a negative layer or head index ({layer}: {hs})")
                 if his:
                     heads[li] = his
             self.full_heads = dict(sorted(heads.items())) or None
         if self.full_layers is not None:
-            try:
-                layers = sorted({int(x) for x in self.full_layers})
-            except (TypeError, ValueError):
-                raise HybridAttentionError(f"full_layers must be a list of layer indices, got {self.full_layers!r}"
-                                           ) from None
+            layers = _index_list(self.full_layers)
+            if layers is None:
+                raise HybridAttentionError(f"full_layers must be a list of layer indices, got {self.full_layers!r}")
             if any(x < 0 for x in layers):
                 raise HybridAttentionError(f"full_layers has a negative layer index: {layers}")
             self.full_layers = layers or None

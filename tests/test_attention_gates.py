@@ -254,3 +254,30 @@ def test_bad_share_or_method_is_one_line_error(kw, match):
     with pytest.raises(HybridAttentionError, match=match) as err:
         find_head_roles(None, CharTokenizer(), TINY_SPEC, torch.zeros(1, 8, dtype=torch.long), **kw)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("gate_window, want", [(None, 40), (8, 8)])
+def test_gate_window_applies_and_is_recorded_under_a_window_policy(monkeypatch, gate_window, want):
+    """With a window_policy, the gates train under gate_window when given (else the policy's window for the
+    sample length), and head_scores records the window that really trained them."""
+    import attention.gates as gates
+    from attention.functional import resolve_window
+    from attention.heads import find_head_roles
+
+    seen = []
+
+    def spy(model, data, spec, **kw):
+        seen.append(({resolve_window(spec, len(d.ids)) for d in data},
+                     min(d.answer_start - d.key_positions[-1] for d in data)))
+        return gates.GateResult(torch.tensor([[0.9, 0.1], [0.2, 0.8]]), torch.zeros(2, 2),
+                                [{"mse": 0.0, "mean_gate": 0.5}])
+
+    monkeypatch.setattr(gates, "train_gates", spy)
+    spec = HybridAttentionConfig(sink_tokens=4, window=24, global_every=64, window_policy=[[100, 12], [None, 40]])
+    hay = torch.randint(3, 300, (4, 500), generator=torch.Generator().manual_seed(0))
+    out = find_head_roles(None, CharTokenizer(), spec, hay, share=0.5, method="gates", samples=2, length=450,
+                          gate_steps=2, progress=False, gate_window=gate_window)
+    (windows, distance), = seen
+    assert windows == {want} and distance >= want + 16
+    assert out.head_scores["window"] == want
+    assert out.window_policy == spec.window_policy and out.window == 24  # the roles keep the spec's pattern

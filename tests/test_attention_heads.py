@@ -237,3 +237,17 @@ def test_reshare_reranks_the_saved_scores_and_tiebreak():
     assert reshare(saved, 0.0).full_heads is None
     with pytest.raises(HybridAttentionError, match="no saved head scores"):
         reshare(HybridAttentionConfig(**BASE), 0.5)
+
+
+def test_probe_builds_its_causal_mask_on_the_model_device():
+    # head_score=retrieval/mass on a GPU model: the probe's mask must live where the scores do. The meta
+    # device checks devices like CUDA does, without a GPU.
+    from types import SimpleNamespace
+
+    from attention.heads import _Probe
+
+    probe = _Probe()
+    probe.rows = 2
+    q, k = torch.empty(1, 4, 7, 8, device="meta"), torch.empty(1, 2, 7, 8, device="meta")
+    out, _ = probe(SimpleNamespace(layer_idx=0), q, k, k, None)
+    assert out.shape == (1, 7, 4, 8) and probe.attn[0].shape == (4, 2, 7)

@@ -25,3 +25,20 @@ def test_cli_writes_png_and_rejects_bad_spec(tmp_path, capsys):
     assert main(["--seq", "300", "--window", "0", "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: window") and "\n" not in err
+
+
+def test_cli_window_flag_wins_over_a_saved_window_policy(tmp_path, monkeypatch):
+    # The default retrofit saves a window_policy; --window must draw that window, not the policy's.
+    import json
+
+    import attention.show as show
+
+    model = tmp_path / "model"
+    model.mkdir()
+    spec = HybridAttentionConfig(sink_tokens=4, window=512, global_every=64, window_policy=[[128, 8], [None, 32]])
+    (model / "config.json").write_text(json.dumps({"hybrid_attention": spec.to_dict()}))
+    drawn = []
+    monkeypatch.setattr(show, "draw", lambda seq, s, out, block=None: drawn.append(s.window_for(seq)) or out)
+    assert main(["--model", str(model), "--seq", "300", "--window", "16", "--out", str(tmp_path / "a.png")]) == 0
+    assert main(["--model", str(model), "--seq", "300", "--out", str(tmp_path / "b.png")]) == 0
+    assert drawn == [16, 32]

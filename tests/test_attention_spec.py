@@ -46,3 +46,36 @@ def test_integers_of_other_types_are_stored_as_python_ints_and_round_trip():
     assert spec.window_policy == [(64, 8), (None, 16)]
     assert HybridAttentionConfig.from_dict(json.loads(spec.to_json())) == spec
     assert spec.window_for(64) == 8 and spec.window_for(65) == 16
+
+
+@pytest.mark.parametrize("roles", [
+    {"full_layers": [1.5]},  # would be truncated to layer 1
+    {"full_layers": [True]},  # a bool is not layer 1
+    {"full_layers": "12"},  # a string is not the layers [1, 2]
+    {"full_heads": {0: [1.7]}},
+    {"full_heads": {0: [False]}},
+    {"full_heads": {0: "01"}},  # not KV heads [0, 1]
+    {"full_heads": {1.5: [0]}},
+    {"full_heads": {True: [0]}},
+    {"full_heads": {"1.0": [0]}},
+])
+def test_head_roles_refuse_what_is_not_an_index_list(roles):
+    with pytest.raises(HybridAttentionError) as err:
+        HybridAttentionConfig.from_dict(roles)
+    assert "\n" not in str(err.value)
+
+
+def test_head_roles_accept_json_keys_and_integers_of_other_types():
+    spec = HybridAttentionConfig(full_heads={"3": [np.int64(1), 0], 5: (2,)}, full_layers=[np.int32(7), 2])
+    assert spec.full_heads == {3: [0, 1], 5: [2]} and spec.full_layers == [2, 7]
+    assert all(type(h) is int for hs in spec.full_heads.values() for h in hs) and type(spec.full_layers[0]) is int
+    assert HybridAttentionConfig.from_dict(json.loads(spec.to_json())) == spec
+
+
+@pytest.mark.parametrize("policy", [[[0, 8], [None, 16]], [[-4, 8], [None, 16]], [[0, 8]]])
+def test_window_policy_refuses_bounds_no_input_can_reach(policy):
+    # No input has fewer than 1 token: such an entry is never served, yet training would crop to it.
+    with pytest.raises(HybridAttentionError, match="bounds") as err:
+        HybridAttentionConfig(window_policy=policy)
+    assert "\n" not in str(err.value)
+    assert HybridAttentionConfig(window_policy=[[1, 8], [None, 16]]).window_for(1) == 8
