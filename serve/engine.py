@@ -325,9 +325,12 @@ class Engine:
         self._lock = threading.Condition()
         self._thread: threading.Thread | None = None
         self._shutdown = False
-        # Decode inputs live in preallocated buffers, updated in place every step.
-        self._tokens = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self._pos = torch.zeros(max_batch, dtype=torch.long, device=device)
+        # Decode inputs live in preallocated buffers, updated in place every step. Every tensor the engine keeps
+        # and updates in place (these, the KV cache, the prefix cache's pool) is made outside inference mode: an
+        # inference tensor could not be updated once a caller uses the engine outside torch.inference_mode().
+        with torch.inference_mode(False):
+            self._tokens = torch.zeros(max_batch, dtype=torch.long, device=device)
+            self._pos = torch.zeros(max_batch, dtype=torch.long, device=device)
         self._decode = self.model.decode_one_token
         self._compiled = compile and device.type == "cuda"
         if self._compiled:
@@ -422,9 +425,10 @@ class Engine:
         if old is not None and old.rows >= rows:
             return old
         rows = min(self.max_batch, max(rows, 2 * (old.rows if old else 0), self._min_rows, 1))
-        new = self.model.new_cache(rows, self.max_seq_len, dense=self.dense)
-        if old is not None:
-            new.copy_rows_from(old)
+        with torch.inference_mode(False):  # a normal tensor: updated in place in and out of inference mode
+            new = self.model.new_cache(rows, self.max_seq_len, dense=self.dense)
+            if old is not None:
+                new.copy_rows_from(old)
         self.cache = new
         self._rows.extend([None] * (rows - len(self._rows)))
         return new

@@ -86,8 +86,9 @@ class _Pool:
             n = min(self.slab, self.capacity - self.reserved)
             if n <= 0:
                 return None
-            self._k.append(torch.zeros((n, *self.shape), dtype=self.dtype, device=self.device))
-            self._v.append(torch.zeros((n, *self.shape), dtype=self.dtype, device=self.device))
+            with torch.inference_mode(False):  # written in and out of inference mode (serve.engine)
+                self._k.append(torch.zeros((n, *self.shape), dtype=self.dtype, device=self.device))
+                self._v.append(torch.zeros((n, *self.shape), dtype=self.dtype, device=self.device))
             self._free.extend(range(self.reserved + n - 1, self.reserved - 1, -1))
             self.reserved += n
         return self._free.pop()

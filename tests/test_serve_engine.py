@@ -415,3 +415,30 @@ def test_a_warmup_whose_request_fails_raises(started):
         assert isinstance(e.value.__cause__, RuntimeError) and engine.num_active == 0
     finally:
         engine.stop()
+
+
+@pytest.mark.parametrize("first_inside", [True, False])
+def test_an_engine_works_inside_and_outside_inference_mode_alike(first_inside):
+    """The engine's own tensors (KV cache, prefix-cache pool, decode inputs) stay usable whichever grad mode a
+    caller is in: an engine first used (or made) under torch.inference_mode() used to fail every later request
+    outside it ("Inplace update to inference tensor outside InferenceMode"), and outputs stay the same."""
+    import contextlib
+
+    model = no_eos(tiny_model("llama", seed=7))
+    sp = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    # The second prompt restores the first's prefix blocks and captures new ones into the same pool slab.
+    prompts = [list(range(3, 75)), list(range(3, 75)) + list(range(200, 240))]
+    ref = [Engine(model=model, tokenizer=tiny_tokenizer(), max_batch=2).generate([p], sp)[0].token_ids
+           for p in prompts]
+    modes = [torch.inference_mode, contextlib.nullcontext]
+    if not first_inside:
+        modes.reverse()
+    with modes[0]():
+        engine = Engine(model=model, tokenizer=tiny_tokenizer(), max_batch=2)
+        first = engine.generate([prompts[0]], sp)[0]
+    with modes[1]():
+        second = engine.generate([prompts[1]], sp)[0]
+    assert first.finish_reason == second.finish_reason == "length"
+    assert [first.token_ids, second.token_ids] == ref
+    assert second.prompt_tokens == len(prompts[1]) and engine.prefix_cache.stats.hit_tokens == 64
+    assert engine.prefix_cache.stats.blocks == 3
