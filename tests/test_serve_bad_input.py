@@ -578,30 +578,30 @@ def test_neutral_and_harmless_fields_are_accepted(client, name, path, extra):
     assert r.status_code == 200, r.text
 
 
-def test_a_message_name_reaches_the_model_as_the_same_prompt_without_it(model_dir):
-    """Agent frameworks name every message; chat templates drop names, so the prompt is the nameless one."""
+def _two_chats(model_dir, messages: list[list[dict]]) -> tuple[list[list[int]], list, Engine]:
+    """Send each messages list as one greedy chat request: (the prompt ids the engine saw, responses, engine)."""
     engine = Engine(model_dir, max_batch=1, max_seq_len=128)
     seen: list[list[int]] = []
     encode = engine.encode
     engine.encode = lambda *a: seen.append(encode(*a)) or seen[-1]
     with ServerThread(create_app(engine, model_name="tiny")) as srv, httpx.Client(base_url=srv.url, timeout=60) as c:
-        answers = [c.post(CHAT, json={"messages": [{"role": "user", "content": "hi", **extra}], "max_tokens": 4,
-                                      "temperature": 0}) for extra in ({"name": "bob"}, {})]
-    assert [r.status_code for r in answers] == [200, 200]
+        answers = [c.post(CHAT, json={"messages": m, "max_tokens": 4, "temperature": 0}) for m in messages]
+    assert [r.status_code for r in answers] == [200] * len(messages)
+    return seen, answers, engine
+
+
+def test_a_message_name_reaches_the_model_as_the_same_prompt_without_it(model_dir):
+    """Agent frameworks name every message; chat templates drop names, so the prompt is the nameless one."""
+    seen, answers, _ = _two_chats(model_dir, [[{"role": "user", "content": "hi", **extra}]
+                                              for extra in ({"name": "bob"}, {})])
     assert len(seen) == 2 and seen[0] == seen[1]
     assert answers[0].json()["choices"][0]["message"] == answers[1].json()["choices"][0]["message"]
 
 
 def test_developer_role_is_templated_as_system(model_dir):
     """OpenAI's ``developer`` is the ``system`` role renamed: the template must see ``system``."""
-    engine = Engine(model_dir, max_batch=1, max_seq_len=128)
-    seen: list[list[int]] = []
-    encode = engine.encode
-    engine.encode = lambda *a: seen.append(encode(*a)) or seen[-1]
-    with ServerThread(create_app(engine, model_name="tiny")) as srv, httpx.Client(base_url=srv.url, timeout=60) as c:
-        answers = [c.post(CHAT, json={"messages": [{"role": role, "content": "be terse"}, *MSG], "max_tokens": 4,
-                                      "temperature": 0}) for role in ("developer", "system")]
-    assert [r.status_code for r in answers] == [200, 200]
+    seen, answers, engine = _two_chats(model_dir, [[{"role": role, "content": "be terse"}, *MSG]
+                                                   for role in ("developer", "system")])
     assert len(seen) == 2 and seen[0] == seen[1]
     text = engine.tokenizer.decode(seen[0])
     assert "system" in text and "developer" not in text
