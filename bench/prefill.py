@@ -31,13 +31,18 @@ from serve.engine import Engine  # noqa: E402
 
 
 def prefill_ms_per_token(engine: Engine, ids: torch.Tensor, chunk: int, fused: bool) -> tuple[float, torch.Tensor]:
-    """Prefill ``ids`` into row 0 in ``chunk``-token pieces; milliseconds per token and the last logits."""
+    """Prefill ``ids`` into row 0 in ``chunk``-token pieces; milliseconds per token and the last logits.
+
+    As the engine does, only the chunk that ends the prompt computes logits (the head reads the whole
+    vocabulary matrix; on every chunk it would be timed once per chunk, which the engine never runs).
+    """
     model = engine.model
     model._prefill_fast = fused
     cache = engine._ensure_cache(1)
+    n = ids.numel()
     t0 = perf_counter()
-    for start in range(0, ids.numel(), chunk):
-        logits = model.prefill(cache, 0, ids[start:start + chunk], start)
+    for start in range(0, n, chunk):
+        logits = model.prefill(cache, 0, ids[start:start + chunk], start, logits=start + chunk >= n)
     return (perf_counter() - t0) / ids.numel() * 1000, logits
 
 

@@ -254,3 +254,12 @@ def test_help_shows_each_default_once(capsys):
     assert "(default: 80.0)" in entries["--gpu-mem-gb"]
     for name, text in entries.items():
         assert text.count("default") <= 1 and "(default: None)" not in text, name
+
+
+def test_shipped_17b_config_plans_the_17b_teacher():
+    """The command the README quotes plans the 17B-class teacher the config is named for, with the shape
+    DEEPSEEK_17B_TO_7B above says the YAML has."""
+    cfg = P.recipe_config(str(ROOT / "recipes" / "configs" / "deepseek_17b_to_7b.yaml"), {})
+    p = plan(cfg, gpus=8, gpu_mem_gb=80)
+    assert p.teacher == ModelShape.from_dict(DEEPSEEK_17B_TO_7B["teacher_shape"], "teacher_shape") == PRESETS["deepseek-17b"]
+    assert p.teacher.num_params == pytest.approx(17.0e9, rel=0.01)
