@@ -41,7 +41,7 @@ from core.config import ConfigError
 from distill.data.text import SourceSpec, parse_sources
 from distill.distributed import gathered_replica, is_zero3
 from serve.engine import Engine
-from serve.sampling import SamplingParams
+from serve.sampling import MIN_TEMPERATURE, SamplingParams
 
 PROMPT_SOURCES = ("prefix", "chat")
 
@@ -73,8 +73,9 @@ class OnPolicySettings:
             return
         if self.max_new_tokens < 1 or self.prompt_tokens < 1:
             raise OnPolicyError("gen_max_new_tokens and gen_prompt_tokens must be >= 1")
-        if self.temperature < 0:
-            raise OnPolicyError(f"gen_temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.temperature < 0 or 0 < self.temperature < MIN_TEMPERATURE:
+            raise OnPolicyError(f"gen_temperature must be 0 (greedy) or >= {MIN_TEMPERATURE} (the engine samples no "
+                                f"cooler), got {self.temperature}")
         if self.prompts not in PROMPT_SOURCES:
             raise OnPolicyError(f"gen_prompts '{self.prompts}' is unknown; use one of {', '.join(PROMPT_SOURCES)}")
         if not 0 <= self.rows <= micro_batch_size:

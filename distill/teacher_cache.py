@@ -222,7 +222,12 @@ class TeacherCache:
         self.path = path
         self.meta = read_meta(path)
         check_meta(self.meta, path, temperature=temperature)
-        if vocab_size is not None and self.meta.get("vocab_size") not in (None, vocab_size):
+        cached_vocab = self.meta.get("vocab_size")
+        # Sizes that differ only in padding rows beyond the shared tokenizer are one vocabulary (as for a live
+        # teacher, distill.model.check_pair); the tokenizer's own fingerprint is checked below.
+        padding_only = (tokenizer is not None and vocab_size is not None and cached_vocab is not None
+                        and len(tokenizer) <= min(vocab_size, cached_vocab))
+        if vocab_size is not None and cached_vocab not in (None, vocab_size) and not padding_only:
             raise TeacherCacheError(f"teacher cache {path} was written for a vocabulary of {self.meta['vocab_size']} "
                                     f"tokens but the student has {vocab_size}; cache with the student's tokenizer")
         if tokenizer is not None and self.meta.get("tokenizer_fingerprint") not in (None, tokenizer_fingerprint(tokenizer)):

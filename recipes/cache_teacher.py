@@ -156,8 +156,13 @@ def shards_to_write(cfg: CacheTeacherConfig, train, work: Path, rank: int, world
     return todo
 
 
-def cache_shard(cfg: CacheTeacherConfig, teacher, blocks: torch.Tensor, shard: int, path: Path, bar) -> None:
+def cache_shard(cfg: CacheTeacherConfig, teacher, blocks: torch.Tensor, shard: int, path: Path, bar,
+                vocab: int | None = None) -> None:
     """The teacher's targets for one shard's blocks ``[n, seq]``, written whole (temp name, then renamed).
+
+    ``vocab``: the tokenizer's length; a teacher head padded beyond it is cut there (its distribution over
+    the tokenizer's tokens, renormalized, as the live teacher's sliced logits): padding rows name no token, and
+    a student padded less than the teacher would refuse their ids.
 
     Sampled draws use a generator seeded by ``(seed, shard)``: the same cache whatever the number of
     processes or restarts. The shard's metadata carries its tail mass (top-k) for the cache summary.
@@ -169,7 +174,7 @@ def cache_shard(cfg: CacheTeacherConfig, teacher, blocks: torch.Tensor, shard: i
     with torch.inference_mode():
         for b in range(0, blocks.shape[0], cfg.batch_size):
             batch = blocks[b: b + cfg.batch_size]
-            logits = teacher(input_ids=batch.to(device)).logits.float().cpu()
+            logits = teacher(input_ids=batch.to(device)).logits[..., :vocab].float().cpu()
             if cfg.mode == "topk":
                 i, v = topk_logprobs(logits, cfg.topk)
                 tail_sum += float(tail_mass(v).sum())
@@ -223,7 +228,7 @@ def main() -> None:
     with state.main_process_first():  # one process prepares the data, the others map it
         data = build_data(tokenizer, dataset=cfg.dataset, eval_dataset=cfg.eval_dataset, seq_len=cfg.seq_len,
                           eval_blocks=cfg.eval_blocks, text_field=cfg.text_field, max_train_blocks=cfg.max_blocks)
-    vocab = teacher.config.vocab_size
+    vocab = min(teacher.config.vocab_size, len(tokenizer))  # the head's rows that are tokens
     if cfg.mode == "topk" and cfg.topk > vocab:
         raise ConfigError(f"topk {cfg.topk} exceeds the vocabulary ({vocab})")
     t0, n = time.time(), data.train.shape[0]
@@ -232,7 +237,7 @@ def main() -> None:
     total = sum(min(n, (i + 1) * cfg.shard_blocks) - i * cfg.shard_blocks for i in todo) * cfg.seq_len
     with tqdm(total=total, unit="tok", desc=f"teacher {cfg.mode}", disable=not state.is_main_process) as bar:
         for written, i in enumerate(todo, 1):
-            cache_shard(cfg, teacher, shard_blocks(cfg, data.train, i), i, work / shard_name(i), bar)
+            cache_shard(cfg, teacher, shard_blocks(cfg, data.train, i), i, work / shard_name(i), bar, vocab)
             if written == cfg.debug_exit_after_shards:
                 os._exit(137)
     state.wait_for_everyone()

@@ -426,3 +426,27 @@ def test_gathered_replica_copies_weights_buffers_and_ties(tied):
         model.lm_head.weight.add_(1.0)
     assert gathered_replica(model, replica) is replica  # refreshed in place
     assert torch.equal(replica.lm_head.weight, model.lm_head.weight)
+
+
+@pytest.mark.parametrize("temperature", [1e-4, 5e-4])
+def test_a_rollout_temperature_the_engine_cannot_sample_at_is_refused_before_training(temperature):
+    """gen_temperature in (0, serve's MIN_TEMPERATURE) passed the settings check and only failed at the first
+    on-policy micro-batch, with SamplingParams' ValueError (a traceback, after the models loaded and maybe
+    many steps). It must be a one-line OnPolicyError from the check, like every other gen_* setting."""
+    from distill.config import DistillConfig
+    from serve.sampling import SamplingParams
+
+    with pytest.raises(ValueError):  # what the engine would say at the first rollout
+        SamplingParams(max_new_tokens=4, temperature=temperature)
+    s = OnPolicySettings(fraction=0.5, temperature=temperature, prompt_tokens=4, max_new_tokens=4)
+    with pytest.raises(OnPolicyError, match="gen_temperature") as err:
+        s.check(16, kd_weight=1.0, cached_teacher=False, micro_batch_size=2)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="gen_temperature"):
+        DistillConfig(on_policy_fraction=0.5, gen_temperature=temperature)
+    # What the engine accepts still passes: greedy and the smallest sampling temperature.
+    for ok in (0.0, 1e-3, 1.0):
+        OnPolicySettings(fraction=0.5, temperature=ok, prompt_tokens=4, max_new_tokens=4).check(
+            16, kd_weight=1.0, cached_teacher=False, micro_batch_size=2)
+        if ok:
+            SamplingParams(max_new_tokens=4, temperature=ok)

@@ -151,7 +151,9 @@ def test_foreign_caches_are_refused_in_one_line(tmp_path):
     blocks = torch.randint(0, 320, (2, 8))
     _write_cache(tmp_path / "c", blocks, tok, temperature=2.0)
     cases = [
-        (dict(vocab_size=321, tokenizer=tok, temperature=2.0), "vocabulary of 320"),
+        # 319 rows cannot hold the 320-token tokenizer (321 would: padding only, accepted as for a live teacher)
+        (dict(vocab_size=319, tokenizer=tok, temperature=2.0), "vocabulary of 320"),
+        (dict(vocab_size=321, temperature=2.0), "vocabulary of 320"),  # no tokenizer shows it is padding
         (dict(vocab_size=320, tokenizer=_other_tokenizer(), temperature=2.0), "another tokenizer"),
         (dict(vocab_size=320, tokenizer=tok, temperature=1.0), "temperature=2.0"),
     ]
