@@ -128,7 +128,7 @@ class ChunkedKD(torch.autograd.Function):
     def forward(ctx, hs: Tensor, ws: Tensor, bs: Tensor | None, ht: Tensor, wt: Tensor,
                 bt: Tensor | None, kind: str, temperature: float, beta: float, chunk_size: int,
                 n_norm: int, needs: tuple[bool, bool, bool], labels: Tensor | None = None,
-                ce_weight: float = 0.0) -> tuple[Tensor, Tensor]:
+                ce_weight: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
         n = hs.shape[0]
         need_hs, need_ws, need_bs = needs
         need_any = need_hs or need_ws or need_bs
@@ -181,12 +181,15 @@ class ChunkedKD(torch.autograd.Function):
         if grad_bs is not None:
             grad_bs = grad_bs.to(bs.dtype)
         ctx.save_for_backward(grad_hs, grad_ws, grad_bs)
-        ce = (ce_total / n_norm).to(acc)
-        ctx.mark_non_differentiable(ce)
-        return (total * (temperature * temperature / n_norm)).to(acc) + ce_weight * ce, ce
+        ce = ce_total / n_norm
+        kd = total * (temperature * temperature / n_norm)
+        # kd and ce are also returned on their own (not as total - ce_weight * ce, which cancels digits).
+        kd_out, ce_out = kd.to(acc), ce.to(acc)
+        ctx.mark_non_differentiable(kd_out, ce_out)
+        return (kd + ce_weight * ce).to(acc), ce_out, kd_out
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor, _grad_ce: Tensor | None = None):
+    def backward(ctx, grad_out: Tensor, _grad_ce: Tensor | None = None, _grad_kd: Tensor | None = None):
         grad_hs, grad_ws, grad_bs = ctx.saved_tensors
         out = []
         for g in (grad_hs, grad_ws, grad_bs):

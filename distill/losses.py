@@ -253,6 +253,11 @@ def chunked_kd_ce_loss(student_hidden: Tensor, student_head: Tensor, teacher_hid
         ``(total, kd, ce)``: the weighted total (differentiable) and both terms, detached.
     """
     _check_kd_args(kind, temperature, beta)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if tuple(labels.shape) != tuple(student_hidden.shape[:-1]):
+        raise ValueError(f"labels {tuple(labels.shape)} do not match the hidden states' leading dims "
+                         f"{tuple(student_hidden.shape[:-1])}; pass labels aligned (already shifted) with them")
     m = _token_mask(mask, student_hidden.shape[:-1], "hidden states' leading dims")
     lab = labels.reshape(-1) if m is None else labels.reshape(-1)[m]
     if (lab < 0).any() or (lab >= student_head.shape[0]).any():
@@ -265,10 +270,10 @@ def chunked_kd_ce_loss(student_hidden: Tensor, student_head: Tensor, teacher_hid
         return zero, zero.detach(), zero.detach()
     grad_on = torch.is_grad_enabled()
     needs = (grad_on and hs.requires_grad, grad_on and student_head.requires_grad, False)
-    total, ce = ChunkedKD.apply(hs.contiguous(), student_head, None, ht.contiguous(), teacher_head.detach(), None,
-                                kind, float(temperature), float(beta), int(chunk_size), n, needs,
-                                lab.long(), float(ce_weight))
-    return total, (total.detach() - ce_weight * ce), ce
+    total, ce, kd = ChunkedKD.apply(hs.contiguous(), student_head, None, ht.contiguous(), teacher_head.detach(), None,
+                                    kind, float(temperature), float(beta), int(chunk_size), n, needs,
+                                    lab.long(), float(ce_weight))
+    return total, kd, ce
 
 
 def sampled_kd_loss(student_logits: Tensor, sample_ids: Tensor, sample_weights: Tensor,

@@ -259,9 +259,11 @@ class DistillModel(nn.Module):
             self.attn_pairs = parse_layer_pairs(loss_config.attn_layers, n_s, n_t, kept)
         d_s, d_t = student.config.hidden_size, teacher.config.hidden_size
         channels = kept_channels(student)
+        ref = next(student.parameters())  # projectors live beside the student: its dtype and device
         for s, t in self.hidden_pairs:
             # Equal widths compare directly: an identity start keeps the derived student's own features.
-            self.projectors[f"s{s}_t{t}"] = nn.Identity() if d_s == d_t else nn.Linear(d_s, d_t, bias=False)
+            self.projectors[f"s{s}_t{t}"] = (nn.Identity() if d_s == d_t else
+                                             nn.Linear(d_s, d_t, bias=False, dtype=ref.dtype, device=ref.device))
             if d_s != d_t and channels is not None and len(channels) == d_s and max(channels) < d_t:
                 # A width-pruned student (distill.prune): start by putting each kept channel back in its
                 # teacher position, the same identity start as above.

@@ -41,12 +41,14 @@ def parse_keep(keep: int | str | Sequence[int], n_teacher: int) -> list[int]:
                 continue
             if "-" in part[1:]:
                 a, b = part.split("-", 1)
+                if int(b) < int(a):
+                    raise ValueError(f"keep_layers range '{part}' is empty; write ranges low-high, e.g. '{b}-{a}'")
                 out.extend(range(int(a), int(b) + 1))
             else:
                 out.append(int(part))
         keep = out
-    idx = sorted({int(i) % n_teacher if int(i) < 0 else int(i) for i in keep})
-    bad = [i for i in idx if i >= n_teacher]
+    bad = [int(i) for i in keep if not -n_teacher <= int(i) < n_teacher]
+    idx = sorted({int(i) % n_teacher for i in keep})
     if not idx or bad:
         raise ValueError(f"keep_layers {list(keep)} out of range for a {n_teacher}-layer teacher; use 0..{n_teacher - 1}")
     return idx
@@ -93,6 +95,9 @@ def derive_student(teacher: PreTrainedModel, keep_layers: int | str | Sequence[i
         student.load_state_dict(dst, strict=True)
     if getattr(config, "tie_word_embeddings", False):
         student.tie_weights()
+    # The teacher's generation settings (e.g. a chat model's end-of-turn eos ids) go with the student, which is
+    # saved with them; the constructor would rebuild them from config.json alone.
+    student.generation_config = copy.deepcopy(teacher.generation_config)
     return student
 
 

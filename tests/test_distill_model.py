@@ -198,3 +198,43 @@ def test_normalized_hidden_mse_is_scale_free():
     t = teacher(x, output_hidden_states=True).hidden_states[2].detach()
     expected = ((s - t).pow(2).mean(-1) / t.pow(2).mean(-1)).mean()
     torch.testing.assert_close(m(x).hidden, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_derived_student_keeps_the_teachers_generation_config():
+    """A chat teacher's generation_config (e.g. several end-of-turn ids) must survive derivation: the student is
+    saved with it (final/, checkpoints), and without it generation runs past the end of a turn."""
+    teacher = tiny_model(layers=4)
+    teacher.generation_config.eos_token_id = [2, 5]
+    teacher.generation_config.max_new_tokens = 7
+    student = derive_student(teacher, [0, 3])
+    assert student.generation_config.eos_token_id == [2, 5]
+    assert student.generation_config.max_new_tokens == 7
+    assert student.generation_config is not teacher.generation_config  # a copy, not a shared object
+
+
+def test_keep_layers_below_minus_depth_is_an_error_not_a_wrap():
+    teacher = tiny_model(layers=4)
+    assert derive_student(teacher, [0, -1]).config.distill_kept_layers == [0, 3]
+    with pytest.raises(ValueError, match="out of range"):
+        derive_student(teacher, [0, -5])  # -5 % 4 == 3: would silently keep the last layer
+
+
+def test_projector_follows_the_students_dtype():
+    """A bf16 student of another width: the projector must be built in the student's dtype, or the hidden term
+    fails on the first step (bf16 states through an fp32 Linear)."""
+    teacher = tiny_model(layers=4, hidden=64).to(torch.bfloat16)
+    student = tiny_model(layers=2, hidden=32, heads=2, kv_heads=1, seed=3).to(torch.bfloat16)
+    m = DistillModel(student, teacher, loss_config(kd_weight=0.0, hidden_weight=1.0, hidden_layers=["1:3"]))
+    proj = m.projectors["s1_t3"]
+    assert proj.weight.dtype == torch.bfloat16 and proj.weight.device == student.lm_head.weight.device
+    out = m(ids())
+    out.loss.backward()
+    assert torch.isfinite(out.hidden) and out.hidden > 0
+    assert proj.weight.grad is not None and torch.isfinite(proj.weight.grad).all() and proj.weight.grad.abs().sum() > 0
+
+
+def test_keep_layers_reversed_range_is_an_error_not_dropped():
+    teacher = tiny_model(layers=6)
+    assert derive_student(teacher, "0-1,4-5").config.distill_kept_layers == [0, 1, 4, 5]
+    with pytest.raises(ValueError, match="5-4"):
+        derive_student(teacher, "0-1,5-4")  # range(5, 5) is empty: the student silently lost layers 4 and 5

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from distill import losses
 from distill.losses import (
     KINDS,
     FocalLoss,
@@ -629,3 +630,57 @@ def test_normalized_mse_matches_naive_and_is_scale_free():
     (g2,) = torch.autograd.grad(want, s)
     assert torch.allclose(g1.double(), g2, atol=1e-9)
     assert normalized_mse(s * 10, t * 10, mask).item() == pytest.approx(got.item(), rel=1e-6)
+
+
+def test_fused_kd_ce_refuses_labels_not_aligned_with_the_hidden_states():
+    """Unshifted labels ([batch, seq] against [batch, seq - 1] states) used to be read flat, chunk by chunk: with a
+    chunk size dividing the token count, every row after the first got the previous row's labels, silently."""
+    g = torch.Generator().manual_seed(0)
+    hs = torch.randn(2, 5, 4, generator=g, requires_grad=True)
+    ws = torch.randn(9, 4, generator=g)
+    ht, wt = torch.randn(2, 5, 3, generator=g), torch.randn(9, 3, generator=g)
+    labels = torch.randint(0, 9, (2, 6), generator=g)
+    with pytest.raises(ValueError, match="labels"):
+        losses.chunked_kd_ce_loss(hs, ws, ht, wt, labels, chunk_size=5)
+    # aligned labels: the fused CE is the plain CE on the student logits, value and gradient
+    aligned = labels[:, 1:]
+    total, _, ce = losses.chunked_kd_ce_loss(hs, ws, ht, wt, aligned, chunk_size=5)
+    ref_ce = F.cross_entropy((hs @ ws.T).reshape(-1, 9), aligned.reshape(-1))
+    torch.testing.assert_close(ce, ref_ce.detach())
+    kd = losses.kd_loss(hs @ ws.T, ht @ wt.T)
+    g_fused = torch.autograd.grad(total, hs)[0]
+    g_ref = torch.autograd.grad(kd + ref_ce, hs)[0]
+    torch.testing.assert_close(g_fused, g_ref, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_kd_ce_refuses_a_chunk_size_below_one():
+    """A negative chunk size used to skip every chunk: a silent zero loss with zero gradients."""
+    g = torch.Generator().manual_seed(1)
+    hs = torch.randn(2, 5, 4, generator=g, requires_grad=True)
+    ws, ht, wt = torch.randn(9, 4, generator=g), torch.randn(2, 5, 3, generator=g), torch.randn(9, 3, generator=g)
+    labels = torch.randint(0, 9, (2, 5), generator=g)
+    for bad in (0, -4):
+        with pytest.raises(ValueError, match="chunk_size"):
+            losses.chunked_kd_ce_loss(hs, ws, ht, wt, labels, chunk_size=bad)
+    total, kd, ce = losses.chunked_kd_ce_loss(hs, ws, ht, wt, labels, chunk_size=3)
+    assert kd > 0 and ce > 0
+    assert torch.autograd.grad(total, hs)[0].abs().sum() > 0
+
+
+def test_fused_kd_ce_reports_kd_exactly_when_ce_dominates():
+    """The fused path reported kd as (kd + w * ce) - w * ce in fp32: with a small KD (a student close to its
+    teacher) or a large ce/kd weight ratio, the logged kd term lost most of its digits (0 at w = 1000)."""
+    g = torch.Generator().manual_seed(2)
+    hs = torch.randn(64, 32, generator=g, requires_grad=True)
+    ws = torch.randn(500, 32, generator=g) * 0.3
+    ht = hs.detach() + 0.01 * torch.randn(64, 32, generator=g)
+    labels = torch.randint(0, 500, (64,), generator=g)
+    kd_alone = losses.chunked_kd_loss(hs, ws, ht, ws, chunk_size=16)
+    for w in (1.0, 100.0, 1000.0):
+        total, kd, ce = losses.chunked_kd_ce_loss(hs, ws, ht, ws, labels, ce_weight=w, chunk_size=16)
+        torch.testing.assert_close(kd, kd_alone.detach(), rtol=1e-5, atol=0)
+        # the gradient is still that of kd + w * ce
+        ref_ce = F.cross_entropy(hs @ ws.T, labels)
+        g_fused = torch.autograd.grad(total, hs)[0]
+        g_ref = torch.autograd.grad(losses.kd_loss(hs @ ws.T, ht @ ws.T) + w * ref_ce, hs)[0]
+        torch.testing.assert_close(g_fused, g_ref, rtol=1e-4, atol=1e-6)
