@@ -67,7 +67,7 @@ def resolve_resume(resume: str, output_dir: str | Path) -> Path:
                 "start without resume= (or with overwrite=true)"
             )
         return path
-    path = Path(resume)
+    path = Path(resume).expanduser()
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist; pass resume=latest or an existing step-N folder")
     if not (path / COMPLETE).is_file() or not (path / "trainer_state.json").is_file():
@@ -80,15 +80,42 @@ def tmp_dir(output_dir: str | Path, step: int) -> Path:
 
 
 def finalize(output_dir: str | Path, step: int, state: dict[str, Any], keep_last: int) -> Path:
-    """Mark the temporary folder complete, rename it to ``step-N`` and prune old ones (main process)."""
+    """Mark the temporary folder complete, rename it to ``step-N`` and prune (main process): ``step-N`` and the
+    ``keep_last - 1`` newest before it stay; any past it (the run a resume from an older step rewound) go."""
     tmp = tmp_dir(output_dir, step)
     (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
     (tmp / COMPLETE).write_text("")
     final = replace_dir(tmp, checkpoint_root(output_dir) / f"step-{step}")  # fsyncs, then renames
-    ckpts = complete_checkpoints(output_dir)
-    for old in ckpts[: max(0, len(ckpts) - keep_last)]:
-        shutil.rmtree(old, ignore_errors=True)
+    # The one just written is always kept. Checkpoints past it belong to the run a resume from an older step
+    # rewound (its metrics lines are already gone): left, resume=latest would go back to them. Older ones are
+    # kept up to keep_last in all.
+    others = [p for p in complete_checkpoints(output_dir) if p != final]
+    older = [p for p in others if _step_of(p) < step]
+    newer = [p for p in others if _step_of(p) > step]
+    for old in newer:
+        print(f"removed checkpoint {old.name}: past step {step}, in the steps a resume from an older checkpoint "
+              "rewound", flush=True)
+        _remove(old)
+    for old in older[: max(0, len(older) - (keep_last - 1))]:
+        _remove(old)
     return final
+
+
+def _step_of(path: Path) -> int:
+    return int(_STEP.match(path.name).group(1))
+
+
+def _remove(path: Path) -> None:
+    """Delete a complete checkpoint so that a kill at any moment leaves nothing that looks complete: renamed
+    first to a temporary name (:func:`clean_partial` removes what a kill leaves of it), then deleted."""
+    aside = path.with_name(f".tmp-{path.name}-pruned")
+    shutil.rmtree(aside, ignore_errors=True)
+    try:
+        os.replace(path, aside)
+    except OSError:  # cannot rename: unmark it, then delete it where it is (pruning never stops a run)
+        (path / COMPLETE).unlink(missing_ok=True)
+        aside = path
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def clean_partial(output_dir: str | Path) -> None:

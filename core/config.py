@@ -41,7 +41,8 @@ T = TypeVar("T")
 
 
 class _Loader(yaml.SafeLoader):
-    """YAML 1.2-style scalars: ``15:20`` stays a string (YAML 1.1 would read base-60 ``920``)."""
+    """YAML 1.2-style scalars: ``15:20`` stays a string (YAML 1.1 would read base-60 ``920``) and ``010`` is ten
+    (YAML 1.1 would read octal eight)."""
 
 
 _Loader.yaml_implicit_resolvers = {
@@ -49,8 +50,23 @@ _Loader.yaml_implicit_resolvers = {
     for ch, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
 _Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:int", re.compile(r"^[-+]?(0|[1-9][0-9_]*|0x[0-9a-fA-F_]+|0o?[0-7_]+)$"), list("-+0123456789")
+    "tag:yaml.org,2002:int", re.compile(r"^[-+]?(0x[0-9a-fA-F_]+|0o[0-7_]+|[0-9][0-9_]*)$"), list("-+0123456789")
 )
+
+
+def _construct_int(loader: _Loader, node: yaml.ScalarNode) -> int:
+    """YAML 1.2 integers: octal only with ``0o``; a zero-padded ``010`` is ten (YAML 1.1 would read eight)."""
+    text = loader.construct_scalar(node).replace("_", "")
+    sign = -1 if text.startswith("-") else 1
+    digits = text.lstrip("+-")
+    if digits[:2] in ("0x", "0X"):
+        return sign * int(digits[2:], 16)
+    if digits[:2] == "0o":
+        return sign * int(digits[2:], 8)
+    return sign * int(digits, 10)
+
+
+_Loader.add_constructor("tag:yaml.org,2002:int", _construct_int)
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(r"^[-+]?(\.[0-9]+|[0-9][0-9_]*(\.[0-9_]*)?)([eE][-+]?[0-9]+)?$|^[-+]?\.(inf|Inf|INF)$|^\.(nan|NaN|NAN)$"),
@@ -419,8 +435,9 @@ def check_resume_config(saved_path: str | Path, config: Any, safe: typing.Iterab
                           "from a checkpoint this toolkit wrote, or start a new output_dir")
     saved = load_yaml(saved_path)
     new = to_dict(config)
-    defaults = _normalize({f.name: f.default for f in dataclasses.fields(config)
-                           if f.default is not dataclasses.MISSING})
+    defaults = _normalize({f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                           for f in dataclasses.fields(config)
+                           if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING})
     grow_only = [k for k in grow_only if k in new]
     changes = {k: v for k, v in config_changes(saved, new, [*safe, *grow_only]).items()
                if not (v[0] is ABSENT and k in defaults and _same(defaults[k], v[1]))}

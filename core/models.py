@@ -30,6 +30,7 @@ import torch
 import attention
 from attention.spec import CONFIG_KEY
 from core.config import ConfigError
+from core.fsio import fsync_dir, fsync_tree
 
 SMOLLM2 = "smollm2-135m-instruct"
 # The one dtype vocabulary of the toolkit (configs and CLIs); "auto" is resolved by :func:`resolve_dtype`.
@@ -88,7 +89,9 @@ def smollm2_dir(cache_dir: str | Path | None = None) -> Path:
         if target.exists():  # another process won the race
             shutil.rmtree(tmp)
         else:
+            fsync_tree(tmp)  # on disk before it takes the name a later run trusts
             os.replace(tmp, target)
+            fsync_dir(target.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -136,6 +136,7 @@ def start_run(config_cls: type, argv: list[str] | None = None, *, resume_safe: I
     if without_fsdp and launched_with_fsdp():
         raise ConfigError(without_fsdp)
     out = rundir.check_output_dir(cfg.output_dir, cfg.overwrite, cfg.resume)
+    cfg.output_dir = str(out)  # ~ expanded: every later write (the Run, final/, a resume) goes where it was claimed
     resume = check_resume(cfg, out, resume_safe) if cfg.resume is not None else None
     accelerator = make_accelerator(cfg, out)
     if resume is not None:  # the world size is known once the accelerator exists; still before any model loads
@@ -382,7 +383,7 @@ class Run:
 
     def __init__(self, cfg: Any, accelerator: Accelerator, *, tracker_project: str, progress: str) -> None:
         self.cfg, self.accelerator = cfg, accelerator
-        self.out = Path(cfg.output_dir)
+        self.out = Path(cfg.output_dir).expanduser()
         self.main = accelerator.is_main_process
         world = getattr(accelerator, "num_processes", None)
         batch = (getattr(cfg, "micro_batch_size", None), getattr(cfg, "grad_accum", None), world)
