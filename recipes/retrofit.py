@@ -20,7 +20,8 @@ Reads top to bottom: config → data → models → loop → save.
   it and of the dense model) is cached: each measurement's numbers go to a small JSON keyed by a hash of
   the measured model as it computes (every state-dict tensor plus its config, so the hybrid spec and head
   roles) and of every setting that changes the result (held-out blocks, lengths, depths, trials, seed,
-  batch size, tokenizer, precision, device, threads, torch/transformers and the eval code). The merged
+  batch size, tokenizer, precision, device, threads, torch/transformers, the eval code and, for the
+  hybrid model, the attention code it runs through). The merged
   model's entries live in ``output_dir/eval_cache/``, so a run killed during the evaluation and resumed
   (``resume=latest``) measures only what is missing; the dense model's pass-key result, the same for every
   run on the same teacher and settings, lives in ``eval_cache_dir`` (default ``$HYBRID_DISTILL_CACHE/eval``,
@@ -219,6 +220,9 @@ class RetrofitConfig:
             parse_sources(self.datasets)
         if self.resume is not None and self.overwrite:
             raise ConfigError("resume= and overwrite=true contradict each other; pick one")
+        if self.longctx_lengths and not self.longctx_depths:  # else the closing check fails after training
+            raise ConfigError("longctx_depths is empty; give at least one needle depth in [0, 1] (e.g. [0.5]), or "
+                              "set longctx_lengths=[] to skip the pass-key check")
         self.spec()  # validates the attention keys
         try:
             self.losses()
@@ -331,18 +335,32 @@ def training_window(spec: HybridAttentionConfig, seq_len: int, seed: int, step: 
 
     Without a policy: the spec's window for ``seq_len``, on the whole block. With one, an entry
     whose length range starts below ``seq_len`` is drawn (seeded by step, so resume replays it)
-    and the block is cropped to that entry's upper bound: causality makes the crop's mask exactly
-    the one served to an input of that length.
+    and the block is cropped to that entry's upper bound (the last entry, served to every longer input
+    too, keeps the whole block): causality makes the crop's mask exactly the one served to an input of
+    that length.
     """
     if not spec.window_policy:
         return spec.window_for(seq_len), seq_len
     entries, lower = [], 0
-    for bound, w in spec.window_policy:
-        if lower < seq_len:
-            entries.append((w, seq_len if bound is None else min(bound, seq_len)))
+    last = len(spec.window_policy) - 1
+    for i, (bound, w) in enumerate(spec.window_policy):
+        if lower < seq_len:  # the last entry also serves every longer input (spec.window_for): no crop
+            entries.append((w, seq_len if bound is None or i == last else min(bound, seq_len)))
         lower = math.inf if bound is None else bound
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)
     return entries[int(torch.randint(len(entries), (1,), generator=g))]
+
+
+def budget_steps(cfg: RetrofitConfig, spec: HybridAttentionConfig, global_batch: int) -> int:
+    """Optimizer steps that train on at least ``max_tokens`` tokens, counting the tokens each step keeps after
+    its window policy crop (:func:`training_window`)."""
+    if not spec.window_policy:
+        return steps_for_tokens(cfg.max_tokens, global_batch, cfg.seq_len)
+    steps = tokens = 0
+    while tokens < cfg.max_tokens:
+        tokens += global_batch * training_window(spec, cfg.seq_len, cfg.seed, steps)[1]
+        steps += 1
+    return max(1, steps)
 
 
 def heldout_blocks(cfg: RetrofitConfig, tokenizer, length: int, progress: bool = True) -> torch.Tensor:
@@ -364,6 +382,8 @@ def training_function(cfg: RetrofitConfig, accelerator: Accelerator) -> dict:
 
     # ---- models -------------------------------------------------------------------------
     model, teacher, tokenizer = load_models(cfg)
+    # Frozen and never prepared: on the training device now, since the head roles are scored on it (gate training).
+    teacher = teacher.to(accelerator.device)
     check_longctx(cfg, model, tokenizer)
     make_hybrid(cfg, model, spec)
     model.config.use_cache = False
@@ -375,7 +395,7 @@ def training_function(cfg: RetrofitConfig, accelerator: Accelerator) -> dict:
     # ---- data ---------------------------------------------------------------------------
     global_batch = cfg.micro_batch_size * cfg.grad_accum * accelerator.num_processes
     if cfg.max_tokens:  # a token budget sets the step count
-        cfg.max_steps = steps_for_tokens(cfg.max_tokens, global_batch, cfg.seq_len)
+        cfg.max_steps = budget_steps(cfg, spec, global_batch)
     main = accelerator.is_main_process
     with accelerator.main_process_first():  # one process prepares, the others map the cache
         data = build_data(tokenizer, dataset=cfg.dataset, datasets=cfg.datasets, eval_dataset=cfg.eval_dataset,
@@ -402,7 +422,6 @@ def training_function(cfg: RetrofitConfig, accelerator: Accelerator) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, warmup_cosine(cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio))
     distill_model, optimizer, scheduler = accelerator.prepare(distill_model, optimizer, scheduler)
-    teacher = teacher.to(accelerator.device)
     trainable = sum(p.numel() for p in params)
 
     # ---- resume, then dense and hybrid-before perplexity ----------------------------------
@@ -484,7 +503,17 @@ def choose_head_roles(cfg: RetrofitConfig, model, teacher, tokenizer, spec: Hybr
                                seed=cfg.seed, progress=main, gate_steps=cfg.gate_steps, gate_lr=cfg.gate_lr,
                                gate_l1=cfg.gate_l1, gate_window=cfg.gate_window, gate_context=cfg.gate_context)
     except HybridAttentionError as err:  # e.g. samples too short for the window: name the key to change
-        raise ConfigError(f"head roles: {str(err).splitlines()[0]}") from None
+        msg = str(err).splitlines()[0]
+        if "pick a length" in msg:  # the length is a key, or seq_len / the model's context capping it
+            key = "gate_sample_len" if cfg.head_score == "gates" else "head_sample_len"
+            fixes = ([f"raise {key}"] if length <= cap else [] if dense_gates  # the model's context caps them
+                     else [f"raise seq_len (it caps {key}={length} at {cap} tokens)"])
+            window = "gate_window" if cfg.head_score == "gates" and cfg.gate_window is not None else "window"
+            msg += ": " + ", or ".join([*fixes, f"lower {window} / sink_tokens"])
+        raise ConfigError(f"head roles: {msg}") from None
+    # Every process scored the heads, and all train under the main process's roles: gate training on GPUs is not
+    # bitwise reproducible, and a near-tied head could fall on either side of the share on different ranks.
+    spec = broadcast_object_list([spec])[0]
     attention.retrofit(model, spec)  # the same model object under the LoRA wrapper: the new spec applies
     if main:
         plot_head_scores(spec, Path(cfg.output_dir) / "heads.png", title=f"{cfg.teacher}: full heads ({cfg.head_score})")
@@ -548,7 +577,7 @@ def closing_heldout(cfg: RetrofitConfig, accelerator: Accelerator, merged, teach
         "blocks": {str(n): _tensor_hash(b) for n, b in sorted(heldout.items())}, "reference_at": cfg.seq_len,
         "micro_batch_size": cfg.micro_batch_size, "num_processes": accelerator.num_processes,
         "mixed_precision": accelerator.mixed_precision, **_machine(accelerator.device),
-        "code": _source_hash("eval.metrics"),
+        "code": _source_hash("eval.metrics", *ATTENTION_CODE),
     }
     folder = Path(cfg.output_dir) / EVAL_CACHE
     hit = [cache_lookup(folder, "heldout", settings, log) if accelerator.is_main_process else None]
@@ -640,7 +669,7 @@ def retrieval_check(cfg: RetrofitConfig, merged, teacher, tokenizer, *, prints: 
             "lengths": list(cfg.longctx_lengths), "depths": list(cfg.longctx_depths), "trials": cfg.longctx_trials,
             "seed": cfg.seed, "kinds": ["passkey"], "scoring": "exact", "tokenizer": tokenizer_fingerprint(tokenizer),
             "bos": tokenizer.bos_token_id, "dtype": str(next(model.parameters()).dtype), **_machine(device),
-            "code": _source_hash("eval.longctx"),
+            "code": _source_hash("eval.longctx", *(ATTENTION_CODE if name == "hybrid" else ())),
         }
         folder = Path(cfg.output_dir) / EVAL_CACHE if name == "hybrid" else dense_cache_dir(cfg)
         result = cache_lookup(folder, f"passkey-{name}", settings, log)
@@ -661,6 +690,10 @@ def retrieval_check(cfg: RetrofitConfig, merged, teacher, tokenizer, *, prints: 
 # --------------------------------------------------------------------------------------------
 
 EVAL_CACHE = "eval_cache"  # in output_dir: the results of the run's own (merged) model
+# The code a hybrid model computes through (its fingerprint holds weights and config, not this code): part of
+# the hybrid measurements' keys, so a fix to the kernel never reads the old kernel's results.
+ATTENTION_CODE = ("attention.integration", "attention.functional", "attention.kernel", "attention.masks",
+                  "attention.flex", "attention.spec")
 # Config entries that change nothing a model computes: left out of its fingerprint.
 _CONFIG_NOISE = ("_name_or_path", "use_cache", "transformers_version")
 
