@@ -89,9 +89,9 @@ def finalize(output_dir: str | Path, step: int, state: dict[str, Any], keep_last
     # The one just written is always kept. Checkpoints past it belong to the run a resume from an older step
     # rewound (its metrics lines are already gone): left, resume=latest would go back to them. Older ones are
     # kept up to keep_last in all.
-    others = [p for p in complete_checkpoints(output_dir) if p != final]
-    older = [p for p in others if _step_of(p) < step]
-    newer = [p for p in others if _step_of(p) > step]
+    ckpts = complete_checkpoints(output_dir)  # by step: the ones before final are older, after it newer
+    at = ckpts.index(final)
+    older, newer = ckpts[:at], ckpts[at + 1:]
     for old in newer:
         print(f"removed checkpoint {old.name}: past step {step}, in the steps a resume from an older checkpoint "
               "rewound", flush=True)
@@ -99,10 +99,6 @@ def finalize(output_dir: str | Path, step: int, state: dict[str, Any], keep_last
     for old in older[: max(0, len(older) - (keep_last - 1))]:
         _remove(old)
     return final
-
-
-def _step_of(path: Path) -> int:
-    return int(_STEP.match(path.name).group(1))
 
 
 def _remove(path: Path) -> None:

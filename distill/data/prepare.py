@@ -41,13 +41,13 @@ from distill.data.text import (
     RecordError,
     SourceSpec,
     chat_problem,
+    checked_texts,
     encode_chat,
     encoding_error,
     load_records,
     local_files,
     source_identity,
     stdlib_docs,
-    text_problem,
     tokenizer_fingerprint,
 )
 
@@ -223,10 +223,7 @@ def _tokenize_fn(tokenizer, spec: SourceSpec, settings: PackSettings, chat: bool
             ids, masks = encode_chat(tokenizer, batch["messages"], settings.completion_only)
             keys = [chat_key(m) for m in batch["messages"]] if split and "heldout" not in batch else None
         else:
-            for i, t in zip(indices, batch[text_field]):
-                if t is not None and not isinstance(t, str):  # null is an empty record; a list or number is a mistake
-                    raise RecordError(spec.source, i, text_problem(text_field, t))
-            texts = [t if t is not None and t.strip() else "" for t in batch[text_field]]
+            texts = [t if t.strip() else "" for t in checked_texts(spec.source, text_field, batch[text_field], indices)]
             ids = encode(texts)
             masks = None
             keys = [split_key(t) for t in texts] if split and "heldout" not in batch else None

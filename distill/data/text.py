@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import sysconfig
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,10 +58,14 @@ class RecordError(DataError):
         return f"{self.where}: record {self.index} {self.reason}; fix or remove that record"
 
 
-def text_problem(text_field: str, value) -> str:
-    """Why a text record whose ``text_field`` holds ``value`` (not a string, not null) is refused."""
-    return (f"has '{text_field}' of type {type(value).__name__}, not a string (set text_field= to the column that "
-            "holds the text)")
+def checked_texts(where: str, text_field: str, values: list, indices: Iterable[int]) -> list[str]:
+    """``values`` of ``text_field`` as strings, a null as ``""`` (an empty record); a list or a number is a
+    :class:`RecordError` naming record ``indices[j]`` of ``where``, not a record dropped without a word."""
+    for i, t in zip(indices, values):
+        if t is not None and not isinstance(t, str):
+            raise RecordError(where, i, f"has '{text_field}' of type {type(t).__name__}, not a string (set "
+                                        "text_field= to the column that holds the text)")
+    return ["" if t is None else t for t in values]
 
 
 def chat_problem(messages) -> str | None:
@@ -274,10 +279,7 @@ def texts_from(source: str, tokenizer, *, text_field: str = "text", split: str |
     try:
         if "messages" not in cols:
             texts = records[text_field]
-            for i, t in enumerate(texts):
-                if t is not None and not isinstance(t, str):
-                    raise RecordError(source, i, text_problem(text_field, t))
-            return [t for t in texts if t is not None and t.strip()]
+            return [t for t in checked_texts(source, text_field, texts, range(len(texts))) if t.strip()]
         out = []
         for i, r in enumerate(records):
             problem = chat_problem(r["messages"])
