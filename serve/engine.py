@@ -297,10 +297,12 @@ class Engine:
             window = min(self.spec.windows)
             self._max_tail = max(0, min(self._max_tail, window - prefix_block - prefill_chunk))
             if prefill_chunk + prefix_block > window:  # serve.prefix_cache: "Bounded (hybrid) caches"
+                # The way out, when there is one: a window no longer than a block leaves no chunk size that works.
+                fix = (f"prefill_chunk <= {window - prefix_block} caches all" if window > prefix_block else
+                       f"no prefill_chunk caches all: the window is not longer than a {prefix_block}-token block")
                 logger.warning("prefix cache: with prefill_chunk %d + block %d > window %d, prompt blocks can leave "
                                "the bounded cache before they are cached; only the start of long prompts is "
-                               "cached (prefill_chunk <= %d caches all)", prefill_chunk, prefix_block, window,
-                               window - prefix_block)
+                               "cached (%s)", prefill_chunk, prefix_block, window, fix)
         self.overtake_tokens = prefill_chunk + self._max_tail if overtake_tokens is None else overtake_tokens
         self.overtakes = 0  # prompts prefilled inside another forward (overtake)
         self._overtaking = False
@@ -463,6 +465,10 @@ class Engine:
 
     def _finish(self, req: Request, reason: str) -> None:
         tail = "" if reason == "cancelled" else req.text.finish()  # before marking done: it may raise
+        if reason == "length" and req.text.stopped:
+            # A stop string in the text held back to the end (a decoder whose unsure characters cannot be told
+            # from final ones): the output ends at a stop, as the client asked.
+            reason = "stop"
         req.finish_reason = reason
         if req.row >= 0:
             self._rows[req.row] = None

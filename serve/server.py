@@ -34,8 +34,9 @@ head that does not: the connection is closed), a request not finished within ``-
 (an error event when streaming). A client that disconnects cancels its request, streaming or not. With ``--api-key`` (or ``HYBRID_DISTILL_API_KEY``) every route but
 ``/health`` needs ``Authorization: Bearer <key>``.
 
-Admission: at most ``max_batch`` requests decode together and ``max_queue`` more wait; beyond that the
-server answers 503 (with ``Retry-After``) at once rather than letting latency grow without bound.
+Admission: at most ``max_batch`` requests decode together and ``max_queue`` more wait (requests still being
+tokenized count); beyond that the server answers 503 (with ``Retry-After``) at once, before parsing and
+tokenizing the body, rather than letting latency grow without bound.
 """
 
 from __future__ import annotations
@@ -223,6 +224,17 @@ def _number(body: dict[str, Any], key: str, default: float, lo: float, hi: float
     return v
 
 
+def _unicode(text: str, param: str) -> str:
+    """``text`` when it is valid Unicode; JSON's ``\\ud800`` escapes can carry a lone UTF-16 surrogate, which no
+    tokenizer can encode and no generated text can contain."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadRequest(f"'{param}' holds a lone UTF-16 surrogate ({text[e.start]!r} at character {e.start}), which "
+                         "is not a character; send valid Unicode text", param) from None
+    return text
+
+
 def _check_fields(body: dict[str, Any], endpoint: str) -> None:
     """Refuse a field this server does not know, or an unimplemented one at a value other than its neutral one."""
     for key in body:
@@ -265,6 +277,8 @@ def _sampling(body: dict[str, Any], n_prompt: int, max_seq_len: int, default_max
             and all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop)):
         raise BadRequest(f"'stop' must be a non-empty string or a list of at most 4, each of 1 to {MAX_STOP_CHARS} "
                          "characters", "stop")
+    for s in stop:
+        _unicode(s, "stop")
     return SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                           seed=seed, stop=tuple(stop), ignore_eos=_bool(body, "ignore_eos", False))
 
@@ -277,7 +291,7 @@ def _completion_prompt(body: dict[str, Any], vocab: int) -> str | list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise BadRequest("'prompt' is empty; send at least one character", "prompt")
-        return prompt
+        return _unicode(prompt, "prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         if any(not 0 <= t < vocab for t in prompt):
             raise BadRequest(f"prompt token ids must be in [0, {vocab})", "prompt")
@@ -324,7 +338,7 @@ def _chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
         if not isinstance(content, str):
             raise BadRequest(f"{where}.content must be a string or a list of text parts, got {_type_name(content)}",
                              where + ".content", "invalid_type")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        out.append({"role": "system" if role == "developer" else role, "content": _unicode(content, where + ".content")})
     return out
 
 
@@ -378,12 +392,27 @@ class AsyncEngine:
         m.watch_gc()
         engine.start()
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams) -> tuple[Request, asyncio.Queue]:
-        """Queue a request; raises :class:`AtCapacity` when the server is full."""
+    def reserve(self) -> None:
+        """Take a place for a request about to be parsed and tokenized; raises :class:`AtCapacity` when the server
+        is full. The place is the request's until it finishes (:meth:`submit` with ``reserved=True``), or until
+        :meth:`release` when it never reaches the engine."""
         with self._lock:
             if self.in_flight >= self.capacity:
                 raise AtCapacity
             self.in_flight += 1
+
+    def release(self) -> None:
+        """Give back a place :meth:`reserve` took for a request that did not reach the engine."""
+        with self._lock:
+            self.in_flight -= 1
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams,
+               reserved: bool = False) -> tuple[Request, asyncio.Queue]:
+        """Queue a request in the place ``reserve()`` took (``reserved``) or in one taken now (raises
+        :class:`AtCapacity` when the server is full). A reserved place stays the caller's to release if the
+        engine refuses the request."""
+        if not reserved:
+            self.reserve()
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         arrival = time.perf_counter()
@@ -410,8 +439,8 @@ class AsyncEngine:
         try:
             req = self.engine.submit(prompt_ids, params, on_event)
         except BaseException:
-            with self._lock:
-                self.in_flight -= 1
+            if not reserved:
+                self.release()
             raise
         self.metrics.inc("prompt_tokens_total", len(prompt_ids))
         return req, queue
@@ -420,8 +449,8 @@ class AsyncEngine:
 class OpenAIRoutes:
     """The OpenAI-compatible routes over one :class:`AsyncEngine`, with the server's limits.
 
-    A request goes through four steps, each a method: read the body (:meth:`read_json`, size and time
-    limits), check it (:meth:`check_common`, :func:`_sampling`), tokenize off the event loop
+    A request goes through four steps, each a method: read the body (:meth:`read_body`, size and time
+    limits; :meth:`parse_json`), check it (:meth:`check_common`, :func:`_sampling`), tokenize off the event loop
     (:meth:`tokenize`), then answer as a stream (:meth:`stream`) or one JSON body (:meth:`complete`).
     """
 
@@ -439,7 +468,19 @@ class OpenAIRoutes:
         self.tokenize_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
     # ---- the steps of a request ------------------------------------------------------------------
-    async def read_json(self, request: HTTPRequest) -> dict[str, Any]:
+    @staticmethod
+    def parse_json(raw: bytes) -> dict[str, Any]:
+        """The body as a JSON object (400 ``invalid_json`` otherwise)."""
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError) as e:  # JSONDecodeError, bad UTF-8, 5000-digit integers, nesting
+            raise BadRequest(f"malformed JSON body: {str(e)[:200]}", None, "invalid_json") from None
+        if not isinstance(body, dict):
+            raise BadRequest("the body must be a JSON object", None, "invalid_json")
+        return body
+
+    async def read_body(self, request: HTTPRequest) -> bytes:
+        """The whole body, within ``--max-body-bytes`` (413) and ``--body-timeout`` (408)."""
         limit = self.max_body_bytes
         length = request.headers.get("content-length")
         if length is not None:
@@ -465,13 +506,7 @@ class OpenAIRoutes:
         except asyncio.TimeoutError:
             raise APIError(408, f"the request body did not arrive within {self.body_timeout:g} s",
                            code="body_timeout", headers=_CLOSE) from None
-        try:
-            body = json.loads(b"".join(chunks))
-        except (ValueError, RecursionError) as e:  # JSONDecodeError, bad UTF-8, 5000-digit integers, nesting
-            raise BadRequest(f"malformed JSON body: {str(e)[:200]}", None, "invalid_json") from None
-        if not isinstance(body, dict):
-            raise BadRequest("the body must be a JSON object", None, "invalid_json")
-        return body
+        return b"".join(chunks)
 
     def check_common(self, body: dict[str, Any], chat: bool) -> None:
         _check_fields(body, "chat" if chat else "completions")
@@ -516,29 +551,51 @@ class OpenAIRoutes:
         return await loop.run_in_executor(self.tokenize_pool, self.engine.encode, prompt)
 
     async def generate(self, request: HTTPRequest, chat: bool) -> Response:
+        try:
+            return await self._generate(request, chat)
+        except Exception:  # our bug: answered 500 by _server_error, and counted as the error answer it is
+            self.aengine.metrics.inc("request_errors_total")
+            raise
+
+    async def _generate(self, request: HTTPRequest, chat: bool) -> Response:
         received = time.perf_counter()
         aengine = self.aengine
         aengine.metrics.inc("requests_total")
         deadline = asyncio.get_running_loop().time() + self.request_timeout
         try:
-            body = await self.read_json(request)
-            self.check_common(body, chat)
-            prompt_ids = await self.tokenize(body, chat)
-            try:
-                params = _sampling(body, len(prompt_ids), self.engine.max_seq_len, None if chat else 16)
-                req, queue = aengine.submit(prompt_ids, params)
-            except ValueError as e:
-                raise BadRequest(str(e)) from None  # the engine's or the sampler's own limits
+            raw = await self.read_body(request)
         except APIError as e:
             aengine.metrics.inc("request_errors_total")
             return e.response()
+        except ClientDisconnect:
+            return Response(status_code=499)
+        try:
+            # A place before the body is parsed and tokenized: a full server refuses at once, and requests being
+            # tokenized hold places too, so a burst cannot pile up in the tokenizer's queue. (After the body is
+            # read: a client trickling its body holds no place meanwhile.)
+            aengine.reserve()
         except AtCapacity:
             aengine.metrics.inc("request_errors_total")
             aengine.metrics.inc("requests_rejected_total")
             return APIError(503, f"server at capacity ({aengine.capacity} requests in flight); retry later",
                             type="server_busy", code="server_busy", headers={"Retry-After": "1"}).response()
-        except ClientDisconnect:
-            return Response(status_code=499)
+        submitted = False
+        try:
+            body = self.parse_json(raw)
+            self.check_common(body, chat)
+            prompt_ids = await self.tokenize(body, chat)
+            try:
+                params = _sampling(body, len(prompt_ids), self.engine.max_seq_len, None if chat else 16)
+                req, queue = aengine.submit(prompt_ids, params, reserved=True)
+                submitted = True
+            except ValueError as e:
+                raise BadRequest(str(e)) from None  # the engine's or the sampler's own limits
+        except APIError as e:
+            aengine.metrics.inc("request_errors_total")
+            return e.response()
+        finally:
+            if not submitted:
+                aengine.release()
         reply = _Reply(self, req, queue, len(prompt_ids), chat, deadline, received)
         if not body.get("stream"):
             return await reply.complete(request)
@@ -591,6 +648,7 @@ class _Reply:
         self.api, self.req, self.queue, self.n_prompt, self.chat, self.deadline = api, req, queue, n_prompt, chat, deadline
         self.received = received  # perf_counter when the handler started
         self.first_sent: float | None = None
+        self.closed = False  # close() has run
         self.rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.obj = "chat.completion" if chat else "text_completion"
@@ -670,12 +728,20 @@ class _Reply:
                         self.first_sent = time.perf_counter()
                     yield f"data: {json.dumps(chunk)}\n\n"
             finally:
-                if not self.req.done:  # the client went away: stop generating for it
-                    self.api.engine.cancel(self.req)
-                self.log()
+                self.close()
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return _EventStream(events(), self.close, media_type="text/event-stream",
+                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    def close(self) -> None:
+        """The stream has ended, however it did (once per reply): a request still generating is for a client that
+        went away, so it is cancelled and its row freed; the request log gets its line."""
+        if self.closed:
+            return
+        self.closed = True
+        if not self.req.done:
+            self.api.engine.cancel(self.req)
+        self.log()
 
     async def complete(self, request: HTTPRequest) -> Response:
         async def watch_disconnect() -> None:
@@ -708,6 +774,25 @@ class _Reply:
                              "model": self.api.model_name,
                              "choices": [{"index": 0, **msg, "logprobs": None, "finish_reason": finish}],
                              "usage": self.usage()})
+
+
+class _EventStream(StreamingResponse):
+    """A server-sent event stream that calls ``on_close`` when the response ends, however it ends.
+
+    The body generator's own cleanup is not enough: a client that disconnects before the first event ends
+    the response before the generator ever starts, so its ``finally`` never runs, and the request would go on
+    generating for no one, holding its row, to its last token.
+    """
+
+    def __init__(self, content: typing.AsyncIterator[str], on_close: typing.Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
 
 
 async def _http_error(_: HTTPRequest, exc: Exception) -> Response:
