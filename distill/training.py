@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import InitProcessGroupKwargs
+from accelerate.utils import InitProcessGroupKwargs, is_tensorboard_available, is_wandb_available
 
 from core import checkpoint as ckpt
 from core import rundir
@@ -47,6 +47,7 @@ from eval.metrics import LMStats, evaluate_lm
 from eval.prompt_set import default_prompts_path
 
 TRACKERS = ("none", "tensorboard", "wandb")
+TRACKER_AVAILABLE: dict[str, Callable[[], bool]] = {"tensorboard": is_tensorboard_available, "wandb": is_wandb_available}
 PRECISIONS = ("no", "bf16", "fp16", "auto")
 
 # How long a rank waits at a barrier or collective before the process group gives up. Some work runs on the
@@ -104,6 +105,11 @@ def make_accelerator(cfg: Any, project_dir: Path) -> Accelerator:
     handlers = [InitProcessGroupKwargs(backend="gloo", timeout=dist_timeout()) if gloo
                 else InitProcessGroupKwargs(timeout=dist_timeout())]  # the backend: accelerate's choice
     log_with = None if cfg.tracker == "none" else cfg.tracker
+    # accelerate only warns and logs nowhere when a tracker's package is missing: a run that was asked
+    # to log must not end "successfully" with no curves anywhere.
+    if log_with is not None and not TRACKER_AVAILABLE[log_with]():
+        raise ConfigError(f"tracker={log_with} needs its package: pip install -e \".[{log_with}]\" "
+                          "(or set tracker=none)")
     accelerator = Accelerator(gradient_accumulation_steps=cfg.grad_accum, mixed_precision=mixed, log_with=log_with,
                               project_dir=str(project_dir), kwargs_handlers=handlers,
                               step_scheduler_with_optimizer=False)

@@ -362,3 +362,21 @@ def test_a_resume_on_another_number_of_processes_is_refused_before_any_model_loa
     proc = _distill([f"output_dir={out}", "resume=latest", "max_steps=4", "save_every=2", "eval_every=0"])
     assert f"resumed from {out / 'checkpoints' / 'step-2'} at step 2" in proc.stdout
     assert json.loads((out / "checkpoints" / "step-4" / "trainer_state.json").read_text())["num_processes"] == 1
+
+
+@pytest.mark.parametrize("tracker", ["wandb", "tensorboard"])
+def test_a_tracker_whose_package_is_missing_is_refused_naming_the_extra(monkeypatch, tracker):
+    """accelerate only warns when a tracker's package is missing, and the run then logs nowhere and exits 0."""
+    monkeypatch.setitem(training.TRACKER_AVAILABLE, tracker, lambda: False)
+    monkeypatch.setattr(training, "Accelerator", lambda **kwargs: pytest.fail("refused before accelerate starts"))
+    with pytest.raises(training.ConfigError, match=rf'pip install -e "\.\[{tracker}\]"'):
+        training.make_accelerator(SimpleNamespace(mixed_precision="no", grad_accum=1, tracker=tracker), "out")
+
+
+def test_an_installed_tracker_reaches_accelerate(monkeypatch):
+    seen = {}
+    monkeypatch.setitem(training.TRACKER_AVAILABLE, "wandb", lambda: True)
+    monkeypatch.setattr(training, "Accelerator", lambda **kwargs: seen.update(kwargs) or SimpleNamespace(num_processes=1))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    training.make_accelerator(SimpleNamespace(mixed_precision="no", grad_accum=1, tracker="wandb"), "out")
+    assert seen["log_with"] == "wandb"
