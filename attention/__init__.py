@@ -9,6 +9,7 @@ from attention.errors import HybridAttentionError, SequenceTooLongError, Unsuppo
 from attention.functional import BACKENDS, hybrid_attention, resolve_window, use_backend, use_window
 from attention.integration import (
     ATTN_IMPLEMENTATION,
+    BASE_KEY,
     SUPPORTED_MODEL_TYPES,
     is_hybrid,
     load,
@@ -18,7 +19,7 @@ from attention.integration import (
 from attention.spec import CONFIG_KEY, HybridAttentionConfig
 
 __all__ = [
-    "ATTN_IMPLEMENTATION", "BACKENDS", "CONFIG_KEY", "HybridAttentionConfig", "HybridAttentionError",
+    "ATTN_IMPLEMENTATION", "BACKENDS", "BASE_KEY", "CONFIG_KEY", "HybridAttentionConfig", "HybridAttentionError",
     "SUPPORTED_MODEL_TYPES", "SequenceTooLongError", "UnsupportedArchitectureError", "hybrid_attention",
     "is_hybrid", "load", "resolve_window", "retrofit", "revert", "use_backend", "use_window",
 ]

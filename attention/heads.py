@@ -36,8 +36,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -78,28 +79,72 @@ def needle_samples(tokenizer, haystack: torch.Tensor, *, count: int, length: int
     if keys > 1:
         return _multikey_samples(tokenizer, haystack, count=count, length=length, min_distance=min_distance,
                                  min_start=min_start, seed=seed, keys=keys)
+    return _single_key_samples(tokenizer, haystack, count=count, length=length, seed=seed,
+                               bounds=lambda n: (min_start, min_distance))
+
+
+def spec_samples(tokenizer, spec: HybridAttentionConfig, haystack: torch.Tensor, *, count: int, length: int,
+                 seed: int = 0, keys: int = 1) -> list[NeedleSample]:
+    """:func:`needle_samples` with the needles beyond ``spec``'s sinks and largest window (``needle_bounds``)."""
+    if keys > 1:
+        min_start, min_distance = needle_bounds(spec, length)
+        return _multikey_samples(tokenizer, haystack, count=count, length=length, min_distance=min_distance,
+                                 min_start=min_start, seed=seed, keys=keys)
+    return _single_key_samples(tokenizer, haystack, count=count, length=length, seed=seed,
+                               bounds=functools.partial(needle_bounds, spec))
+
+
+def needle_bounds(spec: HybridAttentionConfig, length: int) -> tuple[int, int]:
+    """``(min_start, min_distance)``: outside the sinks and the largest window the spec can use, when the
+    sample is long enough."""
+    window = max(spec.windows)
+    return min(spec.sink_tokens, length // 4), min(window + 16, length // 2)
+
+
+def _fits(length: int, overhead: int, bounds: Callable[[int], tuple[int, int]]) -> bool:
+    """Whether ``length`` tokens hold ``overhead`` tokens of needle, question and answer plus the filler that
+    ``bounds(length)`` (``(min_start, min_distance)``) asks for, at least one token."""
+    return length - overhead >= max(1, sum(bounds(length)))
+
+
+def shortest_length(overhead: int, bounds: Callable[[int], tuple[int, int]]) -> int:
+    """The shortest sample length from which on every length passes :func:`_fits`.
+
+    ``bounds`` grows with the length up to a cap (``needle_bounds``: the sinks and the window), so every
+    length past ``overhead`` plus the capped filler fits; below that, count down while lengths still fit
+    (the rule is not monotone: ``length // 4 + length // 2`` can grow by 2 in one step).
+    """
+    n = overhead + max(1, sum(bounds(1 << 62)))
+    while n > 1 and _fits(n - 1, overhead, bounds):
+        n -= 1
+    return n
+
+
+def _single_key_samples(tokenizer, haystack: torch.Tensor, *, count: int, length: int, seed: int,
+                        bounds: Callable[[int], tuple[int, int]]) -> list[NeedleSample]:
+    """:func:`needle_samples` with one key; ``bounds(length)`` gives ``(min_start, min_distance)``."""
     rng = random.Random(seed)
     enc = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     q_ids = enc(QUESTION)
-    samples = []
-    for i in range(count):
-        key = "".join(rng.choice("0123456789") for _ in range(5))
-        a_ids = enc(" " + key)
+    # The keys are drawn before any position: the needles' token counts then do not depend on the length, so
+    # the length the error below names is one that a rerun with it really fits.
+    keys = ["".join(rng.choice("0123456789") for _ in range(5)) for _ in range(count)]
+    parts = []
+    for key in keys:
         needle = enc(NEEDLE.format(key=key))
-        # The answer's tokens inside the needle: find the answer sequence there (tokenizers may merge
-        # the leading space differently, so match the digits-only tail when the full form is absent).
-        start = _find(needle, a_ids)
-        if start < 0:
-            a_ids = enc(key)
-            start = _find(needle, a_ids)
-        if start < 0:
-            raise HybridAttentionError("the tokenizer splits the needle's key differently in context; "
-                                       "head scoring needs a tokenizer that keeps digits stable")
+        # The answer's tokens inside the needle (tokenizers may merge the leading space differently).
+        a_ids, start = _answer_in(enc, needle, key)
+        parts.append((needle, a_ids, start))
+    overhead = max((len(needle) + len(q_ids) + len(a_ids) for needle, a_ids, _ in parts), default=0)
+    min_start, min_distance = bounds(length)
+    if parts and not _fits(length, overhead, bounds):
+        raise HybridAttentionError(f"head scoring samples of {length} tokens need at least "
+                                   f"{max(1, min_start + min_distance)} filler tokens beside the {overhead} of "
+                                   f"needle, question and answer; pick a length of at least "
+                                   f"{shortest_length(overhead, bounds)}")
+    samples = []
+    for i, (needle, a_ids, start) in enumerate(parts):
         fill = length - len(needle) - len(q_ids) - len(a_ids)
-        if fill < max(1, min_distance + min_start):
-            raise HybridAttentionError(f"head scoring samples of {length} tokens need at least "
-                                       f"{min_distance + min_start} filler tokens; pick a length of at least "
-                                       f"{min_distance + min_start + 64}")
         text = _filler(haystack, i, fill)
         at = rng.randint(min_start, fill - min_distance)
         ids = text[:at] + needle + text[at:] + q_ids + a_ids
@@ -276,6 +321,8 @@ def reshare(spec: HybridAttentionConfig, share: float) -> HybridAttentionConfig:
 def spread_roles(spec: HybridAttentionConfig, layers: int, kv_heads: int, share: float) -> HybridAttentionConfig:
     """``spec`` with ``round(share * pairs)`` evenly spaced (layer, KV head) pairs full (benchmarks: the
     cost depends on how many heads are full, not which)."""
+    if not 0.0 <= share <= 1.0:  # past 1 the spacing repeats pairs: silently every head full
+        raise HybridAttentionError(f"full head share must be in [0, 1] (0: every head streams), got {share}")
     pairs = layers * kv_heads
     count = round(share * pairs)
     full: dict[int, list[int]] = {}
@@ -324,19 +371,10 @@ def find_head_roles(model, tokenizer, spec: HybridAttentionConfig, haystack: tor
         extra.update(steps=gate_steps, lr=gate_lr, l1=gate_l1, multikey=result.multikey, context=gate_context,
                      final_mse=round(result.history[-1]["mse"], 6), window=trained.window_for(length))
         return choose_roles(spec, result.gates, share, method=method, tiebreak=result.pressure, extra=extra)
-    min_start, min_distance = _needle_bounds(spec, length)
-    data = needle_samples(tokenizer, haystack, count=samples, length=length, min_distance=min_distance,
-                          min_start=min_start, seed=seed)
+    data = spec_samples(tokenizer, spec, haystack, count=samples, length=length, seed=seed)
     scores = head_scores(model, data, progress=progress)
     other = scores["mass" if method == "retrieval" else "retrieval"]
     return choose_roles(spec, scores[method], share, method=method, tiebreak=other, extra=extra)
-
-
-def _needle_bounds(spec: HybridAttentionConfig, length: int) -> tuple[int, int]:
-    """``(min_start, min_distance)``: outside the sinks and the largest window the spec can use, when the
-    sample is long enough."""
-    window = max(spec.windows)
-    return min(spec.sink_tokens, length // 4), min(window + 16, length // 2)
 
 
 def learn_gates(model, tokenizer, spec: HybridAttentionConfig, haystack: torch.Tensor, *, samples: int = 12,
@@ -347,23 +385,19 @@ def learn_gates(model, tokenizer, spec: HybridAttentionConfig, haystack: torch.T
     streaming horizon. Returns its ``GateResult`` (``multikey``: the named keys used)."""
     from attention.gates import train_gates
 
-    min_start, min_distance = _needle_bounds(spec, length)
     single = samples - samples // 2
-    data = needle_samples(tokenizer, haystack, count=single, length=length, min_distance=min_distance,
-                          min_start=min_start, seed=seed)
+    data = spec_samples(tokenizer, spec, haystack, count=single, length=length, seed=seed)
     multikey = 0
     rest = haystack[single:] if haystack.shape[0] > single else haystack  # other blocks where there are enough
     for keys in (3, 2) if samples // 2 else ():  # as many named keys as the length holds (short test models)
         try:
-            data += needle_samples(tokenizer, rest, count=samples // 2, length=length, min_distance=min_distance,
-                                   min_start=min_start, seed=seed + 1, keys=keys)
+            data += spec_samples(tokenizer, spec, rest, count=samples // 2, length=length, seed=seed + 1, keys=keys)
         except HybridAttentionError:
             continue
         multikey = keys
         break
     if samples // 2 and not multikey:  # too short for several needles: single-key samples only
-        data += needle_samples(tokenizer, rest, count=samples // 2, length=length, min_distance=min_distance,
-                               min_start=min_start, seed=seed + 1)
+        data += spec_samples(tokenizer, spec, rest, count=samples // 2, length=length, seed=seed + 1)
     result = train_gates(model, data, spec, steps=steps, lr=lr, l1=l1, seed=seed, progress=progress,
                          context=context)
     return dataclasses.replace(result, multikey=multikey)

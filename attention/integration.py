@@ -7,6 +7,12 @@ it with ``model.set_attn_implementation`` and stores the spec in ``model.config`
 saved hybrid model still loads as a dense one with plain ``from_pretrained``; ``load(path)`` brings
 it back hybrid.
 
+The base model's own sliding-window settings (Mistral ``sliding_window``, Qwen2
+``use_sliding_window`` / ``layer_types``) are off while hybrid: transformers builds sliding KV caches
+from them, which would drop the sink and global keys. ``revert`` puts them back. Mistral's window is
+also kept in the config under :data:`BASE_KEY`, so that it survives a save: ``load`` then ``revert``
+is the base model again.
+
 The mask function returns a :class:`HybridMask` (the ``[batch, k_len]`` padding mask and where the
 queries sit among the keys) instead of a dense ``[q, k]`` mask, which is what keeps prefill O(n).
 """
@@ -20,7 +26,8 @@ import json
 import logging
 import os
 from collections.abc import Callable, Iterator
-from typing import Any
+from pathlib import Path
+from typing import Any, ClassVar
 
 import torch
 
@@ -34,6 +41,8 @@ ATTN_IMPLEMENTATION = "hybrid_sparse"
 # Tested end to end (tiny GQA configs of each in tests/test_attention_retrofit.py).
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 _REVERT_ATTR = "_hybrid_attention_revert"
+# Config key of the base model's sliding-window settings that the retrofit turned off (saved with the spec).
+BASE_KEY = "hybrid_attention_base"
 
 
 @dataclasses.dataclass
@@ -46,6 +55,9 @@ class HybridMask:
 
     padding: torch.Tensor | None
     query_start: int
+    # For a static (compileable) cache, generate builds each step's mask through the mask function and hands it
+    # to the model, whose mask preprocessing then reads its ``ndim``: 4 lets it pass as an already prepared mask.
+    ndim: ClassVar[int] = 4
 
 
 
@@ -115,13 +127,15 @@ def hybrid_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
 
 
 def hybrid_mask_function(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0, kv_offset: int = 0,
-                         mask_function: Any = None, attention_mask: torch.Tensor | None = None,
+                         mask_function: Any = None, attention_mask: torch.Tensor | HybridMask | None = None,
                          **kwargs: Any) -> HybridMask:
     """``AttentionMaskInterface`` entry: a :class:`HybridMask` instead of a dense 4-D mask.
 
     ``mask_function`` (causal, or sliding-window on Mistral / Qwen2) is ignored: the hybrid spec
     replaces it. Packed sequences (position ids restarting inside a row) are not supported.
     """
+    if isinstance(attention_mask, HybridMask):  # prepared for this very step by generate (static cache)
+        return attention_mask
     query_start = int(q_offset) - int(kv_offset)
     padding = None
     if attention_mask is not None:
@@ -156,13 +170,47 @@ def _check_supported(model: Any) -> None:
         f"hybrid attention supports {', '.join(SUPPORTED_MODEL_TYPES)}")
 
 
+def _hybrid_settings(cfg: Any) -> dict[str, Any]:
+    """The base config's sliding-window settings as hybrid attention needs them: only those that change.
+
+    ``layer_types`` (Qwen2) decides each layer's KV cache and mask: all full. A model built with
+    sliding layers keeps ``sliding_window`` (it builds their masks from it on every forward, and no
+    layer uses them once all are full); without ``layer_types`` (Mistral), ``sliding_window`` itself
+    makes the cache slide, so it goes.
+    """
+    new: dict[str, Any] = {}
+    layer_types = getattr(cfg, "layer_types", None)
+    sliding_layers = isinstance(layer_types, list) and "sliding_attention" in layer_types
+    if isinstance(layer_types, list) and any(t != "full_attention" for t in layer_types):
+        new["layer_types"] = ["full_attention"] * len(layer_types)
+    if getattr(cfg, "sliding_window", None) is not None and not sliding_layers:
+        new["sliding_window"] = None
+    if getattr(cfg, "use_sliding_window", None):
+        new["use_sliding_window"] = False
+    return new
+
+
+def _stored_base(cfg: Any) -> dict[str, Any]:
+    """The base model's settings saved under ``BASE_KEY`` by the retrofit that wrote a hybrid checkpoint."""
+    stored = getattr(cfg, BASE_KEY, None)
+    if stored is None:
+        return {}
+    if not isinstance(stored, dict) or not set(stored) <= {"sliding_window"}:
+        raise HybridAttentionError(f"config {BASE_KEY!r} must be {{'sliding_window': <the base model's window>}}, "
+                                   f"got {stored!r}; fix or remove it in config.json")
+    return dict(stored)
+
+
 def retrofit(model: Any, config: HybridAttentionConfig | dict | None = None) -> Any:
     """Switch ``model`` (in place) to hybrid attention; returns the model.
 
     ``config`` defaults to the spec already stored in ``model.config`` (as after loading a hybrid
     checkpoint), else ``HybridAttentionConfig()``. Sliding-window settings of the base config
     (Mistral ``sliding_window``, Qwen2 ``use_sliding_window`` / ``layer_types``) are switched off
-    while hybrid, since a sliding KV cache would drop the sink and global keys; ``revert`` restores them.
+    while hybrid, since a sliding KV cache would drop the sink and global keys; ``revert`` restores
+    them. Mistral's ``sliding_window`` is also kept under ``BASE_KEY``, which is saved with the model:
+    Mistral reads it on every forward, so a model loaded from the checkpoint gets it back on ``revert``.
+    (Qwen2 builds its layers from ``layer_types``: one loaded from a hybrid checkpoint has full layers.)
     """
     _check_supported(model)
     if config is None:
@@ -175,40 +223,42 @@ def retrofit(model: Any, config: HybridAttentionConfig | dict | None = None) -> 
     cfg = model.config
     spec.check_model(cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
     register()
+    new = _hybrid_settings(cfg)
     if getattr(model, _REVERT_ATTR, None) is None:
-        saved = {"attn": cfg._attn_implementation}
-        for name in ("sliding_window", "use_sliding_window", "layer_types"):
-            if name in cfg.__dict__:
-                saved[name] = getattr(cfg, name)
+        saved = {"attn": cfg._attn_implementation, **{name: getattr(cfg, name) for name in new}, **_stored_base(cfg)}
         object.__setattr__(model, _REVERT_ATTR, saved)
-    if getattr(cfg, "sliding_window", None) is not None:
-        cfg.sliding_window = None
-    if getattr(cfg, "use_sliding_window", None):
-        cfg.use_sliding_window = False
-    if isinstance(getattr(cfg, "layer_types", None), list):
-        cfg.layer_types = ["full_attention"] * len(cfg.layer_types)
+    window = getattr(model, _REVERT_ATTR).get("sliding_window")
+    if window is not None:
+        setattr(cfg, BASE_KEY, {"sliding_window": window})
+    for name, value in new.items():
+        setattr(cfg, name, value)
     setattr(cfg, CONFIG_KEY, spec.to_dict())
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     return model
 
 
 def revert(model: Any) -> Any:
-    """Undo :func:`retrofit`: the original attention implementation and sliding settings, no spec."""
+    """Undo :func:`retrofit`: the original attention implementation and sliding settings, no spec.
+
+    On a model loaded with plain ``from_pretrained`` from a hybrid checkpoint (never retrofitted in
+    this process) it restores the sliding settings saved under ``BASE_KEY``.
+    """
     saved = getattr(model, _REVERT_ATTR, None)
     cfg = model.config
     if saved is None:
-        if hasattr(cfg, CONFIG_KEY):
-            delattr(cfg, CONFIG_KEY)
+        for name, value in _stored_base(cfg).items():
+            setattr(cfg, name, value)
         if cfg._attn_implementation == ATTN_IMPLEMENTATION:
             model.set_attn_implementation("sdpa")
-        return model
-    for name, value in saved.items():
-        if name != "attn":
-            setattr(cfg, name, value)
-    model.set_attn_implementation(saved["attn"] or "sdpa")
-    if hasattr(cfg, CONFIG_KEY):
-        delattr(cfg, CONFIG_KEY)
-    object.__delattr__(model, _REVERT_ATTR)
+    else:
+        for name, value in saved.items():
+            if name != "attn":
+                setattr(cfg, name, value)
+        model.set_attn_implementation(saved["attn"] or "sdpa")
+        object.__delattr__(model, _REVERT_ATTR)
+    for key in (CONFIG_KEY, BASE_KEY):
+        if hasattr(cfg, key):
+            delattr(cfg, key)
     return model
 
 
@@ -224,8 +274,17 @@ def load(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> Any:
     """
     from transformers import AutoModelForCausalLM
 
+    missing = HybridAttentionError(f"{path} has no {CONFIG_KEY!r} in its config.json; load it with "
+                                   "from_pretrained and call attention.retrofit(model, spec)")
+    local = Path(path) / "config.json"
+    if local.is_file():  # a local checkpoint: refuse before the weights load
+        try:
+            saved = json.loads(local.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as err:
+            raise HybridAttentionError(f"{local} is not valid JSON ({err}); fix or rewrite it") from None
+        if not isinstance(saved, dict) or saved.get(CONFIG_KEY) is None:
+            raise missing
     model = AutoModelForCausalLM.from_pretrained(path, **from_pretrained_kwargs)
     if getattr(model.config, CONFIG_KEY, None) is None:
-        raise HybridAttentionError(f"{path} has no {CONFIG_KEY!r} in its config.json; load it with "
-                                   "from_pretrained and call attention.retrofit(model, spec)")
+        raise missing
     return retrofit(model)

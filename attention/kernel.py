@@ -278,7 +278,7 @@ class _BlockSparseAttention(torch.autograd.Function):
             qc, doc = qb[:, :, t0:t1], dob[:, :, t0:t1]
             keys, vals = _chunk_keys(kbuf, kg, plan, t0, t1, cnt), _chunk_keys(vbuf, vg, plan, t0, t1, cnt)
             p = _scores(qc, keys, bias).sub_(lse[:, :, t0:t1]).exp_()  # [b, kvh, cb, R, cnt + L]
-            ds = _up(torch.matmul(doc, vals.transpose(-1, -2))).sub_(delta[:, :, t0:t1]).mul_(p)
+            ds = torch.matmul(_up(doc), _up(vals).transpose(-1, -2)).sub_(delta[:, :, t0:t1]).mul_(p)
             dqb[:, :, t0:t1] = _up(torch.matmul(ds.to(q.dtype), keys))
             dkeys = _up(torch.matmul(ds.transpose(-1, -2).to(q.dtype), qc))  # [b, kvh, cb, cnt + L, d]
             dvals = _up(torch.matmul(p.transpose(-1, -2).to(q.dtype), doc))
@@ -306,8 +306,12 @@ def _chunk_keys(buf: torch.Tensor, glob: torch.Tensor, plan: _Plan, t0: int, t1:
 
 
 def _scores(qc: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """``[b, kvh, cb, R, K]`` masked scores in the accumulation dtype (queries are pre-scaled)."""
-    s = _up(torch.matmul(qc, keys.transpose(-1, -2)))
+    """``[b, kvh, cb, R, K]`` masked scores in the accumulation dtype (queries are pre-scaled).
+
+    The product itself runs in that dtype: half-precision scores, rounded before the softmax, cost ~10x
+    the output error of fp32 ones (and the backward's ``dP - delta`` cancels what is left).
+    """
+    s = torch.matmul(_up(qc), _up(keys).transpose(-1, -2))
     b, kvh, cb, R, K = s.shape
     B = bias.shape[1]
     s.view(b, kvh, cb, R // B, B, K).add_(bias.unsqueeze(1))
@@ -443,6 +447,9 @@ def blocksparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spe
         ``[batch, heads, q_len, head_dim]`` in the dtype of ``q``.
     """
     q_len, k_len, d = q.shape[2], k.shape[2], q.shape[3]
+    # No key lies k_len or more positions back: a wider window is the same pattern, but would widen every
+    # block's local span (work and memory O(q_len * window)) to keys that do not exist.
+    window = min(window, k_len)
     training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     flash = None if training or q.device.type != "cpu" else cpu_flash_op()
     if block is None:

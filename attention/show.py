@@ -91,9 +91,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         base = HybridAttentionConfig().to_dict()
         if a.model:
-            cfg = json.loads((Path(a.model) / "config.json").read_text())
-            if CONFIG_KEY not in cfg:
+            path = Path(a.model) / "config.json"
+            try:
+                cfg = json.loads(path.read_text())
+            except json.JSONDecodeError as err:
+                raise HybridAttentionError(f"{path} is not valid JSON ({err}); fix it or pass --sink/--window") from None
+            if not isinstance(cfg, dict) or CONFIG_KEY not in cfg:
                 raise HybridAttentionError(f"{a.model}/config.json has no {CONFIG_KEY!r}; pass --sink/--window instead")
+            if not isinstance(cfg[CONFIG_KEY], dict):
+                raise HybridAttentionError(f"{path}: {CONFIG_KEY!r} must be an object of spec keys, got "
+                                           f"{cfg[CONFIG_KEY]!r}; fix it or pass --sink/--window")
             base.update(cfg[CONFIG_KEY])
         for key, val in (("sink_tokens", a.sink), ("window", a.window), ("global_every", a.global_every),
                          ("max_globals", a.max_globals)):
@@ -104,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         base["global_rows"] = base["global_rows"] or a.global_rows
         if a.seq < 1:
             raise HybridAttentionError(f"--seq must be >= 1, got {a.seq}")
+        if a.block is not None and a.block < 1:
+            raise HybridAttentionError(f"--block must be >= 1 (tokens per tile), got {a.block}; leave it out to fit "
+                                       f"{MAX_PIXELS} pixels")
         spec = HybridAttentionConfig.from_dict(base)
         path = draw(a.seq, spec, a.out, block=a.block)
     except (HybridAttentionError, OSError) as e:

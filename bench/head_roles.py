@@ -43,7 +43,7 @@ import torch  # noqa: E402
 
 import attention  # noqa: E402
 from attention.gates import CONTEXTS  # noqa: E402
-from attention.heads import choose_roles, head_scores, learn_gates, needle_samples  # noqa: E402
+from attention.heads import choose_roles, head_scores, learn_gates, spec_samples  # noqa: E402
 from attention.spec import HybridAttentionConfig  # noqa: E402
 from core.environment import json_line  # noqa: E402
 from eval.longctx import build_sample, depths_for, score_sample  # noqa: E402
@@ -117,10 +117,7 @@ def main() -> None:
     elif any(a.split(":")[0] in ("retrieval", "mass", "layers") for a in arms):
         # Head scores as the retrofit computes them (recipes/retrofit.py choose_head_roles, its defaults).
         data = build_data(tok, dataset="builtin:stdlib-docs", seq_len=2048, eval_blocks=3, min_train_blocks=1)
-        window = max(spec.windows)
-        needles = needle_samples(tok, data.train, count=args.head_samples, length=args.head_len,
-                                 min_distance=min(window + 16, args.head_len // 2),
-                                 min_start=min(spec.sink_tokens, args.head_len // 4), seed=args.seed)
+        needles = spec_samples(tok, spec, data.train, count=args.head_samples, length=args.head_len, seed=args.seed)
         scores = head_scores(model, needles)
         if args.scores:
             with open(args.scores, "w") as fh:
