@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import yaml
 
+from attention.integration import BASE_KEY
 from attention.spec import CONFIG_KEY, HybridAttentionConfig
 from core.checkpoint import complete_checkpoints
 from core.config import ConfigError
@@ -638,7 +639,9 @@ def sanitize_config_json(path: Path, hybrid: dict[str, Any] | None) -> dict[str,
     if hybrid is not None:
         cfg[CONFIG_KEY] = hybrid
     else:
+        # A dense export is the base model again: put back the sliding window the retrofit kept aside.
         cfg.pop(CONFIG_KEY, None)
+        cfg.update(cfg.pop(BASE_KEY, None) or {})
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     return cfg
 
