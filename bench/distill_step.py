@@ -1,6 +1,6 @@
 """One distillation step: the toolkit's teacher–student module vs a naive pipeline.
 
-    python bench/distill_step.py [--seq 2048 --batch 1 --steps 3]
+    python bench/distill_step.py [--seq 2048 --batch 1 --steps 3 --repeats 3]
 
 Same teacher/student pair (SmolLM2-135M-Instruct → a 10-layer derived student), same batch, same
 three terms on (logits KD, hidden-state MSE, attention maps) plus CE on the data:
@@ -12,9 +12,12 @@ three terms on (logits KD, hidden-state MSE, attention maps) plus CE on the data
   both models to read one layer each, full logits through plain ``kd_loss``, full attention maps.
 
 Each variant runs in its own subprocess; peak RSS is the high-water mark of the step alone (the
-mark is reset with ``/proc/self/clear_refs`` after the models are loaded). Prints a table, then one
-JSON line with ``speedup`` (tokens/s ratio) and ``rss_ratio`` (peak ratio, ours / naive).
-Targets: ≥ 1.3× tokens/s and ≤ 0.6× peak RSS.
+mark is reset with ``/proc/self/clear_refs`` after the models are loaded). ``--repeats`` rounds run
+one subprocess of each variant, the order swapping every round (naive, ours / ours, naive / ...), so
+load from other processes on a shared machine falls on both alike; each variant's tokens/s and peak
+are the medians over its rounds. Prints a table, then one JSON line with ``speedup`` (tokens/s
+ratio of the medians), ``speedup_rounds`` (the ratio within each round) and ``rss_ratio`` (peak
+ratio, ours / naive). Targets: ≥ 1.3× tokens/s and ≤ 0.6× peak RSS.
 """
 
 from __future__ import annotations
@@ -99,31 +102,66 @@ def worker(variant: str, seq: int, batch: int, steps: int, threads: int) -> dict
             "peak_rss_mb": (peak - base) / 1024}
 
 
-def main() -> None:
+def run_worker(variant: str, seq: int, batch: int, steps: int, threads: int) -> dict:
+    """One variant in a fresh subprocess (its own RSS high-water mark); returns :func:`worker`'s row."""
+    proc = subprocess.run([sys.executable, __file__, "--worker", variant, "--seq", str(seq), "--batch",
+                           str(batch), "--steps", str(steps), "--threads", str(threads)],
+                          capture_output=True, text=True, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+
+
+def compare(repeats: int, seq: int, batch: int, steps: int, threads: int) -> dict:
+    """Both variants, ``repeats`` rounds, the order swapping each round; medians per variant and the ratios.
+
+    A shared machine's load drifts over minutes: two variants run one after the other would each see a
+    different machine, so every round runs both, and which goes first alternates.
+    """
+    runs: dict[str, list[dict]] = {"naive": [], "ours": []}
+    for r in range(repeats):
+        for variant in (("naive", "ours") if r % 2 == 0 else ("ours", "naive")):
+            runs[variant].append(run_worker(variant, seq, batch, steps, threads))
+    rows = {v: {"variant": v, "tokens_per_s": median([x["tokens_per_s"] for x in rs]),
+                "step_s": median([x["step_s"] for x in rs]), "peak_rss_mb": median([x["peak_rss_mb"] for x in rs]),
+                "rounds": rs} for v, rs in runs.items()}
+    return {"speedup": rows["ours"]["tokens_per_s"] / rows["naive"]["tokens_per_s"],
+            "speedup_rounds": [o["tokens_per_s"] / n["tokens_per_s"] for o, n in zip(runs["ours"], runs["naive"])],
+            "rss_ratio": rows["ours"]["peak_rss_mb"] / max(rows["naive"]["peak_rss_mb"], 1e-9),
+            "ours": rows["ours"], "naive": rows["naive"], "repeats": repeats}
+
+
+def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3, help="rounds of both variants (order swapped each round)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--worker", choices=["ours", "naive"])
-    a = p.parse_args()
+    a = p.parse_args(argv)
     if a.worker:
-        print(json.dumps(worker(a.worker, a.seq, a.batch, a.steps, a.threads)))
-        return
-    rows = {}
-    for variant in ("naive", "ours"):
-        proc = subprocess.run([sys.executable, __file__, "--worker", variant, "--seq", str(a.seq), "--batch",
-                               str(a.batch), "--steps", str(a.steps), "--threads", str(a.threads)],
-                              capture_output=True, text=True, check=True)
-        rows[variant] = json.loads(proc.stdout.strip().splitlines()[-1])
-    print(f"distill step, SmolLM2-135M → 10 layers, batch {a.batch} × {a.seq} tokens, {a.threads} threads")
+        row = worker(a.worker, a.seq, a.batch, a.steps, a.threads)
+        print(json.dumps(row))
+        return row
+    if a.repeats < 1 or a.steps < 1:
+        raise SystemExit("error: --repeats and --steps must be at least 1")
+    result = compare(a.repeats, a.seq, a.batch, a.steps, a.threads)
+    print(f"distill step, SmolLM2-135M → 10 layers, batch {a.batch} × {a.seq} tokens, {a.threads} threads, "
+          f"medians of {a.repeats} interleaved rounds")
     print(f"{'variant':<8} {'tokens/s':>10} {'step s':>8} {'step peak RSS MB':>17}")
-    for r in rows.values():
+    for v in ("naive", "ours"):
+        r = result[v]
         print(f"{r['variant']:<8} {r['tokens_per_s']:>10.1f} {r['step_s']:>8.2f} {r['peak_rss_mb']:>17.0f}")
-    result = {"speedup": rows["ours"]["tokens_per_s"] / rows["naive"]["tokens_per_s"],
-              "rss_ratio": rows["ours"]["peak_rss_mb"] / max(rows["naive"]["peak_rss_mb"], 1e-9),
-              "ours": rows["ours"], "naive": rows["naive"], "seq": a.seq, "batch": a.batch}
+    print(f"speedup {result['speedup']:.2f}x (per round " + ", ".join(f"{x:.2f}" for x in result["speedup_rounds"])
+          + f"), peak RSS ratio {result['rss_ratio']:.3f}")
+    result |= {"seq": a.seq, "batch": a.batch}
     print(json_line(result))
+    return result
 
 
 if __name__ == "__main__":

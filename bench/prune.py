@@ -8,7 +8,10 @@ held-out split the recipe uses. Budget: the non-embedding parameter count of tod
 (teacher layers ``0-3,24-29``). Every student is trained for ``--steps`` steps with the demo recipe's
 terms and schedule (``recipes/distill.py`` defaults: KD T=1 + CE + 0.2 · nmse on derived spans, AdamW
 1e-3, warmup 4, cosine to 0.1×, seed 0, same data order) through ``distill.prune.short_distill``, then scored
-on the same held-out blocks. The search runs with the recipe's ``prune_*`` defaults, as the demo does:
+on the same held-out blocks. The search runs with the recipe's ``prune_*`` defaults, as the demo does,
+except that its candidates are ranked on the ``--rank-blocks`` held-out blocks after the
+``--eval-blocks`` scored ones: a choice made on the blocks that then score it would flatter the
+searched students against the hand-picked one.
 
 * **manual** — the hand-picked layers;
 * **depth (BI)** — the best depth-only cut by block influence;
@@ -44,6 +47,19 @@ import torch  # noqa: E402
 from core.environment import json_line  # noqa: E402
 
 
+def split_heldout(blocks: torch.Tensor, scored: int, ranking: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[n, seq]`` held-out blocks → (``[scored, seq]`` that score every student, ``[ranking, seq]`` after them).
+
+    Disjoint: the search picks its winner on the second part, so the first still measures it held out.
+    """
+    if scored < 1 or ranking < 1:
+        raise SystemExit("error: --eval-blocks and --rank-blocks must be at least 1")
+    if blocks.shape[0] < scored + ranking:
+        raise SystemExit(f"error: the held-out text has {blocks.shape[0]} blocks, fewer than --eval-blocks {scored} "
+                         f"+ --rank-blocks {ranking}; lower one of them or --seq-len")
+    return blocks[:scored], blocks[scored:scored + ranking]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=24, help="distill steps per student (the demo's max_steps)")
@@ -53,7 +69,7 @@ def main() -> None:
     # The search as the demo recipe runs it (prune_* defaults of DistillConfig), so the bench prices what the demo does.
     p.add_argument("--calib-blocks", type=int, default=8, help="calibration blocks (recipe: prune_calib_blocks)")
     p.add_argument("--rank-blocks", type=int, default=4, help="held-out blocks that rank search candidates "
-                   "(recipe: prune_eval_blocks)")
+                   "(recipe: prune_eval_blocks), the ones after the --eval-blocks scored ones")
     p.add_argument("--search-steps", type=int, default=4, help="short-distill steps per search finalist "
                    "(recipe: prune_search_steps)")
     p.add_argument("--top-k", type=int, default=2, help="search finalists short-distilled (recipe: prune_top_k)")
@@ -66,6 +82,8 @@ def main() -> None:
     p.add_argument("--variants", default="manual,depth,width,searched,ce_only",
                    help="students trained (a subset for short runs; skipped ones are null in the JSON)")
     args = p.parse_args()
+    if args.eval_blocks < 1 or args.rank_blocks < 1:
+        raise SystemExit("error: --eval-blocks and --rank-blocks must be at least 1")
     torch.set_num_threads(args.threads)
 
     import dataclasses
@@ -92,9 +110,10 @@ def main() -> None:
     kd_terms = recipe.losses()
     ce_only = dataclasses.replace(kd_terms, kd_weight=0.0, ce_weight=1.0, focal_weight=0.0, hidden_weight=0.0,
                                   attn_weight=0.0)
+    tok = load_tokenizer(recipe.teacher)  # the data first: too few held-out blocks is an error before any model loads
+    data = build_data(tok, dataset=BUILTIN, seq_len=args.seq_len, eval_blocks=args.eval_blocks + args.rank_blocks)
+    scored, ranking = split_heldout(data.eval, args.eval_blocks, args.rank_blocks)
     teacher = load_causal_lm(recipe.teacher).eval().requires_grad_(False)
-    tok = load_tokenizer(recipe.teacher)
-    data = build_data(tok, dataset=BUILTIN, seq_len=args.seq_len, eval_blocks=args.eval_blocks)
     calib, train = data.train[: args.calib_blocks], data.train
     fam, base = family_of(teacher), arch_of(teacher)
     manual = derive_student(teacher, recipe.keep_layers)
@@ -102,8 +121,8 @@ def main() -> None:
     print(f"teacher {base.label()}; budget = demo student ({recipe.keep_layers}): {budget:,} non-embedding "
           f"(+{emb:,} embedding) parameters", flush=True)
 
-    held = HeldOut(teacher, data.eval, args.batch)
-    rank = HeldOut(teacher, data.eval[: args.rank_blocks], args.batch)
+    held = HeldOut(teacher, scored, args.batch)
+    rank = HeldOut(teacher, ranking, args.batch)
     teacher_ppl = held.stats(teacher).perplexity
 
     t0 = time.time()
@@ -171,7 +190,7 @@ def main() -> None:
                       Arch(30, base.hidden, base.kv_heads, base.group, 768)):
                 st = held.stats(prune_to(teacher, scores, a))
                 probes.append({"arch": a.label(), "params": fam.counts(a)[0], "ppl_init": st.perplexity})
-        report(args, rows, probes, teacher_ppl, int(data.eval.shape[0]), budget, emb, best, found_arch,
+        report(args, rows, probes, teacher_ppl, int(scored.shape[0]), budget, emb, best, found_arch,
                prune_search_s, n_candidates, complete=len(rows) == len(plan), terms=recipe)
 
 

@@ -1,14 +1,14 @@
 """Our distill recipe against TRL's GKD trainer (supervised mode, forward KL) on the same work.
 
     pip install "trl>=1.16"      # optional: only this bench needs it
-    python bench/vs_trl.py [--shapes demo,long] [--demo-steps 8] [--long-steps 4] [--threads N]
+    python bench/vs_trl.py [--shapes demo,long] [--demo-steps 8] [--long-steps 4] [--threads N] [--repeats R]
 
 Both sides get the same teacher and student weights, the same packed token blocks in the same
 order (the recipe's ``BlockOrder``), AdamW (betas 0.9/0.95, no weight decay), the same warmup-cosine
-schedule and clipping at 1.0, fp32 on CPU, the same thread count, and the same objective: forward
-KL(teacher ‖ student) at T = 1, averaged over predicted tokens (the recipe with every other term
-at weight 0; ``GKDTrainer`` with ``lmbda=0`` (no on-policy samples), ``beta=0`` (forward KL),
-``seq_kd=False``).
+schedule and clipping at 1.0, fp32 on CPU (no GPU visible to either side), the same thread count,
+and the same objective: forward KL(teacher ‖ student) at T = 1, averaged over predicted tokens (the
+recipe with every other term at weight 0; ``GKDTrainer`` with ``lmbda=0`` (no on-policy samples),
+``beta=0`` (forward KL), ``seq_kd=False``).
 
 * **ours** — ``recipes/distill.py`` itself, through its CLI (chunked KD from hidden states: no
   ``[tokens, vocab]`` logits are kept); numbers from its ``summary.json``.
@@ -19,7 +19,10 @@ vocab 49,152; **long** — a tiny Llama built here with DeepSeek's vocabulary si
 layers, width 256, untied head) → its derived 2-layer student, 1 × 2048 tokens; **tiny** — the
 test suite's random model, for checking agreement in seconds (its speed means nothing).
 
-Each run is its own subprocess (ours, then TRL, per shape), so each peak RSS is that run's alone.
+Each run is its own subprocess, so each peak RSS is that run's alone. Per shape, ``--repeats`` rounds
+run both sides, the order swapping every round (ours, TRL / TRL, ours / ...), so load from other
+processes on a shared machine falls on both alike; tokens/s, loop seconds and RSS are each side's
+medians over the rounds, and ``speedup_rounds_<shape>`` lists the ratio within each round.
 Throughput is loop tokens/s: tokens over the seconds spent inside training steps (all steps,
 evaluation and saving excluded on both sides). Peak RSS is reported for the training steps and for
 the whole process. ``loss_diff`` is the largest relative difference of the final-step loss.
@@ -47,7 +50,16 @@ INSTALL = 'pip install "trl>=1.16"'
 #: Recipe overrides shared by both sides: forward KL only, nothing else that TRL would not do.
 OBJECTIVE = dict(kd_weight=1.0, kd_kind="forward_kl", temperature=1.0, ce_weight=0.0, focal_weight=0.0,
                  hidden_weight=0.0, attn_weight=0.0, lr=3e-4, min_lr_ratio=0.1, warmup_steps=1, weight_decay=0.0,
-                 max_grad_norm=1.0, grad_accum=1, seed=0)  # mixed_precision auto: fp32 on CPU
+                 max_grad_norm=1.0, grad_accum=1, seed=0, mixed_precision="no")  # fp32, as TRL's side runs
+
+
+def cpu_env() -> dict[str, str]:
+    """Both sides' subprocess environment: the repo importable and no GPU visible.
+
+    TRL's side runs on the CPU (``use_cpu=True``); the recipe would take a GPU (and bf16) wherever one
+    exists, so on a GPU machine the two sides would no longer run the same work.
+    """
+    return {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
 LONG_MODEL = dict(vocab_size=102_400, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=4096, tie_word_embeddings=False)
 
@@ -92,7 +104,7 @@ def run_ours(over: dict, threads: int, out: Path) -> dict:
         f"output_dir={out}", "overwrite=true", "compare_ce_only=false", "eval_every=0", "eval_blocks=1",
         "save_every=0", f"threads={threads}"]
     proc = subprocess.run([sys.executable, "recipes/distill.py", *args], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          env=cpu_env())
     if proc.returncode != 0:
         raise SystemExit(f"recipe failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     s = json.loads((out / "summary.json").read_text())
@@ -188,10 +200,36 @@ def trl_worker(over: dict, threads: int, out: Path) -> dict:
 def run_trl(over: dict, threads: int, out: Path) -> dict:
     spec = json.dumps({"over": over, "threads": threads, "out": str(out)})
     proc = subprocess.run([sys.executable, __file__, "--worker", spec], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          env=cpu_env())
     if proc.returncode != 0:
         raise SystemExit(f"TRL worker failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+
+
+def compare(shape: str, over: dict, threads: int, work: Path, repeats: int) -> dict[str, dict]:
+    """Both sides on one shape, ``repeats`` rounds with the order swapped each round; medians per side.
+
+    A shared machine's load drifts over minutes, so neither side may always run first. Losses come from the
+    first round (the same seed gives the same steps in every round).
+    """
+    runs: dict[str, list[dict]] = {"ours": [], "trl": []}
+    for r in range(repeats):
+        for side in (("ours", "trl") if r % 2 == 0 else ("trl", "ours")):
+            run = run_ours if side == "ours" else run_trl
+            runs[side].append(run(over, threads, work / f"{side}-{shape}-{r}"))
+    out = {}
+    for side, rs in runs.items():
+        out[side] = {**rs[0], **{k: median([x[k] for x in rs])
+                                 for k in ("tokens_per_s", "loop_s", "rss_train_gb", "rss_whole_gb")},
+                     "tokens_per_s_rounds": [x["tokens_per_s"] for x in rs]}
+    out["speedup_rounds"] = [o["tokens_per_s"] / t["tokens_per_s"] for o, t in zip(runs["ours"], runs["trl"])]
+    return out
 
 
 def main() -> None:
@@ -200,6 +238,8 @@ def main() -> None:
     parser.add_argument("--demo-steps", type=int, default=8)
     parser.add_argument("--long-steps", type=int, default=4)
     parser.add_argument("--threads", type=int, default=0, help="intra-op threads for both sides (0: every core)")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of both sides per shape (order swapped each "
+                        "round; medians reported)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     a = parser.parse_args()
     if a.worker:
@@ -219,20 +259,21 @@ def main() -> None:
     bad = [s for s in shapes if s not in SHAPES]
     if bad:
         raise SystemExit(f"unknown shape(s) {bad}; use --shapes demo,long")
+    if a.repeats < 1:
+        raise SystemExit("error: --repeats must be at least 1")
     results: dict[str, dict[str, dict]] = {}
     with tempfile.TemporaryDirectory(prefix="vs-trl-") as tmp:
         work = Path(tmp)
         for shape in shapes:
             over = shape_overrides(shape, a.long_steps if shape == "long" else a.demo_steps, work)
-            results[shape] = {"ours": run_ours(over, threads, work / f"ours-{shape}"),
-                              "trl": run_trl(over, threads, work / f"trl-{shape}")}
+            results[shape] = compare(shape, over, threads, work, a.repeats)
             print(f"{shape}: losses per step, ours {results[shape]['ours']['losses']}, "
                   f"trl {results[shape]['trl']['losses']}", file=sys.stderr, flush=True)
 
     print(f"\nours = recipes/distill.py (chunked KD); trl = GKDTrainer (lmbda=0, beta=0); {threads} threads, fp32")
     print(f"{'shape':<6} {'side':<5} {'tokens/s':>9} {'loop s':>7} {'RSS train GB':>13} {'RSS whole GB':>13} "
           f"{'final loss':>11}")
-    out: dict[str, float | None] = {}
+    out: dict[str, float | int | list[float] | None] = {}
     diffs = []
     for shape, r in results.items():
         for side in ("ours", "trl"):
@@ -242,11 +283,13 @@ def main() -> None:
         diff = abs(r["ours"]["final_loss"] - r["trl"]["final_loss"]) / abs(r["trl"]["final_loss"])
         diffs.append(diff)
         out[f"speedup_{shape}"] = r["ours"]["tokens_per_s"] / r["trl"]["tokens_per_s"]
+        out[f"speedup_rounds_{shape}"] = [round(x, 6) for x in r["speedup_rounds"]]
         out[f"rss_ratio_{shape}"] = r["ours"]["rss_whole_gb"] / r["trl"]["rss_whole_gb"]
         out[f"rss_train_ratio_{shape}"] = r["ours"]["rss_train_gb"] / r["trl"]["rss_train_gb"]
         out[f"loss_diff_{shape}"] = diff
     out["loss_diff"] = max(diffs) if diffs else None
     out["threads"] = threads
+    out["repeats"] = a.repeats
     print(json_line({k: (round(v, 6) if isinstance(v, float) and not k.startswith("loss_diff") else v)
                      for k, v in out.items()}))
 
