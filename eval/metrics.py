@@ -193,7 +193,9 @@ def text_windows(tokenizer, text: str, seq_len: int = 512) -> tuple[list[list[in
             lo = 0 if start == 0 and bos else starts[start + 1]  # BOS predicts the text from byte 0
             nbytes.append(len(text[lo:hi].encode("utf-8")))
         else:  # slow tokenizer: no offsets, share the bytes by predicted tokens
-            nbytes.append(round(total * (end - start - 1) / max(len(ids) - 1, 1)))
+            # Round the running total, not each share: per-window rounding errors would add up, and the
+            # windows' bytes would no longer sum to the text's.
+            nbytes.append(round(total * (end - 1) / max(len(ids) - 1, 1)) - sum(nbytes))
         start = end - 1
     return windows, nbytes
 
