@@ -15,8 +15,11 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from core.config import ConfigError
 from core.fsio import replace_dir
@@ -50,6 +53,71 @@ class TrainingDiverged(ConfigError):
     """The loss became NaN/inf; the last good checkpoint is kept."""
 
     exit_code = 3
+
+
+class NonFiniteWeights(TrainingDiverged):
+    """A step left NaN/inf in the trained weights (its loss was still finite); its checkpoint is refused."""
+
+
+def _local_shard(p: torch.Tensor) -> torch.Tensor:
+    """What this process holds of parameter ``p``: under DeepSpeed ZeRO-3 the parameter itself is an empty
+    placeholder and its partition lives in ``ds_tensor``; elsewhere the tensor itself."""
+    shard = getattr(p, "ds_tensor", None)
+    return shard if shard is not None and p.numel() == 0 else p
+
+
+def nonfinite_weights(named: Iterable[tuple[str, torch.Tensor]]) -> tuple[int, str | None]:
+    """``(how many tensors hold a NaN/inf, the first such name)`` of ``named`` (this process's shards only).
+
+    One float64 sum per tensor and a single device sync: a NaN or inf anywhere makes the sum non-finite (inf
+    and -inf give NaN), and float64 cannot overflow on the sum of finite fp32/bf16/fp16 values. No mask the
+    size of the tensor is allocated, so the check costs a read of the weights and nothing more.
+    """
+    names, sums = [], []
+    for name, p in named:
+        t = _local_shard(p).detach()
+        if t.numel() == 0:
+            continue
+        names.append(name)
+        sums.append(torch.sum(t, dtype=torch.float64).reshape(1))
+    if not sums:
+        return 0, None
+    device = sums[0].device
+    bad = ~torch.isfinite(torch.cat([s.to(device) for s in sums]))
+    count = int(bad.sum())
+    return count, (names[int(bad.nonzero()[0])] if count else None)
+
+
+def refuse_nonfinite(named: Iterable[tuple[str, torch.Tensor]], output_dir: str | Path, step: int,
+                     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+    """Raise :class:`NonFiniteWeights` before checkpoint ``step`` is written if any trained tensor in ``named``
+    holds a NaN/inf (an optimizer step that overflowed while the loss it followed was finite).
+
+    Nothing is written and nothing is pruned: the run stops on the newest complete checkpoint before ``step``,
+    which the one-line error names. ``reduce`` sums a 1-element tensor over processes (every process must call
+    this, with its own shards), so that all of them stop together when one shard is bad.
+    """
+    count, first = nonfinite_weights(named)
+    if reduce is not None:
+        count = int(reduce(torch.tensor([float(count)])).item())
+    if not count:
+        return
+    last, resume = last_good(output_dir, step)
+    raise NonFiniteWeights(
+        f"step {step} left NaN/inf in {count} trained weight tensor(s){f' (first: {first})' if first else ''} "
+        f"while its loss was finite; checkpoint step-{step} was not written and none was removed; the last good "
+        f"checkpoint is {last or 'none'}: lower lr or enable clipping (max_grad_norm), then {resume}")
+
+
+def last_good(output_dir: str | Path, step: int) -> tuple[Path | None, str]:
+    """The newest complete checkpoint before ``step`` (1-based; the step that went wrong) and how to resume
+    from it. After ``resume=`` an older step, later checkpoints of the abandoned steps are still on disk until
+    the next save: ``resume=latest`` would go back to them, so those are named by path."""
+    good = [p for p in complete_checkpoints(output_dir) if int(_STEP.match(p.name).group(1)) < step]
+    last = good[-1] if good else None
+    resume = ("start again without resume=" if last is None
+              else "resume=latest" if last == latest_checkpoint(output_dir) else f"resume={last}")
+    return last, resume
 
 
 def latest_checkpoint(output_dir: str | Path) -> Path | None:

@@ -112,6 +112,26 @@ def resolve_model_path(name_or_path: str) -> str:
     return name_or_path  # a hub name; transformers reports it clearly when offline
 
 
+def peek_config(name_or_path: str):
+    """The model's ``config.json`` (a transformers ``PretrainedConfig``) read without its weights, or None when
+    that cannot be done without loading them: the demo teacher before its one-time conversion, a hub model
+    that is neither cached nor reachable, anything :func:`load_causal_lm` would reject (it says why, later).
+
+    Lets a recipe check lengths against the model's context before minutes of loading.
+    """
+    from transformers import AutoConfig
+
+    if name_or_path.lower() in (SMOLLM2, "smollm2", "smollm2-135m"):
+        path = cache_root() / SMOLLM2
+        if not (path / "config.json").is_file():  # converting it would load the GGUF weights
+            return None
+        name_or_path = str(path)
+    try:
+        return AutoConfig.from_pretrained(resolve_model_path(name_or_path))
+    except Exception:  # noqa: BLE001 - unreadable here: the loader reports it in its own words
+        return None
+
+
 def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
     """``fp32`` / ``bf16`` / ``fp16`` → a dtype; ``auto`` is bf16 on CUDA and fp32 on CPU (bf16 is slower there)."""
     if name == "auto":
@@ -140,12 +160,17 @@ def resolve_device(name: str) -> str:
 
 
 def load_causal_lm(name_or_path: str, dtype: torch.dtype = torch.float32, *, dense: bool = False, **kwargs):
-    """A causal LM as it is served: hybrid attention when its config carries a spec (unless ``dense``)."""
+    """A causal LM as it is served: hybrid attention when its config carries a spec; ``dense``: the model it was
+    retrofitted from (its own attention settings back, no spec)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(name_or_path), dtype=dtype, **kwargs)
-    if not dense and getattr(model.config, CONFIG_KEY, None) is not None:
-        attention.retrofit(model)
+    if getattr(model.config, CONFIG_KEY, None) is not None:
+        # dense: the base model, with the sliding window (Mistral) the retrofit set aside, and no spec left over
+        if dense:
+            attention.revert(model)
+        else:
+            attention.retrofit(model)
     return model
 
 

@@ -77,8 +77,17 @@ def tiny_teacher_tokenizer():
     return tiny_tokenizer(stdlib_docs("train")[:200], vocab_size=512)
 
 
-def tiny_teacher(seed: int = 0, *, layers: int = 4, hidden: int = 64, vocab_size: int = 512,
-                 max_position_embeddings: int = 1024):
+TINY_TEACHER = dict(layers=4, hidden=64, vocab=512, max_pos=1024)
+"""The ``tiny-random`` teacher's shape (:func:`tiny_config` keywords)."""
+
+
+def tiny_teacher_config():
+    """The ``tiny-random`` teacher's config, without building its weights."""
+    return tiny_config("llama", **TINY_TEACHER)
+
+
+def tiny_teacher(seed: int = 0, *, layers: int = TINY_TEACHER["layers"], hidden: int = TINY_TEACHER["hidden"],
+                 vocab_size: int = TINY_TEACHER["vocab"], max_position_embeddings: int = TINY_TEACHER["max_pos"]):
     """The ``tiny-random`` recipe teacher (Llama, GQA); leaves the global RNG as it found it."""
     from transformers import GenerationConfig
 

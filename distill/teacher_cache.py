@@ -214,10 +214,12 @@ class TeacherCache:
             tokenizer is refused (its ids would name other tokens).
         temperature: the run's KD temperature; a sampled cache was drawn at one temperature and
             is only unbiased at that one.
+        data_fingerprint: :func:`fingerprint` of ``train_blocks`` when the caller already has it (a
+            multi-process run hashes the corpus once, on the main process); None: hashed here.
     """
 
     def __init__(self, path: str | Path, train_blocks: torch.Tensor | Blocks, *, vocab_size: int | None = None,
-                 tokenizer=None, temperature: float | None = None):
+                 tokenizer=None, temperature: float | None = None, data_fingerprint: str | None = None):
         path = Path(path)
         self.path = path
         self.meta = read_meta(path)
@@ -233,7 +235,7 @@ class TeacherCache:
         if tokenizer is not None and self.meta.get("tokenizer_fingerprint") not in (None, tokenizer_fingerprint(tokenizer)):
             raise TeacherCacheError(f"teacher cache {path} was written with another tokenizer; rerun "
                                     "recipes/cache_teacher.py with this run's tokenizer")
-        if self.meta["fingerprint"] != fingerprint(train_blocks):
+        if self.meta["fingerprint"] != (data_fingerprint or fingerprint(train_blocks)):
             raise TeacherCacheError(
                 f"teacher cache {path} was made from other data (dataset/seq_len/tokenizer differ); rerun "
                 "recipes/cache_teacher.py with this run's dataset and seq_len"

@@ -486,13 +486,13 @@ class Run:
         seconds = time.perf_counter() - self._t_step
         entry = {"step": step + 1, "lr": lr, **extra, **terms}
         if not math.isfinite(terms["loss"]):
-            last = ckpt.latest_checkpoint(self.out)
+            last, resume = ckpt.last_good(self.out, step + 1)
             # The curve up to here and the step that broke it, on disk before the run stops.
             self.append_metrics({**entry, "diverged": True}, tokens, seconds)
             self.plot(diverged_at=step + 1)
             raise ckpt.TrainingDiverged(
                 f"loss became {terms['loss']} at step {step + 1}; the last good checkpoint is "
-                f"{last or 'none'}: lower lr or enable clipping, then resume=latest")
+                f"{last or 'none'}: lower lr or enable clipping, then {resume}")
         self.loop_tokens += tokens
         self.loop_seconds += seconds
         self.rss.mark("train")
@@ -581,12 +581,19 @@ class Run:
         return step + 1 == self.cfg.max_steps
 
     def save_checkpoint(self, step: int, write_extra: Callable[[Path], None],
-                        rank_state: Callable[[], dict[str, Any]] | None = None) -> None:
+                        rank_state: Callable[[], dict[str, Any]] | None = None, *,
+                        weights: Iterable[tuple[str, torch.Tensor]] = ()) -> None:
         """Checkpoint after ``step`` steps: every rank writes its shard, then the main renames it whole.
 
         ``write_extra(folder)`` (main process only) adds what export needs to rebuild the model;
         ``rank_state()`` (every rank, JSON) what differs per rank, read back by :meth:`rank_state`.
+        ``weights``: ``(name, tensor)`` pairs of this rank's shards; those that train are checked. An overflowing optimizer step
+        can leave NaN/inf in them behind a finite loss; such a checkpoint would prune the good ones it
+        replaces, so the run stops on the last good one instead (:func:`core.checkpoint.refuse_nonfinite`).
         """
+        acc = self.accelerator
+        ckpt.refuse_nonfinite(((n, t) for n, t in weights if t.requires_grad), self.out, step,
+                              reduce=lambda t: acc.reduce(t.to(acc.device), reduction="sum"))
         tmp = ckpt.tmp_dir(self.out, step)
         if self.main:  # every rank writes into it (DeepSpeed shards, RNG states): it must exist first
             tmp.mkdir(parents=True, exist_ok=True)

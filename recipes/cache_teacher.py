@@ -47,9 +47,9 @@ from core.config import (
     to_dict,
 )
 from core.fsio import replace_dir
-from core.models import ModelSourceError, load_causal_lm
+from core.models import ModelSourceError, load_causal_lm, peek_config
 from core.rundir import check_replaceable
-from core.tiny import TINY, tiny_teacher
+from core.tiny import TINY, tiny_teacher, tiny_teacher_config
 from distill.data import BUILTIN, build_data, eval_batches
 from distill.sources import load_recipe_tokenizer
 from distill.teacher_cache import (
@@ -121,7 +121,11 @@ def claim_work(cfg: CacheTeacherConfig, work: Path) -> int:
     """
     saved = work / "config.yaml"
     if work.exists() and not saved.is_file():
-        raise ConfigError(f"{work} exists but is not an unfinished teacher cache (no config.yaml); move it away")
+        # A run killed between creating the folder and writing its config.yaml left it empty, or holding only
+        # our temporary names: start it over. Anything else is not ours to delete.
+        if any(not _ours_temporary(p) for p in work.iterdir()):
+            raise ConfigError(f"{work} exists but is not an unfinished teacher cache (no config.yaml); move it away")
+        shutil.rmtree(work)
     if work.exists():
         changes = config_changes(load_yaml(saved), to_dict(cfg), RESUME_SAFE)
         if changes and not cfg.overwrite:
@@ -137,21 +141,37 @@ def claim_work(cfg: CacheTeacherConfig, work: Path) -> int:
     return len(list(work.glob("shard-*.safetensors")))
 
 
+def _ours_temporary(path: Path) -> bool:
+    """A file this recipe writes under a temporary name: a shard being written (``.shard-*``) or config.yaml
+    being written (:func:`core.fsio.atomic_write`'s ``.config.yaml.*.tmp``)."""
+    name = path.name
+    return path.is_file() and (name.startswith(".shard-") or (name.startswith(".config.yaml.") and name.endswith(".tmp")))
+
+
 def shard_blocks(cfg: CacheTeacherConfig, train, i: int) -> torch.Tensor:
     """Shard ``i``'s training blocks ``[n, seq]``."""
     return train[i * cfg.shard_blocks: min(train.shape[0], (i + 1) * cfg.shard_blocks)]
 
 
-def shards_to_write(cfg: CacheTeacherConfig, train, work: Path, rank: int, world: int) -> list[int]:
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def shards_to_write(cfg: CacheTeacherConfig, train, work: Path, rank: int, world: int,
+                    dtype: torch.dtype | None = None) -> list[int]:
     """This process's shards (``i mod world == rank``) not yet in ``work`` for the data as it is now.
 
     A kept shard counts only if its recorded block fingerprint matches: a dataset file regenerated under
-    the same name changes no setting, and its old shards must not be mixed with the new data.
+    the same name changes no setting, and its old shards must not be mixed with the new data. Nor may
+    shards of another teacher precision (``dtype``: the teacher's now): ``dtype=auto`` resolves to bf16 on a
+    GPU and fp32 on a CPU, so a run resumed on another machine would otherwise mix the two in one cache.
     """
     todo = []
     for i in range(rank, math.ceil(train.shape[0] / cfg.shard_blocks), world):
         path = work / shard_name(i)
-        if not path.is_file() or shard_metadata(path).get("blocks") != fingerprint(shard_blocks(cfg, train, i)):
+        meta = shard_metadata(path) if path.is_file() else {}
+        if (meta.get("blocks") != fingerprint(shard_blocks(cfg, train, i))
+                or (dtype is not None and meta.get("dtype") != dtype_name(dtype))):
             todo.append(i)
     return todo
 
@@ -170,7 +190,7 @@ def cache_shard(cfg: CacheTeacherConfig, teacher, blocks: torch.Tensor, shard: i
     gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + shard)
     idx, val, cnt = [], [], []
     tail_sum, tokens = 0.0, 0
-    device = next(teacher.parameters()).device
+    device = device_dtype(teacher)[0]
     with torch.inference_mode():
         for b in range(0, blocks.shape[0], cfg.batch_size):
             batch = blocks[b: b + cfg.batch_size]
@@ -186,11 +206,16 @@ def cache_shard(cfg: CacheTeacherConfig, teacher, blocks: torch.Tensor, shard: i
             val.append(v)
             bar.update(batch.numel())
     tmp = path.with_name(f".{path.name}")
-    meta = {"blocks": fingerprint(blocks)}  # what shards_to_write checks on a rerun
+    meta = {"blocks": fingerprint(blocks), "dtype": dtype_name(device_dtype(teacher)[1])}  # shards_to_write's checks
     if cfg.mode == "topk":
         meta |= {"tail_sum": repr(tail_sum), "tokens": str(tokens)}
     write_shard(tmp, torch.cat(idx), torch.cat(val), torch.cat(cnt) if cnt else None, metadata=meta)
     os.replace(tmp, path)
+
+
+def device_dtype(teacher) -> tuple[torch.device, torch.dtype]:
+    p = next(teacher.parameters())
+    return p.device, p.dtype
 
 
 def load_teacher(cfg: CacheTeacherConfig, device: torch.device):
@@ -205,9 +230,50 @@ def load_teacher(cfg: CacheTeacherConfig, device: torch.device):
     return teacher.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
+def check_before_loading(cfg: CacheTeacherConfig) -> None:
+    """seq_len within the teacher's positions and topk within its vocabulary, from its config.json and the
+    tokenizer, before its weights load (a teacher whose config cannot be read so is checked once it loads)."""
+    config = tiny_teacher_config() if cfg.teacher == TINY else peek_config(cfg.teacher)
+    if config is not None:
+        check_teacher(cfg, config, load_recipe_tokenizer(cfg.teacher, cfg.tokenizer))
+
+
+def check_teacher(cfg: CacheTeacherConfig, config, tokenizer) -> None:
+    """What the teacher's ``config`` and ``tokenizer`` decide about the settings: a block longer than the
+    teacher's context would cache targets from positions it never learned, and top-k needs k tokens."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and cfg.seq_len > limit:
+        raise ConfigError(f"seq_len {cfg.seq_len} exceeds the teacher's maximum of {limit} positions; lower seq_len")
+    vocab = min(config.vocab_size, len(tokenizer))  # the head's rows that are tokens
+    if cfg.mode == "topk" and cfg.topk > vocab:
+        raise ConfigError(f"topk {cfg.topk} exceeds the vocabulary ({vocab}); lower topk")
+
+
+def restore_replaced(out: Path) -> None:
+    """Put back a cache that a kill left only under its aside name.
+
+    :func:`core.fsio.replace_dir` renames the old cache to ``.old-NAME-<hex>`` before the new one takes its
+    name; a run killed between the two renames left ``out`` missing and the old cache (whole: it holds
+    ``meta.json``) aside, where nothing would ever remove it. It goes back to ``out``: the state before the
+    run, which a rerun with ``overwrite=true`` then replaces as intended. Every process may call this: one
+    rename wins, the others find the cache already back.
+    """
+    if out.exists():
+        return
+    for old in sorted(out.parent.glob(f".old-{out.name}-*")):
+        if (old / META).is_file():
+            try:
+                os.replace(old, out)
+            except OSError:  # another process of this launch put it back first
+                pass
+            return
+
+
 def main() -> None:
     cfg = parse_config(CacheTeacherConfig)
+    check_before_loading(cfg)
     out = Path(cfg.output_dir)
+    restore_replaced(out)
     if out.exists() and not cfg.overwrite:
         raise ConfigError(f"{out} already exists; pass overwrite=true or another output_dir=")
     if out.exists():  # overwrite replaces only a cache of ours (core/rundir.py)
@@ -225,15 +291,15 @@ def main() -> None:
     state.wait_for_everyone()
     teacher = load_teacher(cfg, state.device)
     tokenizer = load_recipe_tokenizer(cfg.teacher, cfg.tokenizer)
+    check_teacher(cfg, teacher.config, tokenizer)  # again, for a teacher check_before_loading could not read
     with state.main_process_first():  # one process prepares the data, the others map it
         data = build_data(tokenizer, dataset=cfg.dataset, eval_dataset=cfg.eval_dataset, seq_len=cfg.seq_len,
                           eval_blocks=cfg.eval_blocks, text_field=cfg.text_field, max_train_blocks=cfg.max_blocks)
     vocab = min(teacher.config.vocab_size, len(tokenizer))  # the head's rows that are tokens
-    if cfg.mode == "topk" and cfg.topk > vocab:
-        raise ConfigError(f"topk {cfg.topk} exceeds the vocabulary ({vocab})")
     t0, n = time.time(), data.train.shape[0]
     # Shard i goes to process i mod world; shards already written for these blocks (a resumed run) are skipped.
-    todo = shards_to_write(cfg, data.train, work, state.process_index, state.num_processes)
+    todo = shards_to_write(cfg, data.train, work, state.process_index, state.num_processes,
+                           dtype=device_dtype(teacher)[1])
     total = sum(min(n, (i + 1) * cfg.shard_blocks) - i * cfg.shard_blocks for i in todo) * cfg.seq_len
     with tqdm(total=total, unit="tok", desc=f"teacher {cfg.mode}", disable=not state.is_main_process) as bar:
         for written, i in enumerate(todo, 1):

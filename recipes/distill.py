@@ -24,11 +24,12 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
-from accelerate.utils import set_seed
+from accelerate.utils import broadcast_object_list, set_seed
 
 from core import checkpoint as ckpt
 from core.config import ConfigError, run_cli
-from core.models import enable_checkpointing
+from core.models import enable_checkpointing, peek_config
+from core.tiny import TINY, tiny_teacher_config
 from distill import on_policy
 from distill.config import RESUME_SAFE, DistillConfig, check_sources
 from distill.data import build_data, steps_for_tokens
@@ -36,7 +37,8 @@ from distill.distributed import configure_deepspeed, deepspeed_settings, is_fsdp
 from distill.model import DistillModel, LossConfig
 from distill.prune import PRUNED_DIR
 from distill.sources import load_pair
-from distill.teacher_cache import TeacherCache, check_meta, read_meta
+from distill.student import parse_keep
+from distill.teacher_cache import TeacherCache, check_meta, fingerprint, read_meta
 from distill.training import (
     Run,
     check_resume,
@@ -62,14 +64,40 @@ NO_FSDP = ("recipes/distill.py does not run under FSDP; launch with launch/gpu_d
 # Pieces of the recipe that read better with a name
 # --------------------------------------------------------------------------------------------
 
+def check_lengths(cfg: DistillConfig, student_config) -> None:
+    """seq_len within the student's positions (``student_config``: its config, read with or without its weights);
+    the config already keeps the on-policy prompt and continuation within seq_len."""
+    limit = getattr(student_config, "max_position_embeddings", None)
+    if limit is not None and cfg.seq_len > limit:
+        raise ConfigError(f"seq_len {cfg.seq_len} exceeds the model's maximum of {limit} positions; lower seq_len")
+
+
+def check_before_loading(cfg: DistillConfig) -> None:
+    """:func:`distill.config.check_sources`, then what the models' config.json files can judge without their
+    weights: the lengths (:func:`check_lengths`) and keep_layers against the teacher's depth. A source whose
+    config cannot be read so (the demo teacher before its one-time conversion) is checked once it loads."""
+    check_sources(cfg)
+
+    def config_of(name: str):
+        return tiny_teacher_config() if name == TINY else peek_config(name)
+    teacher = None if cfg.teacher_cache and cfg.student else config_of(cfg.teacher)
+    derived = not cfg.student  # a derived student keeps the teacher's positions
+    student = teacher if derived else config_of(cfg.student)
+    if student is not None:
+        check_lengths(cfg, student)
+    if derived and cfg.student_init == "keep_layers" and teacher is not None:
+        try:
+            parse_keep(cfg.keep_layers, teacher.num_hidden_layers)
+        except ValueError as err:
+            raise ConfigError(f"{err} (keep_layers)") from None
+
+
 def load_models(cfg: DistillConfig):
     """``(teacher or None, student, tokenizer)``: the pair, the student ready to train."""
     if cfg.teacher_cache:  # mode/temperature/divergence mismatches fail before any model loads
         check_meta(read_meta(cfg.teacher_cache), cfg.teacher_cache, temperature=cfg.temperature, kd_kind=cfg.kd_kind)
     teacher, student, tokenizer = load_pair(cfg)
-    if cfg.seq_len > student.config.max_position_embeddings:
-        raise ConfigError(f"seq_len {cfg.seq_len} exceeds the model's maximum of "
-                          f"{student.config.max_position_embeddings} positions; lower seq_len")
+    check_lengths(cfg, student.config)  # for a source check_before_loading could not read without loading it
     if cfg.gradient_checkpointing:
         enable_checkpointing(student, use_reentrant=False)
     student.config.use_cache = False
@@ -89,6 +117,19 @@ def losses_for(cfg: DistillConfig, accelerator: Accelerator) -> LossConfig:
 # --------------------------------------------------------------------------------------------
 # The training function
 # --------------------------------------------------------------------------------------------
+
+def cached_teacher(cfg: DistillConfig, accelerator: Accelerator, data, student, tokenizer) -> TeacherCache:
+    """The teacher's cached targets for ``data.train``, checked against the student and the training blocks."""
+    return TeacherCache(cfg.teacher_cache, data.train, vocab_size=student.config.vocab_size, tokenizer=tokenizer,
+                        temperature=cfg.temperature, data_fingerprint=shared_fingerprint(accelerator, data.train))
+
+
+def shared_fingerprint(accelerator: Accelerator, blocks) -> str:
+    """:func:`distill.teacher_cache.fingerprint` of the training blocks ``[n, seq]``, hashed by the main process
+    only and sent to the others: every rank holds the same blocks, and reading a corpus of billions of tokens
+    once per rank would multiply the start-up time and the disk traffic by the world size."""
+    return broadcast_object_list([fingerprint(blocks) if accelerator.is_main_process else None])[0]
+
 
 def step_weights(accelerator: Accelerator, data, micro: list, policy, step: int, grad_accum: int) -> list[float]:
     """Each micro-batch's loss weight: a step is a mean over its data tokens, whatever each micro-batch's share
@@ -120,8 +161,7 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: 
 
     # ---- teacher–student module, optimizer, schedule -------------------------------------
     loss_cfg = losses_for(cfg, accelerator)
-    cache = TeacherCache(cfg.teacher_cache, data.train, vocab_size=student.config.vocab_size, tokenizer=tokenizer,
-                         temperature=cfg.temperature) if cfg.teacher_cache else None
+    cache = cached_teacher(cfg, accelerator, data, student, tokenizer) if cfg.teacher_cache else None
     model = DistillModel(student, None if cache else teacher, loss_cfg, tokenizer_size=len(tokenizer),
                          cached_teacher=cache is not None)
     configure_deepspeed(accelerator, cfg.micro_batch_size, cfg.max_grad_norm)  # micro batch, clipping; no-op without
@@ -181,7 +221,8 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: 
             run.write(f"step {step + 1}: held-out perplexity {s.perplexity:.2f}, "
                       f"top-1 agreement {s.top1_agreement:.3f}")
         if run.due(step, cfg.save_every) or run.last(step):
-            run.save_checkpoint(step + 1, write_student_files, policy.state_dict if policy is not None else None)
+            run.save_checkpoint(step + 1, write_student_files, policy.state_dict if policy is not None else None,
+                                weights=model.named_parameters())  # a run stops before saving NaN/inf weights
         run.maybe_exit(step)
 
     # ---- save ---------------------------------------------------------------------------
@@ -312,9 +353,10 @@ def resume_ablation(cfg: DistillConfig, base: DistillConfig, accelerator: Accele
 
 
 def main(argv: list[str] | None = None) -> None:
-    # check_sources: local model and data paths that do not exist are refused before the teacher loads.
+    # check_before_loading: missing local model and data paths, and the lengths and layers the models' config.json
+    # can judge, are refused before the run folder is claimed and before the teacher loads.
     cfg, accelerator, out = start_run(DistillConfig, argv, resume_safe=RESUME_SAFE, without_fsdp=NO_FSDP,
-                                      check=check_sources)
+                                      check=check_before_loading)
     summary = training_function(cfg, accelerator)
 
     if cfg.compare_ce_only:

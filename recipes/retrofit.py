@@ -60,8 +60,8 @@ from attention.spec import CONFIG_KEY, HybridAttentionConfig
 from core import checkpoint as ckpt
 from core.config import ConfigError, check_fields, field, run_cli
 from core.fsio import atomic_write_text
-from core.models import ModelSourceError, cache_root, enable_checkpointing, load_causal_lm
-from core.tiny import TINY, tiny_teacher
+from core.models import ModelSourceError, cache_root, enable_checkpointing, load_causal_lm, peek_config
+from core.tiny import TINY, tiny_teacher, tiny_teacher_config
 from distill.config import check_sources
 from distill.data import BUILTIN, build_data, parse_sources, steps_for_tokens
 from distill.data.text import tokenizer_fingerprint
@@ -269,11 +269,7 @@ def load_models(cfg: RetrofitConfig) -> tuple[torch.nn.Module, torch.nn.Module, 
 
 
 def make_hybrid(cfg: RetrofitConfig, model: torch.nn.Module, spec: HybridAttentionConfig) -> None:
-    """Switch ``model`` to the hybrid spec (in place), after checking it can hold the held-out lengths."""
-    longest = max(cfg.eval_lengths())
-    if longest > model.config.max_position_embeddings:
-        raise ConfigError(f"seq_len/eval_seq_lens up to {longest} exceed the model's maximum of "
-                          f"{model.config.max_position_embeddings} positions; lower them")
+    """Switch ``model`` to the hybrid spec (in place); its lengths were checked (:func:`check_lengths`)."""
     if getattr(model.config, "attention_dropout", 0.0):
         model.config.attention_dropout = 0.0  # the hybrid kernel has none; LoRA dropout regularizes instead
     try:
@@ -384,7 +380,8 @@ def training_function(cfg: RetrofitConfig, accelerator: Accelerator) -> dict:
     model, teacher, tokenizer = load_models(cfg)
     # Frozen and never prepared: on the training device now, since the head roles are scored on it (gate training).
     teacher = teacher.to(accelerator.device)
-    check_longctx(cfg, model, tokenizer)
+    # Again for a source whose config.json check_before_loading could not read (the demo teacher before conversion).
+    check_lengths(cfg, spec, model.config, tokenizer)
     make_hybrid(cfg, model, spec)
     model.config.use_cache = False
     peft_model = add_adapters(model, cfg)
@@ -463,7 +460,7 @@ def training_function(cfg: RetrofitConfig, accelerator: Accelerator) -> dict:
             state.evals.append({"step": step + 1, "perplexity": s.perplexity, "teacher_perplexity": dense_ppl})
             run.write(f"step {step + 1}: held-out perplexity {s.perplexity:.3f} (dense {dense_ppl:.3f})")
         if run.due(step, cfg.save_every) or run.last(step):
-            run.save_checkpoint(step + 1, write_model_files)
+            run.save_checkpoint(step + 1, write_model_files, weights=distill_model.named_parameters())  # NaN/inf: stop
         run.maybe_exit(step)
 
     # ---- merge, save, measure what was saved ---------------------------------------------
@@ -492,25 +489,14 @@ def choose_head_roles(cfg: RetrofitConfig, model, teacher, tokenizer, spec: Hybr
     """The spec with retrieval heads kept full (attention.heads), applied to ``model``; plotted to heads.png."""
     from attention.heads import find_head_roles, plot_head_scores
 
-    length = cfg.gate_sample_len if cfg.head_score == "gates" else cfg.head_sample_len
-    # Samples are capped at seq_len, except dense-context gates, whose cost does not grow with the length:
-    # theirs run on across training blocks up to the model's context.
-    dense_gates = cfg.head_score == "gates" and cfg.gate_context == "dense"
-    cap = (getattr(teacher.config, "max_position_embeddings", None) or cfg.seq_len) if dense_gates else cfg.seq_len
+    length, cap = head_sample_length(cfg, getattr(teacher.config, "max_position_embeddings", None))
     try:
         spec = find_head_roles(teacher, tokenizer, spec, train_blocks, share=cfg.full_head_share,
                                method=cfg.head_score, samples=cfg.head_samples, length=min(length, cap),
                                seed=cfg.seed, progress=main, gate_steps=cfg.gate_steps, gate_lr=cfg.gate_lr,
                                gate_l1=cfg.gate_l1, gate_window=cfg.gate_window, gate_context=cfg.gate_context)
     except HybridAttentionError as err:  # e.g. samples too short for the window: name the key to change
-        msg = str(err).splitlines()[0]
-        if "pick a length" in msg:  # the length is a key, or seq_len / the model's context capping it
-            key = "gate_sample_len" if cfg.head_score == "gates" else "head_sample_len"
-            fixes = ([f"raise {key}"] if length <= cap else [] if dense_gates  # the model's context caps them
-                     else [f"raise seq_len (it caps {key}={length} at {cap} tokens)"])
-            window = "gate_window" if cfg.head_score == "gates" and cfg.gate_window is not None else "window"
-            msg += ": " + ", or ".join([*fixes, f"lower {window} / sink_tokens"])
-        raise ConfigError(f"head roles: {msg}") from None
+        raise head_roles_error(cfg, err, length, cap) from None
     # Every process scored the heads, and all train under the main process's roles: gate training on GPUs is not
     # bitwise reproducible, and a near-tied head could fall on either side of the share on different ranks.
     spec = broadcast_object_list([spec])[0]
@@ -518,6 +504,30 @@ def choose_head_roles(cfg: RetrofitConfig, model, teacher, tokenizer, spec: Hybr
     if main:
         plot_head_scores(spec, Path(cfg.output_dir) / "heads.png", title=f"{cfg.teacher}: full heads ({cfg.head_score})")
     return spec
+
+
+def head_sample_length(cfg: RetrofitConfig, max_positions: int | None) -> tuple[int, int]:
+    """``(length, cap)``: the head-scoring samples' configured length and what caps it (they use the smaller).
+
+    Samples are capped at seq_len, except dense-context gates, whose cost does not grow with the length:
+    theirs run on across training blocks up to the model's context.
+    """
+    length = cfg.gate_sample_len if cfg.head_score == "gates" else cfg.head_sample_len
+    dense_gates = cfg.head_score == "gates" and cfg.gate_context == "dense"
+    return length, ((max_positions or cfg.seq_len) if dense_gates else cfg.seq_len)
+
+
+def head_roles_error(cfg: RetrofitConfig, err: Exception, length: int, cap: int) -> ConfigError:
+    """The one-line error for head scoring that failed with ``err``, naming the key to change."""
+    msg = str(err).splitlines()[0]
+    if "pick a length" in msg:  # the length is a key, or seq_len / the model's context capping it
+        dense_gates = cfg.head_score == "gates" and cfg.gate_context == "dense"
+        key = "gate_sample_len" if cfg.head_score == "gates" else "head_sample_len"
+        fixes = ([f"raise {key}"] if length <= cap else [] if dense_gates  # the model's context caps them
+                 else [f"raise seq_len (it caps {key}={length} at {cap} tokens)"])
+        window = "gate_window" if cfg.head_score == "gates" and cfg.gate_window is not None else "window"
+        msg += ": " + ", or ".join([*fixes, f"lower {window} / sink_tokens"])
+    return ConfigError(f"head roles: {msg}")
 
 
 def resumed_head_roles(cfg: RetrofitConfig, model, spec: HybridAttentionConfig, main: bool
@@ -638,19 +648,65 @@ def measure_and_summarize(cfg: RetrofitConfig, accelerator: Accelerator, run: Ru
     }
 
 
-def check_longctx(cfg: RetrofitConfig, model: torch.nn.Module, tokenizer) -> None:
-    """The retrieval check's lengths, before training: within the model's positions and long enough for a
-    pass-key prompt (it runs last, and would otherwise fail after the training it was meant to judge)."""
-    if not cfg.longctx_lengths:
-        return
-    limit = model.config.max_position_embeddings
-    if max(cfg.longctx_lengths) > limit:
-        raise ConfigError(f"longctx_lengths up to {max(cfg.longctx_lengths)} exceed the model's maximum of {limit} "
+def check_lengths(cfg: RetrofitConfig, spec: HybridAttentionConfig, model_config, tokenizer) -> None:
+    """Every length of the config against the model (``model_config``: its config, read with or without its
+    weights) and the tokenizer, so that none fails after the work it comes behind.
+
+    * seq_len and eval_seq_lens within the model's positions;
+    * the spec against the model's layers and KV heads;
+    * the closing retrieval check's lengths within the positions and long enough for a pass-key prompt (it
+      runs last, and would otherwise fail after the training it was meant to judge);
+    * head-scoring samples (``full_head_share > 0``) long enough for a needle beyond the sinks and window.
+    """
+    limit = getattr(model_config, "max_position_embeddings", None)
+    longest = max(cfg.eval_lengths())
+    if limit is not None and longest > limit:
+        raise ConfigError(f"seq_len/eval_seq_lens up to {longest} exceed the model's maximum of {limit} "
                           "positions; lower them")
     try:
-        check_prompt_fits(tokenizer, cfg.longctx_lengths)
-    except LongCtxError as err:
-        raise ConfigError(f"longctx_lengths: {err}") from None
+        spec.check_model(model_config.num_hidden_layers,
+                         getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads)
+    except HybridAttentionError as err:
+        raise ConfigError(str(err).splitlines()[0]) from None
+    if cfg.longctx_lengths:
+        if limit is not None and max(cfg.longctx_lengths) > limit:
+            raise ConfigError(f"longctx_lengths up to {max(cfg.longctx_lengths)} exceed the model's maximum of "
+                              f"{limit} positions; lower them")
+        try:
+            check_prompt_fits(tokenizer, cfg.longctx_lengths)
+        except LongCtxError as err:
+            raise ConfigError(f"longctx_lengths: {err}") from None
+    if cfg.full_head_share > 0:
+        check_head_samples(cfg, spec, limit, tokenizer)
+
+
+def check_head_samples(cfg: RetrofitConfig, spec: HybridAttentionConfig, max_positions: int | None,
+                       tokenizer) -> None:
+    """Head scoring's needle samples fit their length (:func:`attention.heads.needle_samples` refuses a length
+    that leaves too little filler beyond the sinks and window): built here from placeholder text, so that a
+    too-short length fails before the model loads rather than after the data is prepared."""
+    from attention.heads import spec_samples
+
+    length, cap = head_sample_length(cfg, max_positions)
+    n = min(length, cap)
+    scored = spec.with_window(cfg.gate_window) if cfg.head_score == "gates" and cfg.gate_window else spec
+    # Gates score half their samples with single needles (the other half fall back to them), the other
+    # methods all: the single-needle samples are the ones a length must hold.
+    count = cfg.head_samples - cfg.head_samples // 2 if cfg.head_score == "gates" else cfg.head_samples
+    try:
+        spec_samples(tokenizer, scored, torch.zeros(count, n, dtype=torch.long), count=count, length=n, seed=cfg.seed)
+    except HybridAttentionError as err:
+        raise head_roles_error(cfg, err, length, cap) from None
+
+
+def check_before_loading(cfg: RetrofitConfig) -> None:
+    """:func:`distill.config.check_sources`, then :func:`check_lengths` from the model's config.json and its
+    tokenizer, before any weights load (a source whose config cannot be read so is checked once it loads)."""
+    check_sources(cfg)
+    model_config = tiny_teacher_config() if cfg.teacher == TINY else peek_config(cfg.teacher)
+    if model_config is None:
+        return
+    check_lengths(cfg, cfg.spec(), model_config, load_recipe_tokenizer(cfg.teacher, cfg.tokenizer))
 
 
 def retrieval_check(cfg: RetrofitConfig, merged, teacher, tokenizer, *, prints: dict[str, str] | None = None,
@@ -803,8 +859,9 @@ def print_summary(summary: dict, out: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     # peft still calls a transformers property deprecated in v5; the warning says nothing to the user.
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-    # check_sources: local model and data paths that do not exist are refused before the model loads.
-    cfg, accelerator, out = start_run(RetrofitConfig, argv, resume_safe=RESUME_SAFE, check=check_sources,
+    # check_before_loading: missing local model and data paths, and every length the model's config.json and
+    # tokenizer can judge, are refused before the run folder is claimed and any weights load.
+    cfg, accelerator, out = start_run(RetrofitConfig, argv, resume_safe=RESUME_SAFE, check=check_before_loading,
                                       without_deepspeed=(
         "retrofit.py trains small LoRA adapters with DDP, not DeepSpeed: launch it with launch/gpu_ddp.yaml "
         "(CPU: launch/cpu_ddp_2proc.yaml)"))

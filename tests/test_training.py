@@ -380,3 +380,21 @@ def test_an_installed_tracker_reaches_accelerate(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     training.make_accelerator(SimpleNamespace(mixed_precision="no", grad_accum=1, tracker="wandb"), "out")
     assert seen["log_with"] == "wandb"
+
+
+def test_a_divergence_after_resuming_an_older_step_names_a_checkpoint_before_it(tmp_path):
+    """After resume=step-2 the abandoned step-6 is still on disk: resume=latest would go back past the divergence."""
+    from core.checkpoint import COMPLETE, TrainingDiverged, checkpoint_root
+
+    for n in (2, 6):
+        folder = checkpoint_root(tmp_path) / f"step-{n}"
+        folder.mkdir(parents=True)
+        (folder / "trainer_state.json").write_text("{}")
+        (folder / COMPLETE).write_text("")
+    run = _bare_run(tmp_path)
+    run.resume_metrics()
+    with pytest.raises(TrainingDiverged) as err:
+        run.record(3, {"loss": float("nan"), "kd": float("nan")}, 1e-3, tokens=8)
+    msg = str(err.value)
+    assert "step-2" in msg and "step-6" not in msg and "resume=latest" not in msg
+    assert f"resume={checkpoint_root(tmp_path) / 'step-2'}" in msg
