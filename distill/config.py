@@ -47,7 +47,8 @@ class DistillConfig:
     prune_search_steps: int = field(4, ge=0, help="student_init=prune: short-distill steps per top candidate")
     prune_top_k: int = field(2, ge=1, help="student_init=prune: candidates short-distilled before picking the winner")
     prune_calib_blocks: int = field(8, ge=1, help="student_init=prune: training blocks for the importance scores")
-    prune_eval_blocks: int = field(4, ge=1, help="student_init=prune: held-out blocks that rank candidates")
+    prune_eval_blocks: int = field(4, ge=1, help="student_init=prune: held-out blocks that rank candidates, the "
+                                   "ones after the eval_blocks the run reports (the held-out text needs both)")
     prune_max_candidates: int = field(16, ge=2, help="student_init=prune: architectures ranked at init (evenly "
                                       "spaced)")
     prune_block_score: str = field("bi", choices=("bi", "loss"), help="student_init=prune: score blocks by block "

@@ -916,16 +916,44 @@ def _written_by_prune(folder: Path) -> bool:
 
 def calibration_data(tokenizer, dataset: str | None, seq_len: int, calib_blocks: int, eval_blocks: int,
                      train_blocks: int | None = None, text_field: str = "text", *, seed: int = 0,
-                     with_masks: bool = False, **data_args: Any):
+                     with_masks: bool = False, reported_blocks: int = 0, **data_args: Any):
     """``(calibration, held-out, distill)`` blocks from a dataset (the distill recipe's data rules).
 
     ``data_args``: the rest of :func:`~distill.data.build_data`'s data keys (``datasets``, ``eval_dataset``,
     ``data_cache``, ...; ``DistillConfig.data_args()``), so a recipe prunes on the data it trains on.
     ``seed``: the recipe's, for a mixture's draw. ``with_masks``: a fourth item, the completion-only
     :class:`LossMasks` of chat data (every mask None for plain text), for :func:`search`.
+    ``reported_blocks``: how many held-out blocks the run reports its perplexity on (the recipe's
+    ``eval_blocks``: the first ones of each source's held-out split). The ``[eval_blocks, seq]`` held-out
+    blocks that rank the candidates are then the ones after those, source by source, so the student is not
+    picked on the text that scores it; too few held-out blocks for both is an error. 0: the first ones.
     """
-    data = build_data(tokenizer, dataset=dataset, seq_len=seq_len, eval_blocks=eval_blocks, text_field=text_field,
-                      **data_args)
+    data = build_data(tokenizer, dataset=dataset, seq_len=seq_len, eval_blocks=reported_blocks or eval_blocks,
+                      text_field=text_field, **data_args)
+    held, held_mask = data.eval, data.eval_mask
+    if reported_blocks:
+        # Built again for reported + ranking blocks, each source's segment of the held-out tensor is a longer
+        # prefix of the same prepared split, so the ranking blocks are taken past the run's own in each segment.
+        # Shared by weight over what each source has spare: the largest-remainder split of reported + ranking can
+        # give a source fewer blocks than that of reported alone, so the wider tensor is not simply a suffix.
+        from distill.data.corpus import _split_eval
+
+        wide = build_data(tokenizer, dataset=dataset, seq_len=seq_len, eval_blocks=reported_blocks + eval_blocks,
+                          text_field=text_field, progress=False, **data_args)
+        if data_args.get("eval_dataset"):  # one held-out source, read whole from its start
+            weights, ran, got = [1.0], [data.eval.shape[0]], [wide.eval.shape[0]]
+        else:
+            weights = data.weights
+            ran, got = [r.eval_blocks for r in data.sources], [r.eval_blocks for r in wide.sources]
+        spare = [max(0, g - r) for r, g in zip(ran, got)]
+        if sum(spare) < eval_blocks:
+            raise PruneError(f"the held-out text has {wide.eval.shape[0]} blocks of {seq_len} tokens, fewer than "
+                             f"eval_blocks {reported_blocks} (the run's) + prune_eval_blocks {eval_blocks} (the "
+                             "search's, kept apart); lower prune_eval_blocks, eval_blocks or seq_len, or add held-out text")
+        starts = [0, *itertools.accumulate(got)]
+        rows = torch.cat([torch.arange(s + r, s + r + k, dtype=torch.long)
+                          for s, r, k in zip(starts, ran, _split_eval(eval_blocks, weights, spare))])
+        held, held_mask = wide.eval[rows], None if wide.eval_mask is None else wide.eval_mask[rows]
     # Calibration and distillation both use training text; the held-out split only ranks. A mixture's blocks
     # are its sources one after another: calibrate on a weighted draw, the one the recipe's order (same
     # weights, same seed) takes for a first step of that many blocks, so every source's calibration blocks
@@ -936,14 +964,14 @@ def calibration_data(tokenizer, dataset: str | None, seq_len: int, calib_blocks:
         calib = data.train[data.order(min(calib_blocks, data.train.shape[0]), seed).step_indices(0)]
     train = data.train if train_blocks is None else data.train[:train_blocks]
     if not with_masks:
-        return calib, data.eval, train
+        return calib, held, train
     # Calibration keeps every token, masks or not: importance measures how much each block, head, neuron and
     # channel carries of the activations, and prompt tokens run through the same units and feed the
     # assistant's tokens through attention (their keys and values), so units that matter on the prompt matter
     # for the targets too; only the held-out ranking and the short distillation, which measure and train the
     # loss, count targets alone, as the recipe does.
-    masks = LossMasks(heldout=data.eval_mask, train=data.train.loss_mask)  # loss_mask(index): None for plain text
-    return calib, data.eval, train, masks
+    masks = LossMasks(heldout=held_mask, train=data.train.loss_mask)  # loss_mask(index): None for plain text
+    return calib, held, train, masks
 
 
 DEFAULT_RATIO = 1 / 3  # the recipe's budget when it names none: a third of the teacher's non-embedding size
@@ -968,7 +996,8 @@ def prune_for_recipe(teacher: PreTrainedModel, tokenizer, cfg: Any, log: Callabl
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # ranks could pick different students on a GPU
         raise PruneError("student_init=prune runs in one process; prune once with python -m distill.prune "
                          "--out DIR, then launch with student=DIR")
-    key = (*(str(getattr(cfg, k, None)) for k in _RECIPE_KEYS), repr(cfg.losses()))  # its terms train the candidates
+    # Its terms train the candidates; eval_blocks decides which held-out blocks rank them.
+    key = (*(str(getattr(cfg, k, None)) for k in _RECIPE_KEYS), repr(cfg.losses()), str(cfg.eval_blocks))
     if key in _recipe_memo:
         return copy.deepcopy(_recipe_memo[key])
     axes = parse_axes(cfg.prune_axes)
@@ -978,10 +1007,12 @@ def prune_for_recipe(teacher: PreTrainedModel, tokenizer, cfg: Any, log: Callabl
         raise PruneError("student_init=prune calibrates on prepared blocks, and a streamed source has none: set "
                          "streaming=false, or prune once with python -m distill.prune and pass student=DIR")
     # Chat data with completion_only: the search ranks and short-distills on the assistant's tokens, as the
-    # recipe trains and evaluates (calibration keeps every token: see calibration_data).
+    # recipe trains and evaluates (calibration keeps every token: see calibration_data). The candidates are ranked
+    # on held-out blocks after the run's eval_blocks, so the held-out perplexity the run reports is not the text
+    # its student was picked on (the short distillation trains on training blocks only).
     calib, held, train, masks = calibration_data(tokenizer, seq_len=cfg.seq_len, calib_blocks=cfg.prune_calib_blocks,
                                                  eval_blocks=cfg.prune_eval_blocks, seed=cfg.seed, with_masks=True,
-                                                 **data_args)
+                                                 reported_blocks=cfg.eval_blocks, **data_args)
     ratio = cfg.target_ratio if cfg.target_params is not None or cfg.target_ratio is not None else DEFAULT_RATIO
     s = SearchSettings(target_params=cfg.target_params, target_ratio=ratio, axes=axes,
                        search_steps=cfg.prune_search_steps, top_k=cfg.prune_top_k, lr=cfg.lr,
@@ -1123,7 +1154,10 @@ def main(argv: list[str] | None = None) -> int:
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, device)
         kw = {"device_map": "auto"} if args.offload else {}
-        teacher = load_causal_lm(args.model, dtype=dtype, **kw)
+        try:
+            teacher = load_causal_lm(args.model, dtype=dtype, **kw)
+        except OSError as err:  # not a local folder, and not reachable on the hub (or not a model)
+            raise PruneError(f"--model {args.model}: {str(err).strip().splitlines()[0]}") from None
         check_supported(teacher)
         if not args.offload:
             teacher.to(device)

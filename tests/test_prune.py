@@ -505,13 +505,14 @@ def test_recipe_prune_calibrates_on_the_datasets_mixture_and_refuses_a_stream(tm
     tok = tiny_tokenizer()
     text = tmp_path / "a.jsonl"
     text.write_text("\n".join(json.dumps({"text": f"the fox {i} jumps over the lazy dog " * 3}) for i in range(60)))
-    cfg = DistillConfig(datasets=[str(text)], seq_len=16, prune_calib_blocks=4, prune_eval_blocks=2,
+    cfg = DistillConfig(datasets=[str(text)], seq_len=16, prune_calib_blocks=4, prune_eval_blocks=2, eval_blocks=1,
                         data_cache=str(tmp_path / "c"))  # `dataset` stays the built-in corpus
     with pytest.raises(Searched) as got:
         prune.prune_for_recipe(tiny_model("llama", layers=2), tok, cfg, log=lambda _msg: None)
     calib, held, record = got.value.args
-    want = build_data(tok, **cfg.data_args(), seq_len=16, eval_blocks=2, progress=False)
-    assert torch.equal(calib, want.train[:4]) and torch.equal(held, want.eval) and record["dataset"] == str(text)
+    # ranked on the held-out blocks after the one the run reports
+    want = build_data(tok, **cfg.data_args(), seq_len=16, eval_blocks=3, progress=False)
+    assert torch.equal(calib, want.train[:4]) and torch.equal(held, want.eval[1:]) and record["dataset"] == str(text)
     with pytest.raises(PruneError, match="streamed source.*set streaming=false"):
         prune.prune_for_recipe(tiny_model("llama", layers=2), tok, dataclasses.replace(cfg, streaming=True))
 
@@ -664,8 +665,10 @@ def test_recipe_prune_passes_completion_masks_to_the_search(tmp_path, monkeypatc
     chat = _chat_jsonl(tmp_path / "chat.jsonl", 120)
     cfg = DistillConfig(datasets=[chat], seq_len=32, prune_calib_blocks=4, prune_eval_blocks=3, target_ratio=0.5,
                         prune_axes="depth,mlp", prune_search_steps=1, prune_top_k=1, prune_max_candidates=2,
-                        micro_batch_size=2, data_cache=str(tmp_path / "c"), output_dir=str(tmp_path / "run"))
-    want = build_data(tok, **cfg.data_args(), seq_len=32, eval_blocks=3, progress=False)
+                        micro_batch_size=2, eval_blocks=4, data_cache=str(tmp_path / "c"),
+                        output_dir=str(tmp_path / "run"))
+    want = build_data(tok, **cfg.data_args(), seq_len=32, eval_blocks=7, progress=False)
+    want.eval, want.eval_mask = want.eval[4:], want.eval_mask[4:]  # ranked past the 4 blocks the run reports
     assert want.eval_mask is not None and 0 < int(want.eval_mask.sum()) < want.eval_mask.numel()
 
     given = {}
