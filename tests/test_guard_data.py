@@ -81,3 +81,18 @@ def test_a_small_source_gives_what_it_has_and_the_others_fill_the_rest_within_th
         got = _split_eval(8, [2, 1, 1], avail)
         assert all(0 <= g <= a for g, a in zip(got, avail))
         assert sum(got) == min(8, sum(avail))
+
+
+def test_a_separate_eval_dataset_is_not_booked_as_a_training_sources_heldout_blocks(tmp_path):
+    from distill.data import build_data
+
+    def jsonl(path, n, tag):
+        path.write_text("\n".join(json.dumps({"text": f"{tag} number {i} says hello to the world " * 4}) for i in range(n)))
+        return str(path)
+
+    a, b = jsonl(tmp_path / "a.jsonl", 80, "alpha"), jsonl(tmp_path / "b.jsonl", 80, "beta")
+    held = jsonl(tmp_path / "h.jsonl", 40, "gamma")
+    data = build_data(tiny_tokenizer(), datasets=[a, b], eval_dataset=held, seq_len=16, eval_blocks=6,
+                      data_cache=str(tmp_path / "c"), progress=False)
+    assert data.eval.shape[0] == 6
+    assert [r.eval_blocks for r in data.sources] == [0, 0]  # none of theirs is held out

@@ -278,7 +278,9 @@ def build_data(tokenizer, *, dataset: str | None = BUILTIN, seq_len: int, eval_b
 
     held_ids, held_masks = [], []
     any_mask = any(m is not None for _, m in eval_parts)
-    for (ids, mask), n, r in zip(eval_parts, eval_counts, reports + [None] * len(eval_parts)):
+    # A separate eval_dataset's blocks are none of the training sources' held-out blocks: their reports keep 0.
+    owners = [None] * len(eval_parts) if eval_dataset else reports
+    for (ids, mask), n, r in zip(eval_parts, eval_counts, owners):
         held_ids.append(torch.from_numpy(np.asarray(ids[:n], dtype=np.int64)))
         if any_mask:
             held_masks.append(torch.ones(n, seq_len, dtype=torch.bool) if mask is None
