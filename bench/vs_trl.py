@@ -1,7 +1,7 @@
 """Our distill recipe against TRL's GKD trainer (supervised mode, forward KL) on the same work.
 
     pip install "trl>=1.16"      # optional: only this bench needs it
-    python bench/vs_trl.py [--shapes demo,long] [--demo-steps 8] [--long-steps 4] [--threads N] [--repeats R]
+    python bench/vs_trl.py [--shapes demo,long] [--demo-steps 8] [--long-steps 4] [--threads N] [--repeats N]
 
 Both sides get the same teacher and student weights, the same packed token blocks in the same
 order (the recipe's ``BlockOrder``), AdamW (betas 0.9/0.95, no weight decay), the same warmup-cosine

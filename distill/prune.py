@@ -1100,6 +1100,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=256, help="tokens per block")
     p.add_argument("--calib-blocks", type=int, default=32, help="calibration blocks (training split)")
     p.add_argument("--eval-blocks", type=int, default=8, help="held-out blocks that rank candidates")
+    p.add_argument("--reported-blocks", type=int, default=16,
+                   help="first held-out blocks kept out of the ranking: those recipes/distill.py student=DIR reports "
+                        "its perplexity on (its eval_blocks) when it trains on the same --dataset and --seq-len, so the "
+                        "student is not picked on the text that scores it (0: rank on the first blocks)")
     p.add_argument("--top-k", type=int, default=3, help="candidates short-distilled")
     p.add_argument("--finalists", type=int, default=12, help="candidates scored on every held-out block")
     p.add_argument("--max-candidates", type=int, default=64, help="rank at most this many (evenly spaced)")
@@ -1129,8 +1133,9 @@ def main(argv: list[str] | None = None) -> int:
                 raise PruneError(f"--max-candidates must be >= 2, got {args.max_candidates}")
             if getattr(args, name) < 1:
                 raise PruneError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-        if args.search_steps < 0:
-            raise PruneError(f"--search-steps must be >= 0, got {args.search_steps}")
+        for name in ("search_steps", "reported_blocks"):
+            if getattr(args, name) < 0:
+                raise PruneError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
         # The budget, the learning rate, the data and --out: all refused here, not after the teacher loads.
         if (args.target_params is None) == (args.target_ratio is None):
             raise PruneError("give exactly one of --target-params (absolute) or --target-ratio (of the teacher)")
@@ -1165,7 +1170,8 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = load_tokenizer(args.model)
         resolve_target(teacher, args.target_params, args.target_ratio, axes, args.count_embeddings)
         calib, held, train = calibration_data(tokenizer, args.dataset, args.seq_len, args.calib_blocks,
-                                              args.eval_blocks, text_field=args.text_field)
+                                              args.eval_blocks, text_field=args.text_field,
+                                              reported_blocks=args.reported_blocks)
         s = SearchSettings(target_params=args.target_params, target_ratio=args.target_ratio,
                            count_embeddings=args.count_embeddings, axes=axes, top_k=args.top_k,
                            finalists=args.finalists, max_candidates=args.max_candidates, search_steps=args.search_steps, lr=args.lr,

@@ -474,7 +474,8 @@ def test_cli_writes_a_loadable_pruned_model(tmp_path, capsys):
     out = tmp_path / "pruned"
     code = main(["--model", str(path), "--out", str(out), "--target-ratio", "0.5", "--axes", "depth,mlp",
                  "--dataset", str(tmp_path / "text.txt"), "--seq-len", "32", "--calib-blocks", "4",
-                 "--eval-blocks", "2", "--search-steps", "1", "--top-k", "1", "--finalists", "2", "--batch-size", "2"])
+                 "--eval-blocks", "2", "--reported-blocks", "2", "--search-steps", "1", "--top-k", "1", "--finalists", "2",
+                 "--batch-size", "2"])
     stdout = capsys.readouterr().out
     assert code == 0, stdout
     summary = json.loads(stdout.strip().splitlines()[-1])
@@ -485,6 +486,31 @@ def test_cli_writes_a_loadable_pruned_model(tmp_path, capsys):
     table = json.loads((out / "search.json").read_text())["candidates"]
     assert len(table) >= 2 and (out / "tokenizer.json").is_file()
     assert model.config.distill_pruning["rounds"][0]["calibration"]["dataset"] == str(tmp_path / "text.txt")
+
+
+def test_cli_ranks_past_the_heldout_blocks_a_recipe_run_reports(tmp_path, monkeypatch):
+    """By default the CLI keeps the recipe's 16 reported held-out blocks out of the ranking; 0 ranks on the first."""
+    import distill.prune as prune
+
+    path = save_tiny(tmp_path / "teacher", layers=2)
+    write_text_corpus(tmp_path / "text.txt", lines=1200)
+    real, seen = prune.calibration_data, {}
+
+    def spy(*args, **kwargs):
+        calib, held, train = real(*args, **kwargs)
+        seen[kwargs["reported_blocks"]] = held
+        raise PruneError("stop")
+
+    monkeypatch.setattr(prune, "calibration_data", spy)
+    argv = ["--model", str(path), "--target-ratio", "0.5", "--dataset", str(tmp_path / "text.txt"), "--seq-len", "32",
+            "--eval-blocks", "2"]
+    assert main([*argv, "--out", str(tmp_path / "a")]) == 2 and main([*argv, "--out", str(tmp_path / "b"),
+                                                                      "--reported-blocks", "0"]) == 2
+    from distill.data import build_data
+    every = build_data(prune.load_tokenizer(str(path)), dataset=str(tmp_path / "text.txt"), seq_len=32,
+                       eval_blocks=18, progress=False).eval
+    assert torch.equal(seen[16], every[16:18]) and torch.equal(seen[0], every[:2])
+    assert main([*argv, "--out", str(tmp_path / "c"), "--reported-blocks", "-1"]) == 2
 
 
 def test_recipe_prune_calibrates_on_the_datasets_mixture_and_refuses_a_stream(tmp_path, monkeypatch):

@@ -124,7 +124,8 @@ def test_cli_offload_writes_a_loadable_pruned_model(tmp_path, monkeypatch, capsy
     out = tmp_path / "pruned"
     code = prune.main(["--model", str(path), "--out", str(out), "--offload", "--target-ratio", "0.5",
                        "--axes", "depth,mlp", "--dataset", str(tmp_path / "text.txt"), "--seq-len", "32",
-                       "--calib-blocks", "4", "--eval-blocks", "2", "--search-steps", "1", "--top-k", "1",
+                       "--calib-blocks", "4", "--eval-blocks", "2", "--reported-blocks", "2", "--search-steps", "1",
+                       "--top-k", "1",
                        "--finalists", "2", "--batch-size", "2"])
     stdout = capsys.readouterr().out
     assert code == 0, stdout
