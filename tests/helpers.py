@@ -23,3 +23,11 @@ def write_text_corpus(path, lines: int = 300, words: int = 40) -> str:
     vocab = "the quick brown fox jumps over the lazy dog and distills a teacher into a student".split()
     path.write_text("\n".join(" ".join(random.Random(i).choices(vocab, k=words)) for i in range(lines)) + "\n")
     return str(path)
+
+
+def forbid(monkeypatch, message: str, *targets: tuple[object, str]) -> None:
+    """Make each ``(module, name)`` callable fail the test when called: bad input must be refused before it."""
+    def called(*args, **kwargs):
+        raise AssertionError(message)
+    for module, name in targets:
+        monkeypatch.setattr(module, name, called)

@@ -9,17 +9,15 @@ import pytest
 
 from core.config import ConfigError
 from core.tiny import save_tiny
+from tests.helpers import forbid
 
 
 @pytest.fixture
 def no_weights(monkeypatch):
     import recipes.cache_teacher as cache_teacher
 
-    def loaded(*args, **kwargs):
-        raise AssertionError("the teacher was loaded before the bad input was refused")
-    monkeypatch.setattr(cache_teacher, "load_teacher", loaded)
-    monkeypatch.setattr(cache_teacher, "tiny_teacher", loaded)
-    monkeypatch.setattr(cache_teacher, "load_causal_lm", loaded)
+    forbid(monkeypatch, "the teacher was loaded before the bad input was refused",
+           *((cache_teacher, name) for name in ("load_teacher", "tiny_teacher", "load_causal_lm")))
     return cache_teacher
 
 

@@ -7,6 +7,7 @@ import pytest
 
 from core.config import ConfigError, parse_config
 from core.tiny import save_tiny
+from tests.helpers import forbid
 
 TINY = ["--config", "recipes/configs/tiny.yaml"]
 
@@ -16,10 +17,8 @@ def no_weights(monkeypatch):
     """Any model load fails the test: the bad input must be refused first."""
     from recipes import distill
 
-    def loaded(*args, **kwargs):
-        raise AssertionError("weights were loaded before the bad input was refused")
-    monkeypatch.setattr(distill, "load_pair", loaded)
-    monkeypatch.setattr(distill, "load_models", loaded)
+    forbid(monkeypatch, "weights were loaded before the bad input was refused",
+           (distill, "load_pair"), (distill, "load_models"))
     return distill
 
 

@@ -8,6 +8,7 @@ import pytest
 import core.models
 from core.config import ConfigError, parse_config
 from core.tiny import save_tiny
+from tests.helpers import forbid
 
 TINY = ["--config", "recipes/configs/retrofit_tiny.yaml"]
 
@@ -17,11 +18,8 @@ def no_weights(monkeypatch):
     """Any weight load fails the test: the bad input must be refused first."""
     from recipes import retrofit
 
-    def loaded(*args, **kwargs):
-        raise AssertionError("weights were loaded before the bad input was refused")
-    for module, name in ((retrofit, "load_models"), (retrofit, "tiny_teacher"), (retrofit, "load_causal_lm"),
-                         (core.models, "load_causal_lm")):
-        monkeypatch.setattr(module, name, loaded)
+    forbid(monkeypatch, "weights were loaded before the bad input was refused", (retrofit, "load_models"),
+           (retrofit, "tiny_teacher"), (retrofit, "load_causal_lm"), (core.models, "load_causal_lm"))
     return retrofit
 
 
