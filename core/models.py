@@ -160,17 +160,13 @@ def resolve_device(name: str) -> str:
 
 
 def load_causal_lm(name_or_path: str, dtype: torch.dtype = torch.float32, *, dense: bool = False, **kwargs):
-    """A causal LM as it is served: hybrid attention when its config carries a spec; ``dense``: the model it was
-    retrofitted from (its own attention settings back, no spec)."""
+    """A causal LM as it is served: hybrid attention when its config carries a spec (unless ``dense``: the
+    spec stays in the config, for callers that run it with their own kernels, as the engine does)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(name_or_path), dtype=dtype, **kwargs)
-    if getattr(model.config, CONFIG_KEY, None) is not None:
-        # dense: the base model, with the sliding window (Mistral) the retrofit set aside, and no spec left over
-        if dense:
-            attention.revert(model)
-        else:
-            attention.retrofit(model)
+    if not dense and getattr(model.config, CONFIG_KEY, None) is not None:
+        attention.retrofit(model)
     return model
 
 

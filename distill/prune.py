@@ -1086,7 +1086,7 @@ _RECIPE_KEYS = ("teacher", "dataset", "datasets", "eval_dataset", "text_field", 
 _recipe_memo: dict[tuple[str, ...], PreTrainedModel] = {}
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m distill.prune", description=__doc__.split("\n\n")[2],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", required=True, help="teacher: HF directory, hub name or 'smollm2-135m-instruct'")
@@ -1121,7 +1121,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--offload", action="store_true", help="load the teacher with device_map=auto (layer offload)")
     p.add_argument("--seed", type=int, default=0, help="seed for the short distillation")
     p.add_argument("--overwrite", action="store_true", help="replace an existing pruned model in --out")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     from core.config import check_output_dir
     from distill.config import check_data_source
 

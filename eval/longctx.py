@@ -296,7 +296,9 @@ def load_for_eval(model: str, *, dense: bool = False, retrofit: str | None = Non
     if attention.is_hybrid(lm):
         return lm, tok, "hybrid"
     if getattr(lm.config, attention.CONFIG_KEY, None) is not None:
-        delattr(lm.config, attention.CONFIG_KEY)  # --dense or --retrofit: the stored spec does not apply
+        # --dense or --retrofit: the stored spec does not apply; the model it was retrofitted from does (with the
+        # sliding window a Mistral's retrofit set aside)
+        attention.revert(lm)
     if retrofit is None:
         return lm, tok, "dense"
     try:
