@@ -121,6 +121,10 @@ def peek_config(name_or_path: str):
     """
     from transformers import AutoConfig
 
+    from core.tiny import TINY, tiny_teacher_config
+
+    if name_or_path == TINY:  # the recipes' built-in tiny teacher: its config, no weights built
+        return tiny_teacher_config()
     if name_or_path.lower() in (SMOLLM2, "smollm2", "smollm2-135m"):
         path = cache_root() / SMOLLM2
         if not (path / "config.json").is_file():  # converting it would load the GGUF weights

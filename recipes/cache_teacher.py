@@ -49,7 +49,7 @@ from core.config import (
 from core.fsio import replace_dir
 from core.models import ModelSourceError, load_causal_lm, peek_config
 from core.rundir import check_replaceable
-from core.tiny import TINY, tiny_teacher, tiny_teacher_config
+from core.tiny import TINY, tiny_teacher
 from distill.data import BUILTIN, build_data, eval_batches
 from distill.sources import load_recipe_tokenizer
 from distill.teacher_cache import (
@@ -233,7 +233,7 @@ def load_teacher(cfg: CacheTeacherConfig, device: torch.device):
 def check_before_loading(cfg: CacheTeacherConfig) -> None:
     """seq_len within the teacher's positions and topk within its vocabulary, from its config.json and the
     tokenizer, before its weights load (a teacher whose config cannot be read so is checked once it loads)."""
-    config = tiny_teacher_config() if cfg.teacher == TINY else peek_config(cfg.teacher)
+    config = peek_config(cfg.teacher)
     if config is not None:
         check_teacher(cfg, config, load_recipe_tokenizer(cfg.teacher, cfg.tokenizer))
 

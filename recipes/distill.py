@@ -29,7 +29,6 @@ from accelerate.utils import broadcast_object_list, set_seed
 from core import checkpoint as ckpt
 from core.config import ConfigError, run_cli
 from core.models import enable_checkpointing, peek_config
-from core.tiny import TINY, tiny_teacher_config
 from distill import on_policy
 from distill.config import RESUME_SAFE, DistillConfig, check_sources
 from distill.data import build_data, steps_for_tokens
@@ -78,11 +77,9 @@ def check_before_loading(cfg: DistillConfig) -> None:
     config cannot be read so (the demo teacher before its one-time conversion) is checked once it loads."""
     check_sources(cfg)
 
-    def config_of(name: str):
-        return tiny_teacher_config() if name == TINY else peek_config(name)
-    teacher = None if cfg.teacher_cache and cfg.student else config_of(cfg.teacher)
+    teacher = None if cfg.teacher_cache and cfg.student else peek_config(cfg.teacher)
     derived = not cfg.student  # a derived student keeps the teacher's positions
-    student = teacher if derived else config_of(cfg.student)
+    student = teacher if derived else peek_config(cfg.student)
     if student is not None:
         check_lengths(cfg, student)
     if derived and cfg.student_init == "keep_layers" and teacher is not None:

@@ -61,7 +61,7 @@ from core import checkpoint as ckpt
 from core.config import ConfigError, check_fields, field, run_cli
 from core.fsio import atomic_write_text
 from core.models import ModelSourceError, cache_root, enable_checkpointing, load_causal_lm, peek_config
-from core.tiny import TINY, tiny_teacher, tiny_teacher_config
+from core.tiny import TINY, tiny_teacher
 from distill.config import check_sources
 from distill.data import BUILTIN, build_data, parse_sources, steps_for_tokens
 from distill.data.text import tokenizer_fingerprint
@@ -703,7 +703,7 @@ def check_before_loading(cfg: RetrofitConfig) -> None:
     """:func:`distill.config.check_sources`, then :func:`check_lengths` from the model's config.json and its
     tokenizer, before any weights load (a source whose config cannot be read so is checked once it loads)."""
     check_sources(cfg)
-    model_config = tiny_teacher_config() if cfg.teacher == TINY else peek_config(cfg.teacher)
+    model_config = peek_config(cfg.teacher)
     if model_config is None:
         return
     check_lengths(cfg, cfg.spec(), model_config, load_recipe_tokenizer(cfg.teacher, cfg.tokenizer))
