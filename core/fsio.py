@@ -8,7 +8,9 @@ is replaced first and deleted after (never deleted before its replacement is in 
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Callable
@@ -71,7 +73,7 @@ def replace_dir(tmp: str | os.PathLike, target: str | os.PathLike) -> Path:
     The old folder is first renamed aside (``.old-<name>-<hex>``, a dot name like every temp name), then the
     new one takes its name; if that second rename fails the old folder is put back. A process killed
     between the two renames leaves the old folder only under the aside name: whoever cleans up after a
-    killed run must restore it (:func:`core.checkpoint.clean_partial` does), not delete it.
+    killed run must restore it (:func:`restore_aside`, :func:`core.checkpoint.clean_partial`), not delete it.
     """
     tmp, target = Path(tmp), Path(target)
     fsync_tree(tmp)
@@ -89,3 +91,51 @@ def replace_dir(tmp: str | os.PathLike, target: str | os.PathLike) -> Path:
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     return target
+
+
+def restore_aside(target: str | os.PathLike, complete: Callable[[Path], bool]) -> Path | None:
+    """Undo what a kill inside :func:`replace_dir` left of ``target``; return the folder put back, if any.
+
+    Killed between the two renames, ``target`` is missing and the old folder is whole under its aside name
+    ``.old-<name>-<hex>``: the newest aside that ``complete`` accepts is renamed back. Killed while removing
+    the old folder after a successful swap, ``target`` exists and a partial aside remains: it is removed.
+    Only names :func:`replace_dir` makes for this very ``target`` are touched. Several processes may call
+    this at once: one rename wins, the others find ``target`` back.
+    """
+    target = Path(target)
+    parent = target.parent
+    if not parent.is_dir():
+        return None
+    ours = re.compile(rf"^\.old-{re.escape(target.name)}-[0-9a-f]{{8}}$")
+    asides = [p for p in parent.iterdir() if ours.match(p.name) and p.is_dir() and not p.is_symlink()]
+    restored = None
+    if not target.exists():
+        for old in sorted(asides, key=lambda p: p.stat().st_mtime, reverse=True):
+            if complete(old):
+                try:
+                    os.replace(old, target)
+                except OSError:  # another process put it back first
+                    return None
+                fsync_dir(parent)
+                restored = old
+                break
+    if target.exists():
+        for old in asides:
+            if old != restored:
+                shutil.rmtree(old, ignore_errors=True)
+    return restored
+
+
+def is_saved_model(path: Path) -> bool:
+    """Whether ``path`` holds a whole ``save_pretrained`` folder: ``config.json`` and its safetensors weights
+    (one file, or an index whose shards are all there)."""
+    if not (path / "config.json").is_file():
+        return False
+    if (path / "model.safetensors").is_file():
+        return True
+    index = path / "model.safetensors.index.json"
+    try:
+        shards = set(json.loads(index.read_text())["weight_map"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+    return bool(shards) and all((path / s).is_file() for s in shards)

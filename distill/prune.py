@@ -74,7 +74,7 @@ from transformers import PreTrainedModel
 from attention.integration import SUPPORTED_MODEL_TYPES as SUPPORTED
 from core import checkpoint as ckpt
 from core.config import ConfigError
-from core.fsio import replace_dir
+from core.fsio import is_saved_model, replace_dir, restore_aside
 from core.models import load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
 from distill.config import DistillConfig
 from distill.data import BlockOrder, build_data, parse_sources
@@ -879,6 +879,8 @@ def save_pruned(model: PreTrainedModel, tokenizer, out: Path, overwrite: bool = 
                 extra: dict[str, Any] | None = None) -> None:
     """Write the pruned model (+ tokenizer, + ``search.json``) atomically; never replaces what we did not write."""
     out = Path(out)
+    if (aside := restore_aside(out, is_saved_model)) is not None:  # a kill inside replace_dir's two renames
+        print(f"restored {out} from {aside.name}, where a killed run had moved it", flush=True)
     if out.exists() and any(out.iterdir()):
         if not overwrite:
             raise PruneError(f"{out} is not empty; choose another --out or pass --overwrite")

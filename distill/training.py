@@ -37,7 +37,7 @@ from core import checkpoint as ckpt
 from core import rundir
 from core.config import ConfigError, check_resume_config, parse_config, save_config
 from core.environment import differences, environment
-from core.fsio import atomic_write_text, replace_dir
+from core.fsio import atomic_write_text, is_saved_model, replace_dir, restore_aside
 from core.models import resolve_model_path
 from core.tiny import TINY, tiny_teacher, tiny_teacher_tokenizer
 from distill.data import eval_batches
@@ -448,6 +448,9 @@ class Run:
         resumed from (:meth:`resume_metrics`), start the trackers."""
         if self.main:
             ckpt.clean_partial(self.out)
+            final = self.out / "final"
+            if (aside := restore_aside(final, is_saved_model)) is not None:
+                print(f"restored {final} from {aside.name}, where a killed run had moved it", flush=True)
             self.out.mkdir(parents=True, exist_ok=True)
             save_config(self.cfg, self.out / "config.yaml")
             self.resume_metrics()

@@ -46,7 +46,7 @@ from core.config import (
     save_config,
     to_dict,
 )
-from core.fsio import replace_dir
+from core.fsio import replace_dir, restore_aside
 from core.models import ModelSourceError, load_causal_lm, peek_config
 from core.rundir import check_replaceable
 from core.tiny import TINY, tiny_teacher
@@ -250,23 +250,13 @@ def check_teacher(cfg: CacheTeacherConfig, config, tokenizer) -> None:
 
 
 def restore_replaced(out: Path) -> None:
-    """Put back a cache that a kill left only under its aside name.
+    """Put back a cache that a kill left only under its aside name (:func:`core.fsio.restore_aside`).
 
-    :func:`core.fsio.replace_dir` renames the old cache to ``.old-NAME-<hex>`` before the new one takes its
-    name; a run killed between the two renames left ``out`` missing and the old cache (whole: it holds
-    ``meta.json``) aside, where nothing would ever remove it. It goes back to ``out``: the state before the
-    run, which a rerun with ``overwrite=true`` then replaces as intended. Every process may call this: one
-    rename wins, the others find the cache already back.
+    The old cache goes back to ``out`` (it is whole when it holds ``meta.json``): the state before the run,
+    which a rerun with ``overwrite=true`` then replaces as intended. Every process may call this.
     """
-    if out.exists():
-        return
-    for old in sorted(out.parent.glob(f".old-{out.name}-*")):
-        if (old / META).is_file():
-            try:
-                os.replace(old, out)
-            except OSError:  # another process of this launch put it back first
-                pass
-            return
+    if restore_aside(out, lambda p: (p / META).is_file()) is not None:
+        print(f"restored {out}, which a killed run had left aside", flush=True)
 
 
 def main() -> None:

@@ -57,3 +57,74 @@ def test_clean_partial_restores_a_checkpoint_a_kill_left_only_under_its_aside_na
     assert (root / "step-4" / "weights.txt").read_text() == "four"
     assert (root / "step-8" / "weights.txt").read_text() == "eight"
     assert sorted(p.name for p in root.iterdir()) == ["step-2", "step-4", "step-8"]
+
+
+def _model_folder(path, text: str):
+    path.mkdir(parents=True)
+    (path / "config.json").write_text("{}")
+    (path / "model.safetensors").write_text(text)
+    return path
+
+
+def test_restore_aside_puts_back_a_folder_a_kill_left_between_replace_dirs_renames(tmp_path, monkeypatch):
+    """Killed between the renames, ``final`` is gone and its old copy lies under ``.old-final-<hex>``: the newest
+    whole aside goes back, a partial one stays while nothing whole is in place, then goes; names not made by
+    replace_dir for this target (another target's, a user's) are never touched."""
+    final = tmp_path / "final"
+    old = _model_folder(tmp_path / ".old-final-0a1b2c3d", "before")
+    older = _model_folder(tmp_path / ".old-final-99999999", "long before")
+    os.utime(older, (1, 1))
+    partial = tmp_path / ".old-final-12345678"
+    partial.mkdir()
+    (partial / "config.json").write_text("{}")  # its weights were being removed
+    other = _model_folder(tmp_path / ".old-finals-0a1b2c3d", "another target's")
+    user = _model_folder(tmp_path / ".old-final-mine", "a user's")
+    assert fsio.restore_aside(tmp_path / "absent" / "final", fsio.is_saved_model) is None
+    assert fsio.restore_aside(final, lambda p: False) is None  # nothing whole: everything left as found
+    assert partial.is_dir() and old.is_dir() and older.is_dir()
+    assert fsio.restore_aside(final, fsio.is_saved_model) == old
+    assert (final / "model.safetensors").read_text() == "before"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".old-final-mine", ".old-finals-0a1b2c3d", "final"]
+    assert fsio.restore_aside(final, fsio.is_saved_model) is None  # in place: nothing to do
+    assert (final / "model.safetensors").read_text() == "before" and other.is_dir() and user.is_dir()
+
+
+def test_a_folder_killed_mid_replace_is_restored_by_a_real_replace_dir_sequence(tmp_path, monkeypatch):
+    """The same through replace_dir itself: the process dies right after the first rename."""
+    final = _model_folder(tmp_path / "final", "v1")
+    new = _model_folder(tmp_path / ".tmp-final", "v2")
+    real, dead = os.replace, []
+
+    def die_on_second(src, dst):
+        if dead or os.fspath(src) == os.fspath(new):  # the kill, after the old folder went aside: no rename after it
+            dead.append(src)
+            raise KeyboardInterrupt
+        return real(src, dst)
+
+    monkeypatch.setattr(fsio.os, "replace", die_on_second)
+    with pytest.raises(KeyboardInterrupt):
+        replace_dir(new, final)
+    monkeypatch.undo()
+    assert not final.exists() and [p.name.startswith(".old-final-") for p in tmp_path.iterdir()].count(True) == 1
+    assert fsio.restore_aside(final, fsio.is_saved_model) is not None
+    assert (final / "model.safetensors").read_text() == "v1"
+
+
+def test_is_saved_model_needs_the_config_and_every_shard_of_the_index(tmp_path):
+    import json
+
+    assert fsio.is_saved_model(_model_folder(tmp_path / "one", "w"))
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    (sharded / "config.json").write_text("{}")
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    (sharded / "model-00001-of-00002.safetensors").write_text("w")
+    assert not fsio.is_saved_model(sharded)  # a shard missing
+    (sharded / "model-00002-of-00002.safetensors").write_text("w")
+    assert fsio.is_saved_model(sharded)
+    (sharded / "config.json").unlink()
+    assert not fsio.is_saved_model(sharded)
+    (sharded / "config.json").write_text("{}")
+    (sharded / "model.safetensors.index.json").write_text("{not json")
+    assert not fsio.is_saved_model(sharded)

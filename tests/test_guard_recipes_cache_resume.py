@@ -66,10 +66,13 @@ def test_a_cache_left_aside_by_a_kill_inside_the_final_rename_is_put_back(tmp_pa
     aside.mkdir()
     (aside / META).write_text("{}")
     (aside / "shard-00000.safetensors").write_bytes(b"x")
-    other = tmp_path / ".old-cache-99999999"  # not a whole cache (no meta.json): not ours to move
+    other = tmp_path / ".old-cache-99999999"  # not a whole cache (no meta.json): never moved in
     other.mkdir()
     restore_replaced(out)
     assert (out / META).is_file() and (out / "shard-00000.safetensors").read_bytes() == b"x"
-    assert not aside.exists() and other.is_dir()
+    # the partial aside is replace_dir's own leftover (a kill while it removed an old cache): gone with the restore
+    assert not aside.exists() and not other.exists()
+    mine = tmp_path / ".old-cache-keep"  # not a name replace_dir makes: never touched
+    mine.mkdir()
     restore_replaced(out)  # a cache in place is never touched
-    assert (out / META).is_file() and other.is_dir()
+    assert (out / META).is_file() and (out / "shard-00000.safetensors").read_bytes() == b"x" and mine.is_dir()

@@ -843,3 +843,19 @@ def test_cli_bad_budget_lr_dataset_and_out_are_refused_before_the_teacher_loads(
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and err.startswith("error: ") and says in err, (flags, err)
     assert afile.read_text() == "not a folder" and sorted(tmp_path.iterdir()) == [afile]  # nothing written
+
+
+def test_save_pruned_puts_back_an_output_a_kill_left_aside_before_deciding_on_overwrite(tmp_path):
+    """A prune killed between replace_dir's renames left its earlier output only under ``.old-pruned-<hex>``:
+    the next save puts it back first, so it is protected as before (not empty: --overwrite) and then replaced
+    with nothing left aside."""
+    model = tiny_model("llama", layers=2)
+    ours = tmp_path / "pruned"
+    save_pruned(model, None, ours, extra={"winner": "a"})
+    aside = ours.rename(tmp_path / ".old-pruned-0a1b2c3d")
+    with pytest.raises(PruneError, match="not empty"):
+        save_pruned(model, None, ours, extra={"winner": "b"})
+    assert json.loads((ours / "search.json").read_text()) == {"winner": "a"} and not aside.exists()
+    save_pruned(model, None, ours, overwrite=True, extra={"winner": "b"})
+    assert json.loads((ours / "search.json").read_text()) == {"winner": "b"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pruned"]

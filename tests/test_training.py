@@ -398,3 +398,16 @@ def test_a_divergence_after_resuming_an_older_step_names_a_checkpoint_before_it(
     msg = str(err.value)
     assert "step-2" in msg and "step-6" not in msg and "resume=latest" not in msg
     assert f"resume={checkpoint_root(tmp_path) / 'step-2'}" in msg
+
+
+def test_a_run_puts_back_final_that_a_kill_inside_its_replacement_left_aside(tmp_path, monkeypatch):
+    """Killed between replace_dir's renames while writing ``final/``, a run left its previous model only under
+    ``.old-final-<hex>``: the next start (the resume) puts it back, so a rerun's save replaces it as usual and
+    nothing is orphaned."""
+    monkeypatch.setattr(training, "save_config", lambda cfg, path: None)
+    aside = tmp_path / ".old-final-0a1b2c3d"
+    aside.mkdir()
+    (aside / "config.json").write_text("{}")
+    (aside / "model.safetensors").write_bytes(b"weights")
+    _bare_run(tmp_path).begin()
+    assert (tmp_path / "final" / "model.safetensors").read_bytes() == b"weights" and not aside.exists()
