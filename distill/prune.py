@@ -1164,20 +1164,25 @@ def main(argv: list[str] | None = None) -> int:
 
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, device)
+        # The data first: it needs only the tokenizer, and too little held-out text is refused before the
+        # teacher's weights load (minutes at the target scale).
+        try:
+            tokenizer = load_tokenizer(args.model)
+        except OSError as err:  # not a local folder, and not reachable on the hub (or not a model)
+            raise PruneError(f"--model {args.model}: {str(err).strip().splitlines()[0]}") from None
+        calib, held, train = calibration_data(tokenizer, args.dataset, args.seq_len, args.calib_blocks,
+                                              args.eval_blocks, text_field=args.text_field,
+                                              reported_blocks=args.reported_blocks)
         kw = {"device_map": "auto"} if args.offload else {}
         try:
             teacher = load_causal_lm(args.model, dtype=dtype, **kw)
-        except OSError as err:  # not a local folder, and not reachable on the hub (or not a model)
+        except OSError as err:
             raise PruneError(f"--model {args.model}: {str(err).strip().splitlines()[0]}") from None
         check_supported(teacher)
         if not args.offload:
             teacher.to(device)
         teacher.eval().requires_grad_(False)
-        tokenizer = load_tokenizer(args.model)
         resolve_target(teacher, args.target_params, args.target_ratio, axes, args.count_embeddings)
-        calib, held, train = calibration_data(tokenizer, args.dataset, args.seq_len, args.calib_blocks,
-                                              args.eval_blocks, text_field=args.text_field,
-                                              reported_blocks=args.reported_blocks)
         s = SearchSettings(target_params=args.target_params, target_ratio=args.target_ratio,
                            count_embeddings=args.count_embeddings, axes=axes, top_k=args.top_k,
                            finalists=args.finalists, max_candidates=args.max_candidates, search_steps=args.search_steps, lr=args.lr,

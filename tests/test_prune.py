@@ -513,6 +513,22 @@ def test_cli_ranks_past_the_heldout_blocks_a_recipe_run_reports(tmp_path, monkey
     assert main([*argv, "--out", str(tmp_path / "c"), "--reported-blocks", "-1"]) == 2
 
 
+def test_cli_refuses_too_little_heldout_text_before_the_teacher_loads(tmp_path, monkeypatch, capsys):
+    """Too few held-out blocks for the reported ones and the ranking ones is one line, and the teacher's weights
+    (minutes at the target scale) are never read for it."""
+    import distill.prune as prune
+    from tests.helpers import forbid
+
+    path = save_tiny(tmp_path / "teacher", layers=2)
+    write_text_corpus(tmp_path / "text.txt", lines=40)
+    forbid(monkeypatch, "the teacher loaded before the data was checked", (prune, "load_causal_lm"))
+    capsys.readouterr()
+    code = main(["--model", str(path), "--target-ratio", "0.5", "--dataset", str(tmp_path / "text.txt"),
+                 "--seq-len", "32", "--eval-blocks", "8", "--out", str(tmp_path / "out")])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2 and last.startswith("error: the held-out text has") and "prune_eval_blocks" in last
+    assert not (tmp_path / "out").exists()
+
 def test_recipe_prune_calibrates_on_the_datasets_mixture_and_refuses_a_stream(tmp_path, monkeypatch):
     import dataclasses
 
@@ -566,6 +582,8 @@ def test_cli_dtype_auto_is_fp32_on_cpu_and_bf16_on_cuda(tmp_path, monkeypatch, c
         raise PruneError("stop")
 
     monkeypatch.setattr(prune, "load_causal_lm", load)
+    monkeypatch.setattr(prune, "load_tokenizer", lambda name: None)  # the data comes before the teacher
+    monkeypatch.setattr(prune, "calibration_data", lambda *args, **kwargs: (None, None, None))
     argv = ["--model", "m", "--out", str(tmp_path / "out"), "--target-ratio", "0.5"]
     for cuda, want in ((False, torch.float32), (True, torch.bfloat16)):
         monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
