@@ -223,6 +223,9 @@ def compare(shape: str, over: dict, threads: int, work: Path, repeats: int) -> d
         for side in (("ours", "trl") if r % 2 == 0 else ("trl", "ours")):
             run = run_ours if side == "ours" else run_trl
             runs[side].append(run(over, threads, work / f"{side}-{shape}-{r}"))
+            if runs[side][-1]["threads"] != threads:  # a side that picked its own count measures something else
+                raise SystemExit(f"{side} ran on {runs[side][-1]['threads']} threads, not the {threads} asked for; "
+                                 "the speedup would compare thread counts, not pipelines (pass --threads N)")
     out = {}
     for side, rs in runs.items():
         out[side] = {**rs[0], **{k: median([x[k] for x in rs])

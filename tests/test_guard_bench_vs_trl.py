@@ -29,6 +29,15 @@ def drifting_sides(monkeypatch: pytest.MonkeyPatch, slowdown: float) -> list[str
     return calls
 
 
+def test_a_side_on_another_thread_count_is_refused(monkeypatch, tmp_path):
+    """Each side reports the threads it trained on; one that differs from the count asked for stops the bench."""
+    drifting_sides(monkeypatch, 0.0)
+    real = vs_trl.run_trl
+    monkeypatch.setattr(vs_trl, "run_trl", lambda over, threads, out: {**real(over, threads, out), "threads": 2 * threads})
+    with pytest.raises(SystemExit, match="trl ran on 2 threads, not the 1 asked for"):
+        vs_trl.compare("tiny", {}, 1, tmp_path, 2)
+
+
 def test_rounds_swap_which_side_runs_first(monkeypatch, tmp_path):
     calls = drifting_sides(monkeypatch, 0.0)
     r = vs_trl.compare("tiny", {}, 1, tmp_path, 4)
