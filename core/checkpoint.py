@@ -60,10 +60,15 @@ class NonFiniteWeights(TrainingDiverged):
 
 
 def _local_shard(p: torch.Tensor) -> torch.Tensor:
-    """What this process holds of parameter ``p``: under DeepSpeed ZeRO-3 the parameter itself is an empty
-    placeholder and its partition lives in ``ds_tensor``; elsewhere the tensor itself."""
+    """What this process holds of parameter ``p``, and what its checkpoint saves: under DeepSpeed ZeRO-3 the
+    partition in ``ds_tensor``; elsewhere the tensor itself.
+
+    Under ZeRO-3 the partition is read even while the full parameter is gathered (persistent small parameters, or
+    one still held after a forward): the optimizer step writes the partition, and the gathered copy is the one
+    from before that step until the next gather.
+    """
     shard = getattr(p, "ds_tensor", None)
-    return shard if shard is not None and p.numel() == 0 else p
+    return p if shard is None else shard
 
 
 def nonfinite_weights(named: Iterable[tuple[str, torch.Tensor]]) -> tuple[int, str | None]:

@@ -69,6 +69,17 @@ def test_zero3_placeholders_are_checked_through_their_local_shard():
     assert nonfinite_weights([("p", placeholder), ("empty", torch.empty(0))]) == (0, None)
 
 
+def test_a_gathered_zero3_parameter_is_checked_through_its_partition_not_its_stale_full_copy():
+    """A ZeRO-3 parameter still gathered after the step (full data, numel > 0) holds the weights from before the
+    update, which went into its partition: the partition is what the checkpoint saves, so it is what counts."""
+    gathered = torch.nn.Parameter(torch.ones(4))
+    gathered.ds_tensor = torch.tensor([1.0, float("inf")])
+    assert nonfinite_weights([("g", gathered)]) == (1, "g")
+    gathered.ds_tensor = torch.ones(2)
+    gathered.data[0] = float("nan")  # a stale full copy is not what is saved
+    assert nonfinite_weights([("g", gathered)]) == (0, None)
+
+
 def _complete(root: Path, step: int) -> Path:
     folder = root / "checkpoints" / f"step-{step}"
     folder.mkdir(parents=True)
@@ -140,19 +151,25 @@ def test_retrofit_refuses_a_poisoned_checkpoint_and_keeps_the_good_one(tmp_path)
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_a_bad_shard_on_one_rank_stops_every_rank_before_the_save(tmp_path):
-    """Two DDP processes (gloo, CPU); only rank 1's weights go bad at step 3. Every rank learns it through the
-    summed count and stops: rank 0 neither writes step-3 nor waits forever at the save for the rank that left."""
+@pytest.mark.parametrize("launch", ["cpu_ddp_2proc.yaml", "deepspeed_zero3.yaml"])
+def test_a_bad_shard_on_one_rank_stops_every_rank_before_the_save(tmp_path, launch):
+    """Two processes (gloo, CPU); only rank 1's weights go bad at step 3. Every rank learns it through the
+    summed count and stops: rank 0 neither writes step-3 nor waits forever at the save for the rank that left.
+    Under ZeRO-3 (DeepSpeed on the CPU) the inf goes into rank 1's own shard of a real partitioned parameter
+    (``ds_tensor``; the parameter itself is an empty placeholder there), which is what the check reads."""
     from tests.test_distributed import LAUNCH, _accelerate_bin, _launch_env
 
     harness = tmp_path / "poisoning.py"
     harness.write_text(POISONING.replace('if calls[0] == int(os.environ["POISON_AT"]):',
-                                         'if calls[0] == int(os.environ["POISON_AT"]) and os.environ["RANK"] == "1":'))
+                                         'if calls[0] == int(os.environ["POISON_AT"]) and os.environ["RANK"] == "1":')
+                       .replace("params[0].view(-1)[0]", "getattr(params[0], 'ds_tensor', params[0]).view(-1)[0]"))
     out = tmp_path / "run"
-    cmd = [*_accelerate_bin(), "--config_file", str(LAUNCH / "cpu_ddp_2proc.yaml"), "--main_process_port", "0",
+    zero3 = launch.startswith("deepspeed")
+    extra = ["--num_processes", "2", "--mixed_precision", "no"] if zero3 else []
+    cmd = [*_accelerate_bin(), "--config_file", str(LAUNCH / launch), "--main_process_port", "0", *extra,
            str(harness), "recipes/distill.py", "--config", "recipes/configs/tiny.yaml", f"output_dir={out}",
            "max_steps=4", "save_every=1", "keep_checkpoints=1", "eval_every=0"]
-    proc = subprocess.run(cmd, cwd=ROOT, env={**_launch_env(cpu_ddp=True), "POISON_AT": "3"}, capture_output=True,
+    proc = subprocess.run(cmd, cwd=ROOT, env={**_launch_env(cpu_ddp=not zero3), "POISON_AT": "3"}, capture_output=True,
                           text=True, timeout=420)
     assert proc.returncode != 0
     errors = re.findall(r"error: step 3 left NaN/inf in 1 trained weight tensor\(s\).*", proc.stdout + proc.stderr)
