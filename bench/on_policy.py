@@ -409,6 +409,8 @@ def run_arm(name: str, fraction: float, args, teacher, student0, tokenizer, data
     walls = {"on": [], "off": []}
     budget = Budget(args.clock, args.budget, args.on_cost)
     unit = "steps" if args.clock == "steps" else "s"
+    # --ema: an exponential moving average of the weights, updated after every step; the arm is scored on it
+    ema = [q.detach().clone() for q in params] if args.ema else None
     t_start, w_start, step = clock(), time.perf_counter(), 0
     first_on = None  # the step at which the warm start (--on-start) ended and the mix began
     while budget.left():
@@ -462,6 +464,9 @@ def run_arm(name: str, fraction: float, args, teacher, student0, tokenizer, data
                     q.grad = g if q.grad is None else q.grad.add_(g)
         step_opt.step()
         step_opt.zero_grad(set_to_none=True)
+        if ema is not None:
+            with torch.no_grad():
+                torch._foreach_lerp_(ema, [q.detach() for q in params], 1 - args.ema)
         times["on" if on else "off"].append(clock() - t0)
         walls["on" if on else "off"].append(time.perf_counter() - w0)
         budget.charge(on)
@@ -472,6 +477,9 @@ def run_arm(name: str, fraction: float, args, teacher, student0, tokenizer, data
     elapsed, wall = clock() - t_start, time.perf_counter() - w_start
     measured = [c for c in cosines if not math.isnan(c)]
     model.remove_hooks()
+    if ema is not None:  # score (and save) the averaged weights
+        with torch.no_grad():
+            torch._foreach_copy_([q.data for q in params], ema)
     if args.save:  # the trained weights, to evaluate again later with other eval settings
         Path(args.save).mkdir(parents=True, exist_ok=True)
         torch.save(student.state_dict(), Path(args.save) / f"seed{args.seed}_{'off' if fraction == 0 else 'mix'}.pt")
@@ -555,6 +563,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "--on-cost")
     ap.add_argument("--on-correct", type=int, default=0, help="the teacher replaces each generated token outside "
                     "its top K by a draw of its own before the rollout loss (speculative KD, one pass; 0: off)")
+    ap.add_argument("--ema", type=float, default=0.0, help="score each arm on an exponential moving average of its "
+                    "weights with this decay per step (0: the last weights; pass it to both arms)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (models, training and eval)")
     ap.add_argument("--gen-temperature", type=float, default=1.0, help="sampling temperature of the rollouts")
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens (prefix of each block)")
@@ -628,6 +638,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                             or args.on_prompt_grad != 1):
         ap.error("--on-correct vets the rollouts of the recipe's rollout loss; drop the --on-seq / --on-max-entropy / "
                  "--on-teacher-temp / --on-prompt-grad options")
+    if not 0 <= args.ema < 1:
+        ap.error(f"--ema is a decay per step in [0, 1), got {args.ema}")
     if args.on_cost is not None and not args.on_cost > 0:
         ap.error(f"--on-cost is a positive share of an off-policy step, got {args.on_cost}")
     return args
@@ -708,7 +720,7 @@ def compare(off_log: str, mix_log: str, emit_json: bool = True) -> dict:
     """``--compare OFF MIX``: the verdict of two arms run as separate processes (``--arms off`` / ``--arms mix``)."""
     off, mix = last_json(off_log), last_json(mix_log)
     keys = ("budget_s", "clock", "student", "seed", "lr", "schedule", "kind", "ce_weight", "gen_tokens", "eval_prompts", "eval_samples",
-            "eval_seed", "threads")
+            "eval_seed", "threads", "ema")
     usual = vars(parse_args([]))  # what a log older than a key ran with: the option's default
     differ = [k for k in keys if off.get(k, usual.get(k)) != mix.get(k, usual.get(k))]
     if differ or off["off_policy"] is None or mix["on_policy"] is None:
@@ -720,7 +732,7 @@ def compare(off_log: str, mix_log: str, emit_json: bool = True) -> dict:
         **{k: mix.get(k, usual[k]) for k in ("gen_rows", "rollout_rows", "on_lr", "on_cost", "project", "on_end",
                                              "on_clip", "on_opt", "on_params", "on_seq", "on_seq_gamma",
                                              "on_max_entropy", "on_teacher_temp", "on_prompt_grad", "on_joint",
-                                             "ce_weight", "on_gen", "on_correct")})
+                                             "ce_weight", "on_gen", "on_correct", "ema")})
     return report(args, off["init"], off["off_policy"], mix["on_policy"], off["load_avg"] + mix["load_avg"], emit_json)
 
 
@@ -730,7 +742,7 @@ _LABELS = (("fraction", "λ"), ("on_kind", "on-kind "), ("on_clip", "clip "), ("
            ("on_end", "end "), ("gen_temperature", "T "), ("gen_rows", "rows "), ("on_seq", "seq "),
            ("on_max_entropy", "max-H "), ("on_teacher_temp", "teacher T "), ("on_prompt_grad", "prompt grad "),
            ("on_joint", "joint"), ("ce_weight", "ce "), ("on_gen", "rollout tokens "),
-           ("on_correct", "teacher top-"))
+           ("on_correct", "teacher top-"), ("ema", "EMA "))
 
 
 def mix_label(mix: dict) -> str:
@@ -853,7 +865,7 @@ def report(args, init: dict, off: dict, mix: dict | None, loads: list[float], em
            "on_seq": args.on_seq, "on_seq_gamma": args.on_seq_gamma,
            "on_max_entropy": args.on_max_entropy, "on_teacher_temp": args.on_teacher_temp,
            "on_prompt_grad": args.on_prompt_grad, "on_joint": args.on_joint, "ce_weight": args.ce_weight,
-           "on_gen": args.on_gen, "on_correct": args.on_correct,
+           "on_gen": args.on_gen, "on_correct": args.on_correct, "ema": args.ema,
            "threads": args.threads,
            "eval_prompts": args.eval_prompts, "eval_samples": args.eval_samples, "eval_seed": args.eval_seed,
            "load_avg": loads, "init": init, "off_policy": off, "on_policy": mix}

@@ -737,3 +737,31 @@ def test_on_correct_trains_on_the_teacher_vetted_rollouts(tmp_path):
         bench.parse_args(["--on-correct", "-1"])
     with pytest.raises(SystemExit):
         bench.parse_args(["--on-correct", "5", "--on-seq", "0.5", "--on-kind", "reverse_kl"])
+
+
+def test_ema_scores_the_moving_average_of_the_weight_trajectory(tmp_path):
+    """--ema d: the arm's saved (and scored) weights are e_t = d e_(t-1) + (1 - d) w_t over the steps, from the
+    starting weights, with w_t from runs of 1..4 steps (constant lr: each a prefix of the next); --ema 0 is the
+    last weights, and a decay outside [0, 1) is refused."""
+    bench = _bench()
+    student = _pair()[1]
+    start = {k: v.clone() for k, v in student.state_dict().items()}
+    path = [_trained_state(bench, tmp_path, student, ["--budget", str(n)], fraction=0.0) for n in (1, 2, 3, 4)]
+    decay = 0.6
+    expect = {k: v.clone() for k, v in start.items()}
+    for weights in path:
+        for k in expect:
+            expect[k] = decay * expect[k] + (1 - decay) * weights[k]
+    got = _trained_state(bench, tmp_path, student, ["--ema", str(decay)], fraction=0.0)
+    moved = [k for k in start if not torch.equal(start[k], path[-1][k])]
+    assert moved  # the steps moved the weights, so the average differs from the last ones
+    for k in start:
+        torch.testing.assert_close(got[k], expect[k], rtol=1e-5, atol=1e-6)
+    assert any(not torch.allclose(got[k], path[-1][k], rtol=1e-4, atol=1e-5) for k in moved)
+    last = _trained_state(bench, tmp_path, student, ["--ema", "0"], fraction=0.0)
+    for k in start:
+        torch.testing.assert_close(last[k], path[-1][k], rtol=0, atol=0)
+    assert bench.mix_label({"fraction": 0.2, "ema": 0.9}) == "λ0.2 EMA 0.9"
+    for bad in ("1", "-0.1"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--ema", bad])

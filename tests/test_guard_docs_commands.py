@@ -33,7 +33,7 @@ import yaml
 from core.config import ConfigError, parse_config
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", ROOT / "launch" / "README.md"]
+DOCS = [ROOT / "README.md", ROOT / "launch" / "README.md", ROOT / "bench" / "on_policy.md"]
 HEADERS = sorted((ROOT / "recipes" / "configs").glob("*.yaml")) + sorted((ROOT / "launch").glob("*.yaml"))
 
 # Words the docs use for "put your value here", replaced by an example before parsing.
