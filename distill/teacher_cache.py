@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,6 +128,11 @@ def write_shard(path: Path, index: torch.Tensor, logprobs: torch.Tensor, counts:
     if counts is not None:
         tensors["counts"] = counts.to(torch.uint8).contiguous()
     save_file(tensors, str(path), metadata=metadata)
+    # safetensors creates its files private (0600): give the shard the umask's permissions, like the cache's
+    # other files, so that a training job under another user of a shared folder can read it.
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
 
 
 def shard_metadata(path: Path) -> dict[str, str]:

@@ -12,8 +12,10 @@ top-k tail-bucket approximation and the unbiased sampled estimate.
 At corpus scale: ``accelerate launch recipes/cache_teacher.py ...`` splits the shards across processes
 (GPU i writes shards i, i + world, ...; the teacher in bf16 on GPUs). Shards are written whole into
 ``.NAME.partial/`` next to the output; a killed run rerun with the same settings keeps the shards whose
-blocks are unchanged (each shard records a fingerprint of its blocks) and writes the rest, and the folder
-becomes ``output_dir`` once every shard is there.
+blocks are unchanged (each shard records a fingerprint of its blocks) and shares the rest evenly among its
+processes, and the folder becomes ``output_dir`` once every shard is there. The process group waits as long
+as the training recipes' (3 hours, ``HYBRID_DISTILL_DIST_TIMEOUT=SECONDS``): the other processes wait while
+the main one prepares a corpus the first time.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ from distill.teacher_cache import (
     topk_logprobs,
     write_shard,
 )
+from distill.training import dist_timeout
 from eval.metrics import evaluate_lm
 
 
@@ -176,6 +179,39 @@ def shards_to_write(cfg: CacheTeacherConfig, train, work: Path, rank: int, world
     return todo
 
 
+def shards_for_process(cfg: CacheTeacherConfig, train, work: Path, state: PartialState,
+                       dtype: torch.dtype | None = None) -> list[int]:
+    """This process's share of the shards still missing from ``work``: every missing shard, in order, dealt out
+    round-robin (``missing[rank::world]``).
+
+    Each process checks only its own ``i mod world`` shards (:func:`shards_to_write`: hashing every shard's
+    blocks on every process would read the corpus ``world`` times), then all of them learn the whole missing
+    list. Were each to write only the missing shards it found, a process whose share a killed run had finished
+    would wait idle at the closing barrier while another wrote its whole share alone. The exchange is collective: no
+    process writes a shard before every one has looked at the folder, so none finds a shard another is writing.
+    A fresh cache gives the plain split, shard ``i`` to process ``i mod world``.
+    """
+    rank, world = state.process_index, state.num_processes
+    mine = shards_to_write(cfg, train, work, rank, world, dtype=dtype)
+    if world == 1:
+        return mine
+    found: list[list[int] | None] = [None] * world
+    torch.distributed.all_gather_object(found, mine)
+    return sorted(i for part in found for i in part)[rank::world]
+
+
+def process_state() -> PartialState:
+    """This process among those ``accelerate launch`` started: gloo without GPUs, and the training recipes'
+    process-group timeout (:func:`distill.training.dist_timeout`, 3 hours) instead of torch's 10 (NCCL) or 30
+    (gloo) minutes, which the other processes would exceed waiting while the main one prepares a large corpus.
+    """
+    # Without GPUs: gloo, and cpu=True, without which accelerate's barriers are no-ops under a CPU launch.
+    cpu = not torch.cuda.is_available()
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return PartialState(cpu=cpu)
+    return PartialState(cpu=cpu, timeout=dist_timeout(), **({"backend": "gloo"} if cpu else {}))
+
+
 def cache_shard(cfg: CacheTeacherConfig, teacher, blocks: torch.Tensor, shard: int, path: Path, bar,
                 vocab: int | None = None) -> None:
     """The teacher's targets for one shard's blocks ``[n, seq]``, written whole (temp name, then renamed).
@@ -268,10 +304,7 @@ def main() -> None:
         raise ConfigError(f"{out} already exists; pass overwrite=true or another output_dir=")
     if out.exists():  # overwrite replaces only a cache of ours (core/rundir.py)
         check_replaceable(out, (out / META).is_file(), f"a teacher cache (no {META})")
-    # Without GPUs: gloo, and cpu=True, without which accelerate's barriers are no-ops under a CPU launch.
-    cpu = not torch.cuda.is_available()
-    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    state = PartialState(cpu=cpu, **({"backend": "gloo"} if distributed and cpu else {}))
+    state = process_state()
     work = out.with_name(f".{out.name}.partial")  # shards land here until the cache is whole; kept on a kill
     if state.is_main_process:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -287,9 +320,8 @@ def main() -> None:
                           eval_blocks=cfg.eval_blocks, text_field=cfg.text_field, max_train_blocks=cfg.max_blocks)
     vocab = min(teacher.config.vocab_size, len(tokenizer))  # the head's rows that are tokens
     t0, n = time.time(), data.train.shape[0]
-    # Shard i goes to process i mod world; shards already written for these blocks (a resumed run) are skipped.
-    todo = shards_to_write(cfg, data.train, work, state.process_index, state.num_processes,
-                           dtype=device_dtype(teacher)[1])
+    # Shards already written for these blocks (a resumed run) are skipped; the missing ones are dealt out evenly.
+    todo = shards_for_process(cfg, data.train, work, state, dtype=device_dtype(teacher)[1])
     total = sum(min(n, (i + 1) * cfg.shard_blocks) - i * cfg.shard_blocks for i in todo) * cfg.seq_len
     with tqdm(total=total, unit="tok", desc=f"teacher {cfg.mode}", disable=not state.is_main_process) as bar:
         for written, i in enumerate(todo, 1):

@@ -3,7 +3,8 @@
     accelerate launch recipes/retrofit.py                                  # SmolLM2-135M, the default config
     accelerate launch recipes/retrofit.py --config recipes/configs/retrofit_smollm2.yaml key=value ...
 
-Reads top to bottom: config → data → models → loop → save.
+Reads top to bottom: config → data → models → loop → save. Several processes train it with DDP
+(``launch/gpu_ddp.yaml``, on CPUs ``launch/cpu_ddp_2proc.yaml``); a DeepSpeed or FSDP launch is refused at start.
 
 * The model is switched to hybrid attention (sinks + sliding window + periodic globals) with
   ``attention.retrofit``; the training forward runs exactly the mask that will be served (with a
@@ -861,9 +862,14 @@ def main(argv: list[str] | None = None) -> None:
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     # check_before_loading: missing local model and data paths, and every length the model's config.json and
     # tokenizer can judge, are refused before the run folder is claimed and any weights load.
+    # DeepSpeed and FSDP launches are refused as early. Under an FSDP config on CPUs accelerate starts the processes
+    # apart (DistributedType.NO with num_processes 2): each trained its own copy on its share of the data and
+    # final/ held rank 0's alone. On GPUs LoRA's merge and the final save would meet sharded parameters, untested.
     cfg, accelerator, out = start_run(RetrofitConfig, argv, resume_safe=RESUME_SAFE, check=check_before_loading,
                                       without_deepspeed=(
         "retrofit.py trains small LoRA adapters with DDP, not DeepSpeed: launch it with launch/gpu_ddp.yaml "
+        "(CPU: launch/cpu_ddp_2proc.yaml)"), without_fsdp=(
+        "retrofit.py trains small LoRA adapters with DDP, not FSDP: launch it with launch/gpu_ddp.yaml "
         "(CPU: launch/cpu_ddp_2proc.yaml)"))
     summary = training_function(cfg, accelerator)
     finish_run(cfg, accelerator, out, summary, print_summary)

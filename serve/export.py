@@ -22,6 +22,7 @@ import contextlib
 import json
 import math
 import os
+import pickle
 import re
 import shutil
 import tempfile
@@ -33,6 +34,7 @@ from typing import Any
 
 import torch
 import yaml
+from safetensors import SafetensorError
 
 from attention.integration import BASE_KEY
 from attention.spec import CONFIG_KEY, HybridAttentionConfig
@@ -251,16 +253,39 @@ def load_checkpoint_state(src: Source) -> dict[str, torch.Tensor]:
             raise SourceError(f"{src.path} is a DeepSpeed ZeRO checkpoint; pip install deepspeed to export it "
                               "(or export the run's final/)") from None
         tag = None if (src.path / "latest").is_file() else _deepspeed_tag(src.path)
-        return dict(get_fp32_state_dict_from_zero_checkpoint(str(src.path), tag=tag))
+        try:
+            return dict(get_fp32_state_dict_from_zero_checkpoint(str(src.path), tag=tag))
+        except MemoryError:
+            raise
+        except Exception as err:  # noqa: BLE001 - zero_to_fp32 raises whatever a torn folder trips on
+            raise _unreadable(src, err) from None
     state: dict[str, torch.Tensor] = {}
     for file in _checkpoint_weights(src.path):
-        if file.suffix == ".safetensors":
-            from safetensors.torch import load_file
+        try:
+            if file.suffix == ".safetensors":
+                from safetensors.torch import load_file
 
-            state.update(load_file(str(file)))
-        else:
-            state.update(torch.load(file, map_location="cpu", weights_only=True))
+                state.update(load_file(str(file)))
+            else:
+                state.update(torch.load(file, map_location="cpu", weights_only=True))
+        except _UNREADABLE as err:
+            raise _unreadable(src, err) from None
     return state
+
+
+# What reading a weight file cut short or foreign raises: safetensors' header error, torch's zip reader
+# (RuntimeError), pickle, a file that ends early or cannot be opened.
+_UNREADABLE = (SafetensorError, RuntimeError, pickle.UnpicklingError, EOFError, OSError)
+
+
+def _unreadable(src: Source, err: Exception) -> SourceError:
+    """The one-line error for a checkpoint whose weight files cannot be read back (a rank's shard missing, a
+    file cut short by a kill or a full disk, a ``latest`` naming no folder): it names the ways out."""
+    detail = (str(err).strip().splitlines() or [""])[0][:300]
+    fix = ("save the model there again, or export one of its run's checkpoints (checkpoint=latest)" if src.kind == "hf"
+           else "export an older checkpoints/step-N or the run's final/")
+    return SourceError(f"{src.describe()} cannot be read ({type(err).__name__}: {detail}); it is incomplete or "
+                       f"damaged: {fix}")
 
 
 def student_state_dict(state: Mapping[str, torch.Tensor], prefix: str = "student.") -> dict[str, torch.Tensor]:
@@ -403,8 +428,11 @@ def _load_weights(src: Source, dtype: torch.dtype | None) -> tuple[Any, torch.dt
     if src.kind == "hf":
         # Eager attention on load: the source config may name a kernel that is only registered at
         # training time; the name is not written back, so the export loads anywhere.
-        model = load_causal_lm(str(src.path), dtype="auto" if dtype is None else dtype, dense=True,
-                               attn_implementation="eager")
+        try:
+            model = load_causal_lm(str(src.path), dtype="auto" if dtype is None else dtype, dense=True,
+                                   attn_implementation="eager")
+        except _UNREADABLE as err:
+            raise _unreadable(src, err) from None
         stored = _read_json(src.path / "config.json").get("dtype") or _read_json(
             src.path / "config.json").get("torch_dtype")
         source_dtype = getattr(torch, stored, model.dtype) if isinstance(stored, str) else model.dtype
@@ -652,6 +680,13 @@ def save_export(student: LoadedStudent, out_dir: Path, max_shard_size: str = "5G
     model = student.model
     if student.hybrid is not None:
         setattr(model.config, CONFIG_KEY, student.hybrid)
+    # Training turns the KV cache off in the model's config (the recipes save it so into checkpoints/step-N/student/),
+    # and a generation config derived from that config, where the source has none of its own, inherits it: HF
+    # generate() on the export would then re-run the whole prefix for every token. An export is for serving.
+    model.config.use_cache = True
+    generation = getattr(model, "generation_config", None)
+    if generation is not None and getattr(generation, "_from_model_config", False) and generation.use_cache is False:
+        generation.use_cache = True
     model.save_pretrained(str(out_dir), max_shard_size=max_shard_size)
     sanitize_config_json(out_dir / "config.json", student.hybrid)
     student.tokenizer.save_pretrained(str(out_dir))
