@@ -45,6 +45,23 @@ def fsync_tree(root: str | os.PathLike) -> None:
         fsync_dir(dirpath)
 
 
+def share_like_umask(root: str | os.PathLike) -> None:
+    """Give every private file (mode 0600) under ``root`` the permissions a plain ``open`` gives under the
+    process's umask (0644 under the usual 022).
+
+    Writers that go through a temporary file (safetensors' ``save_file``, so ``save_pretrained``'s weights)
+    create it 0600, while the config and tokenizer beside it are 0644: a job under another user of a shared
+    run folder could read everything but the weights. Other modes are left as they were.
+    """
+    mask = os.umask(0)
+    os.umask(mask)
+    for dirpath, _dirnames, filenames in os.walk(root):
+        for name in filenames:
+            p = os.path.join(dirpath, name)
+            if not os.path.islink(p) and os.stat(p).st_mode & 0o777 == 0o600:
+                os.chmod(p, 0o666 & ~mask)
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -> None:
     """Call ``write`` on a binary file that becomes ``path`` only once whole: a reader sees the old file or the
     new one, never a mix, and a failure leaves the old one (e.g. ``lambda f: fig.savefig(f, format="png")``)."""
@@ -76,6 +93,7 @@ def replace_dir(tmp: str | os.PathLike, target: str | os.PathLike) -> Path:
     killed run must restore it (:func:`restore_aside`, :func:`core.checkpoint.clean_partial`), not delete it.
     """
     tmp, target = Path(tmp), Path(target)
+    share_like_umask(tmp)
     fsync_tree(tmp)
     old = None
     if target.exists():

@@ -128,3 +128,22 @@ def test_is_saved_model_needs_the_config_and_every_shard_of_the_index(tmp_path):
     (sharded / "config.json").write_text("{}")
     (sharded / "model.safetensors.index.json").write_text("{not json")
     assert not fsio.is_saved_model(sharded)
+
+
+def test_replace_dir_gives_private_files_the_umasks_permissions(tmp_path):
+    """A file created 0600 (safetensors writes its weights so) leaves as 0644 under umask 022; a mode someone
+    chose otherwise (0640) stays."""
+    new = tmp_path / ".tmp-final"
+    (new / "sub").mkdir(parents=True)
+    private, chosen, plain = new / "model.safetensors", new / "sub" / "notes.txt", new / "config.json"
+    for f in (private, chosen, plain):
+        f.write_text("x")
+    private.chmod(0o600)
+    chosen.chmod(0o640)
+    old = os.umask(0o022)
+    try:
+        replace_dir(new, tmp_path / "final")
+    finally:
+        os.umask(old)
+    mode = {p.name: (p.stat().st_mode & 0o777) for p in (tmp_path / "final").rglob("*") if p.is_file()}
+    assert mode == {"model.safetensors": 0o644, "notes.txt": 0o640, "config.json": 0o644}

@@ -877,3 +877,6 @@ def test_save_pruned_puts_back_an_output_a_kill_left_aside_before_deciding_on_ov
     save_pruned(model, None, ours, overwrite=True, extra={"winner": "b"})
     assert json.loads((ours / "search.json").read_text()) == {"winner": "b"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pruned"]
+    # save_pretrained's weights are created private by safetensors; the folder's files all read alike
+    modes = {p.name: p.stat().st_mode & 0o777 for p in ours.iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"], modes
