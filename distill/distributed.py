@@ -91,12 +91,21 @@ def configure_deepspeed(accelerator: Any, micro_batch_size: int, max_grad_norm: 
     ``accelerator.clip_grad_norm_`` does nothing (the engine clips inside its step, at the config's
     ``gradient_clipping``, which the launch YAML fixes): without this a recipe's ``max_grad_norm`` would be
     silently replaced by the YAML's value. 0 turns clipping off, as in the recipes.
+
+    Under ZeRO-3 the engine is also told to gather whole weights on save
+    (``stage3_gather_16bit_weights_on_model_save``, the YAML's ``zero3_save_16bit_model``): the recipe's
+    ``final/`` is an ordinary HF directory gathered from the shards by ``accelerator.get_state_dict``, which
+    refuses without it, and accelerate leaves it off when a launch config omits the key; the run would
+    train to the end and then fail to write its student.
     """
     plugin = _deepspeed_plugin(accelerator)
     if plugin is None:
         return
     plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch_size
     plugin.deepspeed_config["gradient_clipping"] = float(max_grad_norm)
+    if zero_stage(accelerator) == 3:
+        zero = plugin.deepspeed_config.setdefault("zero_optimization", {})
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
 
 
 def deepspeed_settings(accelerator: Any, model: Any) -> dict[str, Any] | None:
@@ -241,6 +250,24 @@ def gather_params(params: nn.Parameter | Iterable[nn.Parameter] | nn.Module) -> 
         yield
 
 
+def _gather_chunks(named: list[tuple[str, nn.Parameter]]) -> Iterator[list[tuple[str, nn.Parameter]]]:
+    """``named`` in order, cut into runs of at most the largest parameter's element count (full sizes, also
+    of ZeRO-3 placeholders): one gather per run holds no more than that weight would alone, and a model
+    of many small weights still takes few collectives (a decoder layer's projections gather together)."""
+    sizes = [int(getattr(p, "ds_numel", p.numel())) for _, p in named]
+    budget = max(sizes, default=0)
+    chunk: list[tuple[str, nn.Parameter]] = []
+    total = 0
+    for item, size in zip(named, sizes, strict=True):
+        if chunk and total + size > budget:
+            yield chunk
+            chunk, total = [], 0
+        chunk.append(item)
+        total += size
+    if chunk:
+        yield chunk
+
+
 def gathered_replica(model: nn.Module, replica: nn.Module | None = None) -> nn.Module:
     """A plain (unsharded) copy of ``model``'s current weights, for code that reads weights directly.
 
@@ -248,9 +275,12 @@ def gathered_replica(model: nn.Module, replica: nn.Module | None = None) -> nn.M
     release it again per call, as a collective every rank must join in the same order. Code that
     loops a data-dependent number of times per rank (a decode engine stopping rows at end of text)
     cannot use the sharded modules. It uses this replica instead: built once with the same config
-    (``replica=None``), refreshed in place from one gather of every parameter on later calls. Cost:
-    one more full copy of the model per rank, and one all-gather + copy per refresh. Every rank must
-    call it (the gather is a collective). Buffers (rotary tables) are never sharded and are copied too.
+    (``replica=None``), refreshed in place on later calls. Cost: one more full copy of the model per
+    rank, and an all-gather + copy of every weight per refresh. The weights are gathered a few at a
+    time (:func:`_gather_chunks`), never all at once: a gather of the whole model would hold a second
+    full copy beside the replica for the length of the refresh. Every rank must call it (the gathers
+    are collectives, joined in parameter order). Buffers (rotary tables) are never sharded and are
+    copied too.
 
     Args:
         model: the (possibly ZeRO-3 partitioned) ``PreTrainedModel``.
@@ -269,9 +299,11 @@ def gathered_replica(model: nn.Module, replica: nn.Module | None = None) -> nn.M
     own = dict(replica.named_parameters())
     if own.keys() != params.keys():
         raise RuntimeError(f"replica parameters differ from the model's: {sorted(own.keys() ^ params.keys())[:4]}")
-    with torch.no_grad(), gather_params(list(params.values())):
-        for name, p in params.items():
-            own[name].copy_(p)
+    with torch.no_grad():
+        for chunk in _gather_chunks(list(params.items())):
+            with gather_params([p for _, p in chunk]):
+                for name, p in chunk:
+                    own[name].copy_(p)
     with torch.no_grad():
         for (name, b), (own_name, mine) in zip(model.named_buffers(), replica.named_buffers(), strict=True):
             if name != own_name:

@@ -21,7 +21,8 @@ parameter's version counter), so at most once per optimizer step, ~0.7 s on the 
 synced. The prompt-prefix cache is off: its stored keys and values would outlive the weights that
 made them. Under ZeRO-3 the parameters exist only as shards, and the engine's data-dependent number of
 forward calls per rank cannot join ZeRO-3's per-module gathers; there the engine decodes from a plain
-replica refreshed by one all-gather per optimizer step that generates (one extra student copy per rank).
+replica refreshed once per optimizer step that generates (one extra student copy per rank; the refresh
+gathers a few weights at a time, :func:`distill.distributed.gathered_replica`).
 
 Which micro-batches go on-policy is a fixed function of (step, micro-batch index): every rank makes
 the same choice (DDP ranks stay in step) and a resumed run makes the same choices again.

@@ -31,7 +31,13 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import InitProcessGroupKwargs, is_tensorboard_available, is_wandb_available
+from accelerate.utils import (
+    DistributedDataParallelKwargs,
+    DistributedType,
+    InitProcessGroupKwargs,
+    is_tensorboard_available,
+    is_wandb_available,
+)
 
 from core import checkpoint as ckpt
 from core import rundir
@@ -41,6 +47,7 @@ from core.fsio import atomic_write_text, is_saved_model, replace_dir, restore_as
 from core.models import resolve_model_path
 from core.tiny import TINY, tiny_teacher, tiny_teacher_tokenizer
 from distill.data import eval_batches
+from distill.distributed import is_deepspeed, is_fsdp, zero_stage
 from distill.threads import PeakRSS, setup_threads
 from eval.gate import GateConfig, run_gate
 from eval.metrics import LMStats, evaluate_lm
@@ -86,6 +93,36 @@ def dist_timeout() -> timedelta:
     return timedelta(seconds=seconds)
 
 
+GRAD_ACCUM_ENV = "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"
+
+
+def check_launch_grad_accum(grad_accum: int) -> None:
+    """Refuse a launch that sets another gradient accumulation than the recipe's ``grad_accum``.
+
+    ``accelerate launch`` exports a launch config's ``gradient_accumulation_steps`` (``accelerate config`` writes
+    one into every DeepSpeed config) as ``$ACCELERATE_GRADIENT_ACCUMULATION_STEPS``, and ``Accelerator`` takes it
+    over the value it is given. The recipe still runs ``grad_accum`` micro-batches per step, so the optimizer and
+    the LR schedule would step every ``N`` micro-batches instead: with ``N`` = 1 and ``grad_accum`` = 16 the
+    schedule would end after a sixteenth of the run, and nothing would say so.
+    """
+    launched = os.environ.get(GRAD_ACCUM_ENV, "").strip()
+    if launched.isdigit() and int(launched) != grad_accum:
+        raise ConfigError(
+            f"the launch sets gradient_accumulation_steps={launched} (${GRAD_ACCUM_ENV}, from the launch config), "
+            f"which would override grad_accum={grad_accum}; remove gradient_accumulation_steps from the launch "
+            f"config (the recipe's grad_accum sets it) or set grad_accum={launched}")
+
+
+def leaves_weights_unused(cfg: Any) -> bool:
+    """True when no loss term of ``cfg`` reaches the logits (``kd_weight``, ``ce_weight`` and ``focal_weight`` all
+    0; a config without them reaches them). The hidden-state and attention-map terms stop at their matched layers,
+    so the head, the final norm and the layers past the deepest matched one get no gradient, and DDP stops at the
+    second step ("Expected to have finished reduction in the prior iteration") unless it looks for unused
+    parameters. DeepSpeed copes without being told."""
+    weights = [getattr(cfg, k, None) for k in ("kd_weight", "ce_weight", "focal_weight")]
+    return None not in weights and not any(weights)
+
+
 def make_accelerator(cfg: Any, project_dir: Path) -> Accelerator:
     """An ``Accelerator`` from a recipe config (``mixed_precision``, ``grad_accum``, ``tracker``).
 
@@ -93,7 +130,9 @@ def make_accelerator(cfg: Any, project_dir: Path) -> Accelerator:
     several times slower. Without GPUs, distributed runs (DDP, DeepSpeed) need the gloo backend, or
     accelerate miscounts processes. The LR schedule is stepped by :func:`train_step`, once per optimizer
     step: accelerate's own stepping advances it ``num_processes`` times per step (it assumes a
-    dataloader split across ranks, so a 2-process run would warm up and decay twice as fast).
+    dataloader split across ranks, so a 2-process run would warm up and decay twice as fast). A launch
+    that sets its own gradient accumulation is refused (:func:`check_launch_grad_accum`). DDP looks for
+    parameters without a gradient only when some must go without (:func:`leaves_weights_unused`).
     Every backend waits :func:`dist_timeout` at a barrier (NCCL's default would be 10 minutes).
     """
     mixed = cfg.mixed_precision
@@ -104,6 +143,9 @@ def make_accelerator(cfg: Any, project_dir: Path) -> Accelerator:
     gloo = distributed and not torch.cuda.is_available()
     handlers = [InitProcessGroupKwargs(backend="gloo", timeout=dist_timeout()) if gloo
                 else InitProcessGroupKwargs(timeout=dist_timeout())]  # the backend: accelerate's choice
+    if leaves_weights_unused(cfg):
+        handlers.append(DistributedDataParallelKwargs(find_unused_parameters=True))
+    check_launch_grad_accum(cfg.grad_accum)
     log_with = None if cfg.tracker == "none" else cfg.tracker
     # accelerate only warns and logs nowhere when a tracker's package is missing: a run that was asked
     # to log must not end "successfully" with no curves anywhere.
@@ -113,7 +155,10 @@ def make_accelerator(cfg: Any, project_dir: Path) -> Accelerator:
     accelerator = Accelerator(gradient_accumulation_steps=cfg.grad_accum, mixed_precision=mixed, log_with=log_with,
                               project_dir=str(project_dir), kwargs_handlers=handlers,
                               step_scheduler_with_optimizer=False)
-    if launched_apart and accelerator.num_processes == 1:
+    # Started apart, each rank trains its own copy on its share of the data: accelerate counts one process (a
+    # multi-GPU launch on CPUs without ACCELERATE_USE_CPU), or counts them all with no backend joining them (an
+    # FSDP launch on CPUs).
+    if launched_apart and (accelerator.num_processes == 1 or accelerator.distributed_type == DistributedType.NO):
         raise ConfigError("several processes were launched but accelerate runs them apart; on CPU add "
                           "ACCELERATE_USE_CPU=true (see launch/README.md)")
     return accelerator
@@ -127,8 +172,9 @@ def start_run(config_cls: type, argv: list[str] | None = None, *, resume_safe: I
     Every process checks the folder before anything loads (:func:`core.rundir.check_output_dir`);
     the main process then claims it: an old run is removed only if ``overwrite`` allows it and the
     folder carries our marker, so a mistyped ``output_dir`` never loses files we did not write. A
-    resume is checked here too: a config that differs from the checkpoint's outside ``resume_safe``, or
-    another number of processes (:func:`check_resume_world`), is refused before any model or data loads.
+    resume is checked here too: a config that differs from the checkpoint's outside ``resume_safe``, another
+    number of processes (:func:`check_resume_world`) or another distributed backend (:func:`check_resume_backend`)
+    is refused before any model or data loads.
     ``without_deepspeed``: the error for a recipe that does not run under DeepSpeed, raised before the
     folder is touched when a DeepSpeed config launched it;
     ``without_fsdp`` the same for an FSDP config. ``check``: the recipe's own checks of the parsed config
@@ -145,8 +191,9 @@ def start_run(config_cls: type, argv: list[str] | None = None, *, resume_safe: I
     cfg.output_dir = str(out)  # ~ expanded: every later write (the Run, final/, a resume) goes where it was claimed
     resume = check_resume(cfg, out, resume_safe) if cfg.resume is not None else None
     accelerator = make_accelerator(cfg, out)
-    if resume is not None:  # the world size is known once the accelerator exists; still before any model loads
+    if resume is not None:  # world size and backend are known once the accelerator exists; still before any model loads
         check_resume_world(resume, accelerator.num_processes)
+        check_resume_backend(resume, checkpoint_backend(accelerator))
     setup_threads(cfg.threads, accelerator.is_main_process)  # every core, even under `accelerate launch`
     if accelerator.is_main_process:
         rundir.claim_output_dir(out, cfg.overwrite, cfg.resume)
@@ -353,6 +400,65 @@ def save_hf_dir(accelerator: Accelerator, model: torch.nn.Module, tokenizer, pat
 # The run: resume, checkpoints, per-step records
 # --------------------------------------------------------------------------------------------
 
+class BackendMismatch(ckpt.CheckpointError):
+    """A resume under another distributed backend than the checkpoint was written by."""
+
+
+# What each checkpoint_backend() value is, and a launch config that gives it (launch/README.md).
+BACKENDS = {
+    "plain": ("DDP or a single process (no DeepSpeed, no FSDP)",
+              "launch/gpu_ddp.yaml or launch/cpu_ddp_2proc.yaml (DDP), or no launch config (one process)"),
+    "deepspeed zero-0": ("DeepSpeed ZeRO stage 0", "a DeepSpeed config with zero_stage: 0"),
+    "deepspeed zero-1/2": ("DeepSpeed ZeRO-1/2", "launch/deepspeed_zero2.yaml"),
+    "deepspeed zero-1/2 + optimizer offload": ("DeepSpeed ZeRO-1/2 with the optimizer offloaded",
+                                               "a DeepSpeed config with zero_stage: 2 and offload_optimizer_device: cpu"),
+    "deepspeed zero-3": ("DeepSpeed ZeRO-3", "launch/deepspeed_zero3.yaml"),
+    "deepspeed zero-3 + optimizer offload": ("DeepSpeed ZeRO-3 with the optimizer offloaded",
+                                             "launch/deepspeed_zero3_offload.yaml"),
+    "fsdp": ("FSDP", "launch/gpu_fsdp.yaml"),
+}
+
+
+def checkpoint_backend(accelerator: Any) -> str | None:
+    """Which backend lays out ``accelerator.save_state``'s model and optimizer state (a :data:`BACKENDS` key).
+
+    DeepSpeed writes its own engine files, ZeRO-3 one model-state file per rank and ZeRO-1/2 one for all,
+    FSDP its sharded state, everything else ``model.safetensors`` and ``optimizer.bin``. An offloaded optimizer
+    is DeepSpeed's CPU Adam (accelerate swaps it in), whose parameter groups carry keys the recipe's AdamW lacks:
+    a ZeRO-3 checkpoint resumed with optimizer offload loads, then fails at the first step (``KeyError:
+    'bias_correction'``). ZeRO-1 and 2 share a layout; parameter offload changes none. None: not known (a fake
+    accelerator in tests).
+    """
+    if getattr(accelerator, "distributed_type", None) is None:
+        return None
+    if is_deepspeed(accelerator):
+        stage = zero_stage(accelerator)
+        config = accelerator.state.deepspeed_plugin.deepspeed_config
+        offload = ((config.get("zero_optimization", {}).get("offload_optimizer") or {}).get("device") in ("cpu", "nvme")
+                   and config.get("zero_force_ds_cpu_optimizer", True))
+        return ("deepspeed zero-1/2" if stage in (1, 2) else f"deepspeed zero-{stage}") + (
+            " + optimizer offload" if offload else "")
+    return "fsdp" if is_fsdp(accelerator) else "plain"
+
+
+def check_resume_backend(path: Path, backend: str | None) -> None:
+    """Refuse to resume checkpoint ``path`` under another distributed backend than wrote it.
+
+    Each backend reads only its own layout of the model and optimizer files (:func:`checkpoint_backend`), and
+    the load fails after the models are built with an error that does not say why (DeepSpeed: a bare
+    ``AssertionError``). A checkpoint from before the backend was recorded, or an unknown backend, is accepted
+    unchecked.
+    """
+    saved = ckpt.read_state(path).get("backend")
+    if saved is None or backend is None or saved == backend:
+        return
+    was, launch = BACKENDS.get(saved, (saved, f"the launch config that wrote it ({saved})"))
+    now = BACKENDS.get(backend, (backend, ""))[0]
+    raise BackendMismatch(
+        f"checkpoint {path} was written under {was} but this run is launched under {now}; each backend saves the "
+        f"model and optimizer in its own layout: launch with {launch} to resume it")
+
+
 @dataclasses.dataclass
 class TrainerState:
     """What a checkpoint's ``trainer_state.json`` holds besides the accelerate state."""
@@ -366,6 +472,8 @@ class TrainerState:
     # (check_resume_world). None: not known (a fake accelerator in tests).
     num_processes: int | None = None
     global_batch: int | None = None
+    # The backend whose file layout the accelerate state has (checkpoint_backend; check_resume_backend).
+    backend: str | None = None
 
 
 def json_line(record: dict[str, Any]) -> str:
@@ -394,7 +502,8 @@ class Run:
         world = getattr(accelerator, "num_processes", None)
         batch = (getattr(cfg, "micro_batch_size", None), getattr(cfg, "grad_accum", None), world)
         self.state = TrainerState(environment=environment(), num_processes=world,
-                                  global_batch=math.prod(batch) if None not in batch else None)
+                                  global_batch=math.prod(batch) if None not in batch else None,
+                                  backend=checkpoint_backend(accelerator))
         self.tracker_project, self.progress = tracker_project, progress
         self.bar = None
         self._t_step = 0.0
@@ -418,6 +527,7 @@ class Run:
         path = ckpt.resolve_resume(self.cfg.resume, self.out)  # its config was checked by start_run
         if self.state.num_processes is not None:  # start_run checked the run's own; an ablation's is checked here
             check_resume_world(path, self.state.num_processes)
+        check_resume_backend(path, self.state.backend)
         saved = ckpt.read_state(path)
         try:
             self.accelerator.load_state(str(path))

@@ -93,6 +93,24 @@ def test_gather_params_is_a_noop_on_plain_tensors():
         pass
 
 
+def test_replica_refresh_gathers_in_order_and_never_more_than_the_largest_weight_at_once():
+    from distill.distributed import _gather_chunks, gathered_replica
+
+    model = tiny_model()
+    named = list(model.named_parameters())
+    chunks = list(_gather_chunks(named))
+    assert [n for chunk in chunks for n, _ in chunk] == [n for n, _ in named]  # every rank joins in this order
+    largest = max(p.numel() for _, p in named)
+    assert all(sum(p.numel() for _, p in chunk) <= largest for chunk in chunks)
+    assert 1 < len(chunks) < len(named)  # small weights share a gather
+    replica = gathered_replica(model)
+    for (name, p), (_, q) in zip(named, replica.named_parameters(), strict=True):
+        assert torch.equal(p, q), name
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)
+    assert torch.equal(gathered_replica(model, replica).lm_head.weight, model.lm_head.weight)
+
+
 # --- the launch plumbing, with a minimal training script of our own ----------------------------------
 
 # Builds teacher/student after the Accelerator exists (so ZeRO-3's zero.Init partitions them while
@@ -206,9 +224,13 @@ def _reports(out: Path) -> list[dict]:
 def _check_final(final: Path) -> None:
     from transformers import AutoModelForCausalLM
 
+    from core.models import returned_cache
+
     model = AutoModelForCausalLM.from_pretrained(final)
-    logits = model(input_ids=torch.tensor([[5, 6, 7, 8]])).logits
-    assert logits.shape[-1] == model.config.vocab_size and torch.isfinite(logits).all()
+    out = model(input_ids=torch.tensor([[5, 6, 7, 8]]))
+    assert out.logits.shape[-1] == model.config.vocab_size and torch.isfinite(out.logits).all()
+    # saved for inference: training's use_cache=False would make a forward return no KV cache
+    assert model.config.use_cache and returned_cache(out) is not None
 
 
 def _check_schedule(out: Path) -> None:
@@ -266,9 +288,10 @@ needs_recipe = pytest.mark.skipif(not (RECIPE.exists() and TINY.exists()),
                                   reason="recipes/distill.py and recipes/configs/tiny.yaml not present")
 
 
-def _run_recipe(config: str, out: Path, cpu_ddp: bool, *extra: str) -> dict:
-    _launch(config, [str(RECIPE), "--config", str(TINY), f"output_dir={out}", "max_steps=3", "save_every=2",
-                     "seed=0", *extra], cpu_ddp=cpu_ddp)
+def _run_recipe(config: str, out: Path, cpu_ddp: bool, *extra: str, harness: Path | None = None) -> dict:
+    """The recipe on two processes (through ``harness``, a script that runs the script after it, when given)."""
+    _launch(config, [*([str(harness)] if harness else []), str(RECIPE), "--config", str(TINY), f"output_dir={out}",
+                     "max_steps=3", "save_every=2", "seed=0", *extra], cpu_ddp=cpu_ddp)
     _check_final(out / "final")
     _check_schedule(out)
     assert (out / "checkpoints" / "step-2").is_dir()
@@ -293,13 +316,68 @@ def test_recipe_deepspeed_zero3_two_processes(tmp_path):
 
     Five held-out blocks give one rank two eval batches and the other one: it hung before the filler batches.
     """
+    harness = tmp_path / "replica_check.py"
+    harness.write_text(REPLICA_CHECK)
     summary = _run_recipe("deepspeed_zero3.yaml", tmp_path / "run", False, "on_policy_fraction=0.5",
                           "gen_prompt_tokens=8", "gen_max_new_tokens=8", "max_grad_norm=0.5",
-                          "eval_blocks=5")  # 3 + 2 blocks, batches of 2: the ranks' evals must still match
+                          "eval_blocks=5",  # 3 + 2 blocks, batches of 2: the ranks' evals must still match
+                          harness=harness)
     assert summary["on_policy"]["rollout_tokens"] > 0
+    for rank in range(2):
+        seen = json.loads((tmp_path / f"replica{rank}.json").read_text())
+        # Step 2's rollout (0-based step 1; fraction 0.5) decodes after step 1's update: from exactly those weights.
+        assert [r["step"] for r in seen["rollouts"]] == [1]
+        assert all(r["max_diff"] == 0.0 for r in seen["rollouts"]), seen
+        # Each refresh gathers a few weights at a time, never the whole student beside its replica.
+        assert 0 < seen["largest_gather"] <= seen["largest_param"] < seen["total"], seen
     # The engine clips at the recipe's max_grad_norm, not at the launch YAML's gradient_clipping (1.0).
     assert summary["deepspeed"] == {"zero_stage": 3, "gradient_clipping": 0.5, "gradient_accumulation_steps": 1,
                                     "train_micro_batch_size_per_gpu": 2}
+
+
+# Runs the recipe after it and records, per rank, what the on-policy engine decodes from under ZeRO-3: after each
+# rollout, the largest difference between its replica and the live weights (DeepSpeed's own gather of the fp32
+# partitions); and the most elements a replica refresh gathers at once, beside the largest parameter and the total.
+REPLICA_CHECK = textwrap.dedent('''
+    import json, os, runpy, sys
+    import distill.distributed as dist
+    import distill.on_policy as on_policy
+
+    seen = {"rollouts": [], "largest_gather": 0, "largest_param": 0, "total": 0}
+    refreshing = [False]
+    real_gather, real_replica, real_generate = dist.gather_params, on_policy.gathered_replica, on_policy.Rollouts.generate
+
+    def gather(params):
+        if refreshing[0]:  # a list of parameters there
+            params = list(params)
+            seen["largest_gather"] = max(seen["largest_gather"], sum(int(p.ds_numel) for p in params))
+        return real_gather(params)
+
+    def replica(model, *args, **kwargs):
+        sizes = [int(p.ds_numel) for p in model.parameters()]
+        seen["largest_param"], seen["total"] = max(sizes), sum(sizes)
+        refreshing[0] = True
+        try:
+            return real_replica(model, *args, **kwargs)
+        finally:
+            refreshing[0] = False
+
+    def generate(self, prompts, params, step=None, with_stop=True):
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        out = real_generate(self, prompts, params, step, with_stop)
+        diffs = [float((safe_get_full_fp32_param(p) - q).abs().max())
+                 for p, q in zip(self.student.parameters(), self.replica.parameters(), strict=True)]
+        seen["rollouts"].append({"step": step, "max_diff": max(diffs)})
+        return out
+
+    dist.gather_params, on_policy.gathered_replica, on_policy.Rollouts.generate = gather, replica, generate
+    sys.argv = sys.argv[1:]
+    runpy.run_path(sys.argv[0], run_name="__main__")
+    run_dir = next(a.split("=", 1)[1] for a in sys.argv if a.startswith("output_dir="))
+    with open(os.path.join(os.path.dirname(os.path.abspath(run_dir)), f"replica{os.environ['RANK']}.json"), "w") as f:
+        json.dump(seen, f)
+''')
 
 
 RETROFIT = ROOT / "recipes" / "retrofit.py"

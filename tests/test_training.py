@@ -260,7 +260,10 @@ def _handlers(monkeypatch, cuda: bool, world: int) -> list:
     seen = {}
 
     class FakeAccelerator:
+        from accelerate.utils import DistributedType
+
         num_processes = world
+        distributed_type = DistributedType.MULTI_GPU if world > 1 else DistributedType.NO
 
         def __init__(self, **kwargs):
             seen.update(kwargs)
@@ -411,3 +414,24 @@ def test_a_run_puts_back_final_that_a_kill_inside_its_replacement_left_aside(tmp
     (aside / "model.safetensors").write_bytes(b"weights")
     _bare_run(tmp_path).begin()
     assert (tmp_path / "final" / "model.safetensors").read_bytes() == b"weights" and not aside.exists()
+
+
+@pytest.mark.parametrize("processes, kind, refused", [(1, "NO", True), (2, "NO", True), (2, "MULTI_CPU", False)])
+def test_processes_launched_apart_are_refused(monkeypatch, tmp_path, processes, kind, refused):
+    """Several processes launched (WORLD_SIZE 2) that accelerate does not join: counted as one (a multi-GPU launch
+    on CPUs without ACCELERATE_USE_CPU) or as two with no backend (an FSDP launch on CPUs). Each would train its own
+    copy on its share of the data. Joined (MULTI_CPU) they run."""
+    from accelerate.utils import DistributedType
+
+    from core.config import ConfigError
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", raising=False)
+    monkeypatch.setattr(training, "Accelerator", lambda **kw: SimpleNamespace(
+        num_processes=processes, distributed_type=DistributedType[kind]))
+    cfg = SimpleNamespace(mixed_precision="no", grad_accum=1, tracker="none")
+    if refused:
+        with pytest.raises(ConfigError, match="runs them apart"):
+            training.make_accelerator(cfg, tmp_path)
+    else:
+        assert training.make_accelerator(cfg, tmp_path).num_processes == 2
