@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from core.config import ConfigError
-from core.fsio import replace_dir
+from core.fsio import replace_dir, restore_aside
 
 COMPLETE = "COMPLETE"
 _STEP = re.compile(r"^step-(\d+)$")
@@ -196,10 +196,8 @@ def clean_partial(output_dir: str | Path) -> None:
     root = checkpoint_root(output_dir)
     if not root.is_dir():
         return
-    for old in sorted(root.glob(".old-step-*")):
-        target = root / old.name[len(".old-"):].rsplit("-", 1)[0]
-        if not target.exists() and (old / COMPLETE).is_file():
-            os.replace(old, target)
+    for target in {root / old.name[len(".old-"):].rsplit("-", 1)[0] for old in root.glob(".old-step-*")}:
+        restore_aside(target, lambda p: (p / COMPLETE).is_file())
     for p in [*root.glob(".tmp-step-*"), *root.glob(".old-step-*")]:
         shutil.rmtree(p, ignore_errors=True)
 

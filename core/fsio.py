@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -46,20 +47,21 @@ def fsync_tree(root: str | os.PathLike) -> None:
 
 
 def share_like_umask(root: str | os.PathLike) -> None:
-    """Give every private file (mode 0600) under ``root`` the permissions a plain ``open`` gives under the
-    process's umask (0644 under the usual 022).
+    """Give ``root`` (a file or a folder) and everything under it that is private to its owner (no group or
+    other bits: 0600, 0700) the permissions a plain ``open`` / ``mkdir`` gives under the process's umask (0644
+    and 0755 under the usual 022). Modes someone chose otherwise (0640) are left as they were.
 
     Writers that go through a temporary file (safetensors' ``save_file``, so ``save_pretrained``'s weights)
-    create it 0600, while the config and tokenizer beside it are 0644: a job under another user of a shared
-    run folder could read everything but the weights. Other modes are left as they were.
+    create it 0600, and ``tempfile.mkdtemp`` its folder 0700, while the config and tokenizer beside them are
+    0644: a job under another user of a shared folder could read everything but the weights.
     """
     mask = os.umask(0)
     os.umask(mask)
-    for dirpath, _dirnames, filenames in os.walk(root):
-        for name in filenames:
-            p = os.path.join(dirpath, name)
-            if not os.path.islink(p) and os.stat(p).st_mode & 0o777 == 0o600:
-                os.chmod(p, 0o666 & ~mask)
+    root = Path(root)
+    for p in [root, *(root.rglob("*") if root.is_dir() else ())]:
+        mode = p.lstat().st_mode
+        if not stat.S_ISLNK(mode) and mode & 0o077 == 0:
+            os.chmod(p, (0o777 if stat.S_ISDIR(mode) else 0o666) & ~mask)
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -> None:

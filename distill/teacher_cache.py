@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +36,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from core.config import ConfigError
+from core.fsio import share_like_umask
 from distill.data import Blocks
 from distill.data.corpus import FileArray
 from distill.losses import sampled_kd_loss, topk_kd_loss
@@ -128,11 +128,7 @@ def write_shard(path: Path, index: torch.Tensor, logprobs: torch.Tensor, counts:
     if counts is not None:
         tensors["counts"] = counts.to(torch.uint8).contiguous()
     save_file(tensors, str(path), metadata=metadata)
-    # safetensors creates its files private (0600): give the shard the umask's permissions, like the cache's
-    # other files, so that a training job under another user of a shared folder can read it.
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(path, 0o666 & ~mask)
+    share_like_umask(path)  # safetensors writes it private (0600); the cache's other files are not
 
 
 def shard_metadata(path: Path) -> dict[str, str]:

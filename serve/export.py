@@ -40,7 +40,7 @@ from attention.integration import BASE_KEY
 from attention.spec import CONFIG_KEY, HybridAttentionConfig
 from core.checkpoint import complete_checkpoints
 from core.config import ConfigError
-from core.fsio import fsync_dir, fsync_tree
+from core.fsio import fsync_dir, fsync_tree, share_like_umask
 from core.models import DTYPES, load_causal_lm
 from eval.fingerprint import DigestMemo, directory_fingerprint
 
@@ -526,15 +526,6 @@ def check_target(target: Path, overwrite: bool, *sources: str | os.PathLike | No
                           "or choose another output_dir")
 
 
-def _make_readable(root: Path) -> None:
-    """Give files the usual umask permissions: some writers (temp-then-rename) leave them private."""
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(root, 0o777 & ~mask)
-    for p in root.rglob("*"):
-        os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~mask)
-
-
 def temp_prefix(target: str | os.PathLike, kind: str) -> str:
     """The name prefix of a temp folder (``kind`` of :data:`TEMP_KINDS`) an export to ``target`` makes beside it."""
     if kind not in TEMP_KINDS:
@@ -629,7 +620,7 @@ def atomic_output_dir(target: str | os.PathLike, overwrite: bool = False) -> Ite
     tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(target, "partial"), dir=target.parent))
     try:
         yield tmp
-        _make_readable(tmp)
+        share_like_umask(tmp)  # mkdtemp's 0700, safetensors' 0600
         fsync_tree(tmp)  # every byte on disk before the rename makes the export visible
         check_target(target, overwrite)
         if target.exists():
