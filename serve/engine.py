@@ -42,7 +42,7 @@ from serve.kv_cache import KVCache, MixedKVCache
 from serve.model import DecoderModel
 from serve.prefix_cache import PrefixCache
 from serve.quantize import is_quantized
-from serve.sampling import SamplingParams, sample
+from serve.sampling import SamplingParams, TokenLogprobs, sample, token_logprobs
 from serve.text import TextStream
 
 logger = logging.getLogger(__name__)
@@ -59,6 +59,7 @@ class Completion:
     finish_reason: str  # "stop" | "length" | "cancelled" | "error"
     prompt_tokens: int
     stop_token: int | None = None  # the stop token that ended it (not in token_ids); None: no stop token did
+    logprobs: list[TokenLogprobs] | None = None  # one per token of token_ids when the params asked (logprobs=k)
 
 
 class Request:
@@ -77,6 +78,8 @@ class Request:
             self.stop_ids = set(params.stop_token_ids)
         self.text = TextStream(tokenizer, params.stop, context_ids=prompt_ids)
         self.out_ids: list[int] = []
+        # One per token of out_ids when the params ask (append-only: a reader may index it from another thread).
+        self.logprobs: list[TokenLogprobs] | None = None if params.logprobs is None else []
         self.row = -1
         self.pos = -1  # absolute position of the last token fed to the model
         self.prefilled = 0  # prompt tokens already in the cache row (restored or prefilled)
@@ -98,7 +101,7 @@ class Request:
 
     def result(self) -> Completion:
         return Completion(self.text.text, list(self.out_ids), self.finish_reason or "", len(self.prompt_ids),
-                          self.stop_token)
+                          self.stop_token, None if self.logprobs is None else list(self.logprobs))
 
 
 def device_problem(device: str | None) -> str | None:
@@ -494,14 +497,17 @@ class Engine:
             except Exception:
                 logger.exception("request %d: the error event could not be delivered", req.id)
 
-    def _accept(self, req: Request, token: int) -> None:
-        """Record a sampled token: stop token, stop string, or length may end the request."""
+    def _accept(self, req: Request, token: int, logits: torch.Tensor) -> None:
+        """Record a token sampled from ``[vocab]`` ``logits``: stop token, stop string, or length may end the
+        request."""
         if req.first_token_at is None:
             req.first_token_at = time.perf_counter()
         if token in req.stop_ids:
             req.stop_token = token
             self._finish(req, "stop")
             return
+        if req.logprobs is not None:  # before the token is recorded: a failure leaves the two lists equal
+            req.logprobs.append(token_logprobs(logits, token, req.params.logprobs))
         req.out_ids.append(token)
         delta = req.text.push(token)
         if req.on_event is not None:
@@ -622,7 +628,7 @@ class Engine:
             return budget
         req.pos = n - 1
         token = sample(logits, req.params, req.generator)
-        self._accept(req, token)
+        self._accept(req, token, logits)
         if not req.done:
             self._tokens[req.row] = token
             self._pos[req.row] = req.pos + 1
@@ -820,7 +826,7 @@ class Engine:
             r.pos += 1
             self._pos[r.row] = r.pos + 1
             try:
-                self._accept(r, tokens[r.row])
+                self._accept(r, tokens[r.row], logits[r.row])
             except Exception as e:
                 self._fail(r, e)
 

@@ -22,9 +22,12 @@ for Nagle's algorithm to batch it with the next.
 Every request field is checked at the boundary: a bad one gets 400 with an OpenAI-style body
 ``{"error": {"message", "type", "param", "code"}}`` before anything reaches the engine. Fields are an
 allowlist per endpoint (``IMPLEMENTED``, ``NEUTRAL``, ``IGNORED``): an unknown field, or an OpenAI field this
-server does not implement (``logprobs``, penalties, ``tools``, ``tool_choice`` ``"required"``, ``audio``,
+server does not implement (``echo``, penalties, ``tools``, ``tool_choice`` ``"required"``, ``audio``,
 ``modalities`` beyond ``["text"]``, ``prediction``, ...) at anything but its neutral value gets 400 naming it
-(code ``unsupported``). Accepted and ignored, because none can change the output: ``user``, ``metadata``,
+(code ``unsupported``). Log-probabilities (completions' ``logprobs: k``, chat's ``logprobs: true`` with
+``top_logprobs: k``, ``k`` at most 20) are the model's own distribution's: temperature 1, before top-k and top-p
+(as vLLM reports them by default), in OpenAI's formats; streamed, each token's chunk carries its own.
+Accepted and ignored, because none can change the output: ``user``, ``metadata``,
 ``store``, ``service_tier``, ``parallel_tool_calls``, ``safety_identifier``, ``prompt_cache_key``. Chat
 messages: ``developer`` is templated as ``system``; a message ``name`` (a string) is accepted and not shown to the
 model, as chat templates drop it. ``max_tokens`` and
@@ -43,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import codecs
 import concurrent.futures
 import contextlib
 import gc
@@ -73,7 +77,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from serve.engine import Engine, HelpFormatter, Request, WarmupError, device_problem, max_seq_len_problem
 from serve.heap import tune_heap
 from serve.metrics import Metrics, RequestLog, StepLog
-from serve.sampling import MIN_TEMPERATURE, MIN_TOP_P, SamplingParams
+from serve.sampling import MAX_LOGPROBS, MIN_TEMPERATURE, MIN_TOP_P, SamplingParams, TokenLogprobs
+from serve.text import token_bytes
 
 API_KEY_ENV = "HYBRID_DISTILL_API_KEY"
 # 2 MiB: a 128k-token prompt as text (~4 bytes a token) or as JSON token ids (~7) fits with room to spare.
@@ -159,8 +164,8 @@ MAX_STOP_CHARS = 512
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # Every request field this server knows, per endpoint; any other field gets 400, as OpenAI's own API does, so
 # a client that relies on one hears about it instead of silently getting something else.
-# Implemented (each checked in check_common, _sampling, _completion_prompt or _chat_messages); top_k and
-# ignore_eos are extensions (vLLM's names).
+# Implemented (each checked in check_common, _sampling, _logprobs, _completion_prompt or _chat_messages); top_k
+# and ignore_eos are extensions (vLLM's names). The log-probability fields differ per endpoint (LOGPROBS).
 IMPLEMENTED = ("model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature", "top_p",
                "top_k", "n", "seed", "stop", "ignore_eos")
 # Accepted and ignored: none of them can change what is generated.
@@ -171,15 +176,17 @@ _NEUTRAL_COMMON = {
     "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0), "logit_bias": ({},),
 }
 NEUTRAL = {
-    # Completions: logprobs is a count there, and 0 asks for the sampled token's logprob.
-    "completions": {**_NEUTRAL_COMMON, "logprobs": (), "echo": (False,), "best_of": (1,), "suffix": ("",)},
-    "chat": {**_NEUTRAL_COMMON, "logprobs": (False,), "top_logprobs": (0,), "tools": ([],), "functions": ([],),
+    "completions": {**_NEUTRAL_COMMON, "echo": (False,), "best_of": (1,), "suffix": ("",)},
+    "chat": {**_NEUTRAL_COMMON, "tools": ([],), "functions": ([],),
              "tool_choice": ("none", "auto"), "function_call": ("none", "auto"), "modalities": (["text"],),
              "response_format": ({"type": "text"},), "audio": (), "prediction": (), "web_search_options": (),
              "reasoning_effort": (), "verbosity": ()},
 }
-KNOWN = {"completions": frozenset(("prompt",) + IMPLEMENTED + IGNORED) | NEUTRAL["completions"].keys(),
-         "chat": frozenset(("messages",) + IMPLEMENTED + IGNORED) | NEUTRAL["chat"].keys()}
+# Completions: ``logprobs`` is a count (0: the generated token's alone); chat: a boolean, the count is ``top_logprobs``.
+LOGPROBS = {"completions": ("logprobs",), "chat": ("logprobs", "top_logprobs")}
+KNOWN = {"completions": frozenset(("prompt",) + IMPLEMENTED + IGNORED + LOGPROBS["completions"])
+         | NEUTRAL["completions"].keys(),
+         "chat": frozenset(("messages",) + IMPLEMENTED + IGNORED + LOGPROBS["chat"]) | NEUTRAL["chat"].keys()}
 
 
 def _type_name(v: Any) -> str:
@@ -248,7 +255,21 @@ def _check_fields(body: dict[str, Any], endpoint: str) -> None:
             raise BadRequest(f"'{key}' is not supported by this server; leave it out", key, "unsupported")
 
 
-def _sampling(body: dict[str, Any], n_prompt: int, max_seq_len: int, default_max: int | None) -> SamplingParams:
+def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
+    """How many alternatives per generated token the request asks log-probabilities for (None: none at all)."""
+    if not chat:
+        return _int(body, "logprobs", None, 0, MAX_LOGPROBS)
+    top = _int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+    if not _bool(body, "logprobs", False):
+        if top:
+            raise BadRequest("'top_logprobs' needs \"logprobs\": true; set it or leave 'top_logprobs' out",
+                             "top_logprobs")
+        return None
+    return top or 0
+
+
+def _sampling(body: dict[str, Any], n_prompt: int, max_seq_len: int, default_max: int | None,
+              chat: bool = False) -> SamplingParams:
     """The request's sampling fields, each checked; ``default_max`` caps ``max_tokens`` when it is absent."""
     room = max_seq_len - n_prompt
     if room < 1:
@@ -280,7 +301,8 @@ def _sampling(body: dict[str, Any], n_prompt: int, max_seq_len: int, default_max
     for s in stop:
         _unicode(s, "stop")
     return SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                          seed=seed, stop=tuple(stop), ignore_eos=_bool(body, "ignore_eos", False))
+                          seed=seed, stop=tuple(stop), ignore_eos=_bool(body, "ignore_eos", False),
+                          logprobs=_logprobs(body, chat))
 
 
 def _completion_prompt(body: dict[str, Any], vocab: int) -> str | list[int]:
@@ -585,7 +607,7 @@ class OpenAIRoutes:
             self.check_common(body, chat)
             prompt_ids = await self.tokenize(body, chat)
             try:
-                params = _sampling(body, len(prompt_ids), self.engine.max_seq_len, None if chat else 16)
+                params = _sampling(body, len(prompt_ids), self.engine.max_seq_len, None if chat else 16, chat)
                 req, queue = aengine.submit(prompt_ids, params, reserved=True)
                 submitted = True
             except ValueError as e:
@@ -640,6 +662,43 @@ class OpenAIRoutes:
         ]
 
 
+class LogprobFormat:
+    """Generated tokens' log-probabilities in OpenAI's formats, one request's tokens in order (streamed chunks
+    call :meth:`render` with a token each): chat's ``{"content": [{token, logprob, bytes, top_logprobs}]}``,
+    completions' parallel lists ``tokens``, ``token_logprobs``, ``top_logprobs`` (text -> logprob) and
+    ``text_offset`` (the characters of the completion's text before each token's bytes)."""
+
+    def __init__(self, tokenizer, chat: bool) -> None:
+        self.tokenizer, self.chat = tokenizer, chat
+        self.text_offset = 0  # of the next token
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")  # the text the tokens so far make
+
+    def token(self, token_id: int) -> tuple[str, bytes]:
+        """A token's text and its UTF-8 bytes; a token that holds part of a character is named by its bytes, as
+        OpenAI does (``bytes:\\xe2\\x80``), so that two such tokens never share a name."""
+        data = token_bytes(self.tokenizer, token_id)
+        try:
+            return data.decode("utf-8"), data
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in data), data
+
+    def render(self, entries: list[TokenLogprobs]) -> dict[str, Any]:
+        if self.chat:
+            def item(token_id: int, logprob: float) -> dict[str, Any]:
+                text, data = self.token(token_id)
+                return {"token": text, "logprob": logprob, "bytes": list(data)}
+            return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(i, v) for i, v in e.top]}
+                                for e in entries], "refusal": None}
+        tokens, offsets = [], []
+        for e in entries:
+            text, data = self.token(e.token_id)
+            tokens.append(text)
+            offsets.append(self.text_offset)
+            self.text_offset += len(self.decoder.decode(data))
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{self.token(i)[0]: v for i, v in e.top} for e in entries], "text_offset": offsets}
+
+
 class _Reply:
     """The answer to one admitted request: an SSE stream or one JSON body, within the deadline."""
 
@@ -649,6 +708,8 @@ class _Reply:
         self.received = received  # perf_counter when the handler started
         self.first_sent: float | None = None
         self.closed = False  # close() has run
+        self.tokens_sent = 0  # token events streamed so far: the next one's log-probabilities are req.logprobs[this]
+        self.logprobs = LogprobFormat(api.engine.tokenizer, chat)
         self.rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.obj = "chat.completion" if chat else "text_completion"
@@ -675,13 +736,22 @@ class _Reply:
         n = len(self.req.out_ids)
         return {"prompt_tokens": self.n_prompt, "completion_tokens": n, "total_tokens": self.n_prompt + n}
 
-    def choice(self, text: str, finish: str | None, first: bool = False) -> dict[str, Any]:
+    def choice(self, text: str, finish: str | None, first: bool = False,
+               logprobs: list[TokenLogprobs] | None = None) -> dict[str, Any]:
+        lp = None if logprobs is None else self.logprobs.render(logprobs)
         if self.chat:
             delta: dict[str, str] = {"content": text}
             if first:
                 delta["role"] = "assistant"
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            return {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        return {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
+
+    def next_logprobs(self, token: int | None) -> list[TokenLogprobs] | None:
+        """The log-probabilities a streamed event carries: its token's, when the request asked for them."""
+        if token is None or self.req.logprobs is None:
+            return None
+        self.tokens_sent += 1
+        return self.req.logprobs[self.tokens_sent - 1:self.tokens_sent]
 
     async def next_event(self) -> tuple[str, int | None, str | None] | None:
         """The engine's next event, or None once the deadline has passed (the request is then cancelled)."""
@@ -709,12 +779,12 @@ class _Reply:
                         yield f"data: {json.dumps(self.timeout_error.payload())}\n\n"
                         yield "data: [DONE]\n\n"
                         return
-                    delta, _token, finish = event
+                    delta, token, finish = event
                     if finish == "error":  # as the non-streaming 500: an error event, never a normal-looking finish
                         yield f"data: {json.dumps(self.generation_error.payload())}\n\n"
                         yield "data: [DONE]\n\n"
                         return
-                    chunk = {**head, "choices": [self.choice(delta, finish, first)]}
+                    chunk = {**head, "choices": [self.choice(delta, finish, first, self.next_logprobs(token))]}
                     if include_usage:
                         chunk["usage"] = None
                     first = False
@@ -770,9 +840,10 @@ class _Reply:
             return self.generation_error.response()
         text = "".join(parts)
         msg = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+        lp = None if self.req.logprobs is None else self.logprobs.render(self.req.logprobs)
         return JSONResponse({"id": self.rid, "object": self.obj, "created": self.created,
                              "model": self.api.model_name,
-                             "choices": [{"index": 0, **msg, "logprobs": None, "finish_reason": finish}],
+                             "choices": [{"index": 0, **msg, "logprobs": lp, "finish_reason": finish}],
                              "usage": self.usage()})
 
 

@@ -55,6 +55,19 @@ class _TokenBytes:
         types = {d.get("type") for d in spec.get("decoders", [spec])}
         return "byte_level" if "ByteLevel" in types else "byte_fallback" if "ByteFallback" in types else None
 
+    def of(self, token_id: int) -> bytes:
+        """The bytes token ``token_id`` stands for alone: a piece of a character's UTF-8 bytes for byte-level BPE,
+        one byte for a ``<0xXX>`` piece, a special token's own text."""
+        piece = self.tok.convert_ids_to_tokens(token_id) or ""
+        if token_id in self.special:
+            return piece.encode()
+        if self.kind == "byte_level":
+            return b"".join(bytes([self.chars[c]]) if c in self.chars else c.encode() for c in piece)
+        if self.kind == "byte_fallback":
+            m = _BYTE_PIECE.fullmatch(piece)
+            return bytes([int(m.group(1), 16)]) if m else piece.replace("\u2581", " ").encode()
+        return self.tok.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False).encode()
+
     def pieces(self, ids: Sequence[int]) -> list[str]:
         """The pieces of ``ids`` that reach the decoder (special tokens are skipped when decoding)."""
         return [p for i, p in zip(ids, self.tok.convert_ids_to_tokens(list(ids))) if i not in self.special and p]
@@ -124,6 +137,13 @@ def _token_bytes(tokenizer) -> _TokenBytes:
     if found is None:
         found = _TOKEN_BYTES[tokenizer] = _TokenBytes(tokenizer)
     return found
+
+
+def token_bytes(tokenizer, token_id: int) -> bytes:
+    """The UTF-8 bytes one token stands for (what OpenAI's log-probabilities call a token's ``bytes``), which can
+    be part of a character where the token's own decoding cannot show it. For byte-level BPE the bytes of a
+    generation's tokens, joined, are its text's."""
+    return _token_bytes(tokenizer).of(token_id)
 
 
 class IncrementalDetokenizer:

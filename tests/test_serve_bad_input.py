@@ -132,7 +132,16 @@ CASES = [
     ("model-int", "POST", C, {**OK, "model": 5}, None, 400, "invalid_request_error", "model", "invalid_type"),
     ("presence-penalty", "POST", C, {**OK, "presence_penalty": 0.5}, None,
      400, "invalid_request_error", "presence_penalty", "unsupported"),
-    ("logprobs", "POST", C, {**OK, "logprobs": 5}, None, 400, "invalid_request_error", "logprobs", "unsupported"),
+    ("logprobs-too-many", "POST", C, {**OK, "logprobs": 21}, None, 400, "invalid_request_error", "logprobs",
+     "invalid_value"),
+    ("logprobs-bool", "POST", C, {**OK, "logprobs": True}, None, 400, "invalid_request_error", "logprobs",
+     "invalid_type"),
+    ("chat-logprobs-int", "POST", CHAT, {"messages": MSG, "logprobs": 0}, None, 400, "invalid_request_error",
+     "logprobs", "invalid_type"),
+    ("chat-top-logprobs-alone", "POST", CHAT, {"messages": MSG, "top_logprobs": 2}, None, 400,
+     "invalid_request_error", "top_logprobs", "invalid_value"),
+    ("chat-top-logprobs-too-many", "POST", CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 21}, None, 400,
+     "invalid_request_error", "top_logprobs", "invalid_value"),
     ("echo", "POST", C, {**OK, "echo": True}, None, 400, "invalid_request_error", "echo", "unsupported"),
     ("best-of", "POST", C, {**OK, "best_of": 2}, None, 400, "invalid_request_error", "best_of", "unsupported"),
     ("chat-messages-missing", "POST", CHAT, {"max_tokens": 2}, None,
@@ -518,9 +527,6 @@ def test_help_shows_each_default_once(capsys, entry, flag, default):
 # OpenAI fields that change the output but are not implemented, and per-endpoint meanings: each refused with
 # 400 naming it, never dropped silently. (path, body, param)
 REFUSED = [
-    ("completions-logprobs-0", C, {**OK, "logprobs": 0}, "logprobs"),  # 0 = the sampled token's logprob
-    ("chat-logprobs-0", CHAT, {"messages": MSG, "logprobs": 0}, "logprobs"),  # a boolean there
-    ("chat-logprobs-true", CHAT, {"messages": MSG, "logprobs": True}, "logprobs"),
     ("chat-modalities-audio", CHAT, {"messages": MSG, "modalities": ["text", "audio"]}, "modalities"),
     ("chat-audio", CHAT, {"messages": MSG, "audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ("chat-prediction", CHAT, {"messages": MSG, "prediction": {"type": "content", "content": "hi"}}, "prediction"),
@@ -559,6 +565,7 @@ ACCEPTED = [
     ("chat-logprobs-false", CHAT, {"logprobs": False, "top_logprobs": 0}),
     ("chat-logprobs-null", CHAT, {"logprobs": None}),
     ("completions-logprobs-null", C, {"logprobs": None}),
+    ("chat-top-logprobs-null", CHAT, {"logprobs": False, "top_logprobs": None}),
     ("chat-modalities-text", CHAT, {"modalities": ["text"]}),
     ("chat-tool-choice-none", CHAT, {"tool_choice": "none", "tools": []}),
     ("chat-tool-choice-auto", CHAT, {"tool_choice": "auto"}),
