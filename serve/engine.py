@@ -42,7 +42,7 @@ from serve.kv_cache import KVCache, MixedKVCache
 from serve.model import DecoderModel
 from serve.prefix_cache import PrefixCache
 from serve.quantize import is_quantized
-from serve.sampling import SamplingParams, TokenLogprobs, sample, token_logprobs
+from serve.sampling import Penalties, SamplingParams, TokenLogprobs, sample, token_logprobs
 from serve.text import TextStream
 
 logger = logging.getLogger(__name__)
@@ -80,6 +80,7 @@ class Request:
         self.out_ids: list[int] = []
         # One per token of out_ids when the params ask (append-only: a reader may index it from another thread).
         self.logprobs: list[TokenLogprobs] | None = None if params.logprobs is None else []
+        self.penalties = Penalties(params, prompt_ids) if params.penalized else None
         self.row = -1
         self.pos = -1  # absolute position of the last token fed to the model
         self.prefilled = 0  # prompt tokens already in the cache row (restored or prefilled)
@@ -508,6 +509,8 @@ class Engine:
             return
         if req.logprobs is not None:  # before the token is recorded: a failure leaves the two lists equal
             req.logprobs.append(token_logprobs(logits, token, req.params.logprobs))
+        if req.penalties is not None:
+            req.penalties.add(token)
         req.out_ids.append(token)
         delta = req.text.push(token)
         if req.on_event is not None:
@@ -627,7 +630,7 @@ class Engine:
         if req.prefilled < n:
             return budget
         req.pos = n - 1
-        token = sample(logits, req.params, req.generator)
+        token = sample(logits if req.penalties is None else req.penalties(logits), req.params, req.generator)
         self._accept(req, token, logits)
         if not req.done:
             self._tokens[req.row] = token
@@ -810,9 +813,10 @@ class Engine:
         # Per-row work is isolated: a row whose sampling, detokenization or callback raises is finished
         # with "error" and freed; the forward above is shared, so its failure is left to the caller.
         for r in active:
-            if not r.params.greedy:
+            if r.penalties is not None or not r.params.greedy:  # (greedy without penalties: the argmax above)
                 try:
-                    nxt[r.row] = sample(logits[r.row], r.params, r.generator)
+                    row = logits[r.row] if r.penalties is None else r.penalties(logits[r.row])
+                    nxt[r.row] = sample(row, r.params, r.generator)
                 except Exception as e:
                     self._fail(r, e)
         self._tokens[:hi].copy_(nxt)

@@ -29,6 +29,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of this probability mass")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (unset: a fresh one each run)")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable; unset: none)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divide positive logits of tokens already in the prompt or output by this (1: off)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtract this times a token's count in the output from its logit, in [-2, 2] (0: off)")
     p.add_argument("--max-seq-len", type=int, default=None,
                    help="context limit, at most the model's max_position_embeddings (unset: the model's)")
     p.add_argument("--device", default=None, help="auto / cpu / cuda / cuda:N (unset: cuda when available)")
@@ -45,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=tuple(args.stop or ()))
+                                top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=tuple(args.stop or ()),
+                                repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty)
         from core.models import resolve_model_path
         from serve.engine import Engine
 

@@ -1,5 +1,5 @@
-"""Sampling parameters, the per-row token choice (greedy / temperature / top-k / top-p, seeded) and the
-log-probabilities a request may ask for."""
+"""Sampling parameters, the per-row token choice (greedy / temperature / top-k / top-p, seeded), repetition
+penalties and the log-probabilities a request may ask for."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ MIN_TOP_P = 1e-6
 SEED_RANGE = (0, 2**64 - 1)  # what torch.Generator.manual_seed accepts
 # Most alternatives a request may ask for per token (OpenAI's chat limit; vLLM's default cap).
 MAX_LOGPROBS = 20
+MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: [-2, 2]
 
 
 @dataclasses.dataclass
@@ -27,7 +28,10 @@ class SamplingParams:
     ``stop`` strings end generation and are not returned; ``stop_token_ids=None`` means the model's EOS.
     ``logprobs=k`` reports each generated token's log-probability and the ``k`` most likely tokens' (0: the
     generated token's alone; None: nothing), under the model's own distribution: temperature 1, before top-k
-    and top-p, whatever the sampling (:func:`token_logprobs`).
+    and top-p, whatever the sampling (:func:`token_logprobs`). Penalties against repeating (:class:`Penalties`):
+    ``presence_penalty`` and ``frequency_penalty`` (OpenAI's) lower a token's logit once if it was generated and
+    per time it was; ``repetition_penalty`` (CTRL's, as in transformers and vLLM) divides a positive logit, or
+    multiplies a negative one, of any token in the prompt or the output (1: off).
     """
 
     max_new_tokens: int = 128
@@ -39,6 +43,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -54,6 +61,12 @@ class SamplingParams:
             raise ValueError(f"seed must be in [0, 2**64 - 1], got {self.seed}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] or None (off), got {self.logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:  # also refuses NaN
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 = off), "
+                                 f"got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"repetition_penalty must be a finite value > 0 (1 = off), got {self.repetition_penalty}")
         if isinstance(self.stop, str):
             self.stop = (self.stop,)
         if any(not s for s in self.stop):
@@ -62,6 +75,46 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+
+
+class Penalties:
+    """One request's penalties against repeating: its output token counts, its prompt's tokens, and the logits
+    they change (the penalized logits are what the token is chosen from; log-probabilities stay the model's)."""
+
+    def __init__(self, params: SamplingParams, prompt_ids: list[int]) -> None:
+        self.params = params
+        self.prompt_ids = prompt_ids
+        self.counts: torch.Tensor | None = None  # [vocab] times each token was generated, made at the first call
+        self.seen: torch.Tensor | None = None  # [vocab] in the prompt or the output (repetition_penalty only)
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """``[vocab]`` logits with this request's penalties applied (a new fp32 tensor)."""
+        p = self.params
+        if self.counts is None:
+            self.counts = torch.zeros(logits.shape[-1], dtype=torch.float32, device=logits.device)
+            if p.repetition_penalty != 1:
+                self.seen = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+                self.seen[torch.tensor(self.prompt_ids, dtype=torch.long, device=logits.device)] = True
+        out = logits.float()
+        if self.seen is not None:
+            scaled = torch.where(out > 0, out / p.repetition_penalty, out * p.repetition_penalty)
+            out = torch.where(self.seen, scaled, out)
+        if p.frequency_penalty:
+            out = out - p.frequency_penalty * self.counts
+        if p.presence_penalty:
+            out = out - p.presence_penalty * (self.counts > 0).float()
+        return out
+
+    def add(self, token: int) -> None:
+        """Count a generated token (after the logits it was chosen from were penalized)."""
+        if self.counts is not None:
+            self.counts[token] += 1
+        if self.seen is not None:
+            self.seen[token] = True
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,10 +22,10 @@ for Nagle's algorithm to batch it with the next.
 Every request field is checked at the boundary: a bad one gets 400 with an OpenAI-style body
 ``{"error": {"message", "type", "param", "code"}}`` before anything reaches the engine. Fields are an
 allowlist per endpoint (``IMPLEMENTED``, ``NEUTRAL``, ``IGNORED``): an unknown field, or an OpenAI field this
-server does not implement (``echo``, penalties, ``tools``, ``tool_choice`` ``"required"``, ``audio``,
+server does not implement (``echo``, ``logit_bias``, ``tools``, ``tool_choice`` ``"required"``, ``audio``,
 ``modalities`` beyond ``["text"]``, ``prediction``, ...) at anything but its neutral value gets 400 naming it
 (code ``unsupported``). Log-probabilities (completions' ``logprobs: k``, chat's ``logprobs: true`` with
-``top_logprobs: k``, ``k`` at most 20) are the model's own distribution's: temperature 1, before top-k and top-p
+``top_logprobs: k``, ``k`` at most 20) are the model's own distribution's: temperature 1, before penalties, top-k and top-p
 (as vLLM reports them by default), in OpenAI's formats; streamed, each token's chunk carries its own.
 Accepted and ignored, because none can change the output: ``user``, ``metadata``,
 ``store``, ``service_tier``, ``parallel_tool_calls``, ``safety_identifier``, ``prompt_cache_key``. Chat
@@ -77,7 +77,14 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from serve.engine import Engine, HelpFormatter, Request, WarmupError, device_problem, max_seq_len_problem
 from serve.heap import tune_heap
 from serve.metrics import Metrics, RequestLog, StepLog
-from serve.sampling import MAX_LOGPROBS, MIN_TEMPERATURE, MIN_TOP_P, SamplingParams, TokenLogprobs
+from serve.sampling import (
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+    MIN_TEMPERATURE,
+    MIN_TOP_P,
+    SamplingParams,
+    TokenLogprobs,
+)
 from serve.text import token_bytes
 
 API_KEY_ENV = "HYBRID_DISTILL_API_KEY"
@@ -164,17 +171,15 @@ MAX_STOP_CHARS = 512
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # Every request field this server knows, per endpoint; any other field gets 400, as OpenAI's own API does, so
 # a client that relies on one hears about it instead of silently getting something else.
-# Implemented (each checked in check_common, _sampling, _logprobs, _completion_prompt or _chat_messages); top_k
-# and ignore_eos are extensions (vLLM's names). The log-probability fields differ per endpoint (LOGPROBS).
+# Implemented (each checked in check_common, _sampling, _logprobs, _completion_prompt or _chat_messages); top_k,
+# ignore_eos and repetition_penalty are extensions (vLLM's names). The log-probability fields differ per endpoint (LOGPROBS).
 IMPLEMENTED = ("model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature", "top_p",
-               "top_k", "n", "seed", "stop", "ignore_eos")
+               "top_k", "n", "seed", "stop", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty")
 # Accepted and ignored: none of them can change what is generated.
 IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "safety_identifier",
            "prompt_cache_key")
 # Not implemented: accepted only when null or at the neutral value listed (an empty tuple: only null).
-_NEUTRAL_COMMON = {
-    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0), "logit_bias": ({},),
-}
+_NEUTRAL_COMMON = {"logit_bias": ({},)}
 NEUTRAL = {
     "completions": {**_NEUTRAL_COMMON, "echo": (False,), "best_of": (1,), "suffix": ("",)},
     "chat": {**_NEUTRAL_COMMON, "tools": ([],), "functions": ([],),
@@ -292,6 +297,12 @@ def _sampling(body: dict[str, Any], n_prompt: int, max_seq_len: int, default_max
     if _int(body, "n", 1, 1, _INT32_MAX) != 1:
         raise BadRequest("only n=1 is supported; send several requests instead", "n", "unsupported")
     seed = _int(body, "seed", None, 0, _UINT64_MAX)
+    penalties = {key: _number(body, key, 0.0, -MAX_PENALTY, MAX_PENALTY, " (0 = off)")
+                 for key in ("presence_penalty", "frequency_penalty")}
+    repetition = _number(body, "repetition_penalty", 1.0, -math.inf, math.inf)
+    if not repetition > 0:
+        raise BadRequest(f"'repetition_penalty' must be a finite number > 0 (1 = off), got {repetition}",
+                         "repetition_penalty")
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not (isinstance(stop, list) and len(stop) <= 4
@@ -302,7 +313,7 @@ def _sampling(body: dict[str, Any], n_prompt: int, max_seq_len: int, default_max
         _unicode(s, "stop")
     return SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                           seed=seed, stop=tuple(stop), ignore_eos=_bool(body, "ignore_eos", False),
-                          logprobs=_logprobs(body, chat))
+                          logprobs=_logprobs(body, chat), repetition_penalty=repetition, **penalties)
 
 
 def _completion_prompt(body: dict[str, Any], vocab: int) -> str | list[int]:
