@@ -85,3 +85,47 @@ def plot_training(history: list[dict], evals: list[dict], path: str | Path, titl
         fig.suptitle(title)
     fig.tight_layout()
     atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=100))
+
+
+def plot_search(candidates: list[dict], winner: dict | None, path: str | Path, title: str = "") -> None:
+    """A prune search at a glance: each candidate's KL to the teacher at each stage it reached, written atomically.
+
+    Candidates run along the x axis by depth then widths, as ``search.json`` lists them: KL on one held-out
+    block (every candidate), on all the search's held-out blocks (the finalists), after the short distillation
+    (the top-k), and the winner.
+
+    Args:
+        candidates: ``search.json``'s rows: ``{"arch": str, "layers": int, "kl_init_1block": float | None,
+            "kl_init": float | None, "kl_distilled": float | None, ...}``.
+        winner: the winning row, or None.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    order = sorted(range(len(candidates)), key=lambda i: (candidates[i]["layers"], candidates[i]["arch"]))
+    rows = [candidates[i] for i in order]
+    fig = Figure(figsize=(max(6.0, 0.35 * len(rows) + 2), 4.5))
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    xs = range(len(rows))
+    stages = (("kl_init_1block", "at init, 1 held-out block", "o", 0.5),
+              ("kl_init", "at init, all search blocks (finalists)", "s", 0.8),
+              ("kl_distilled", "after the short distillation (top-k)", "^", 1.0))
+    for key, label, marker, alpha in stages:
+        pts = [(x, r[key]) for x, r in zip(xs, rows) if r.get(key) is not None]
+        if pts:
+            ax.scatter(*zip(*pts), marker=marker, alpha=alpha, label=label)
+    if winner is not None:
+        at = next((x for x, r in zip(xs, rows) if r["arch"] == winner["arch"]), None)
+        kl = next((winner[k] for k in ("kl_distilled", "kl_init", "kl_init_1block") if winner.get(k) is not None), None)
+        if at is not None and kl is not None:
+            ax.scatter([at], [kl], marker="*", s=250, color="gold", edgecolor="black", zorder=3,
+                       label=f"winner: {winner['arch']}")
+    ax.set_xticks(list(xs), [r["arch"] for r in rows], rotation=75, fontsize=7)
+    ax.set_ylabel("KL to the teacher (nats / token)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    if title:
+        ax.set_title(title)
+    fig.tight_layout()
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=100))

@@ -79,6 +79,7 @@ from core.models import load_causal_lm, load_tokenizer, resolve_device, resolve_
 from distill.config import DistillConfig
 from distill.data import BlockOrder, build_data, parse_sources
 from distill.model import DistillModel, LossConfig
+from distill.plots import plot_search
 from distill.student import KEPT_KEY, PRUNE_KEY
 from distill.training import target_count, warmup_cosine
 from eval.metrics import LMStats, batch_stats
@@ -727,9 +728,11 @@ class Candidate:
     ppl_distilled: float = math.nan
 
     def row(self) -> dict[str, Any]:
+        """The candidate as JSON: a stage it did not reach is null (JSON has no NaN; jq and most readers refuse it)."""
+        scores = {"kl_init_1block": self.kl_init, "kl_init": self.kl_eval, "ppl_init": self.ppl_eval,
+                  "kl_distilled": self.kl_distilled, "ppl_distilled": self.ppl_distilled}
         return {"arch": self.arch.label(), **asdict(self.arch), "params_non_embedding": self.params,
-                "params_total": self.params_total, "kl_init_1block": self.kl_init, "kl_init": self.kl_eval,
-                "ppl_init": self.ppl_eval, "kl_distilled": self.kl_distilled, "ppl_distilled": self.ppl_distilled}
+                "params_total": self.params_total, **{k: None if math.isnan(v) else v for k, v in scores.items()}}
 
 
 @dataclass
@@ -877,7 +880,8 @@ def search(teacher: PreTrainedModel, calib: torch.Tensor, heldout_blocks: torch.
 
 def save_pruned(model: PreTrainedModel, tokenizer, out: Path, overwrite: bool = False,
                 extra: dict[str, Any] | None = None) -> None:
-    """Write the pruned model (+ tokenizer, + ``search.json``) atomically; never replaces what we did not write."""
+    """Write the pruned model (+ tokenizer, + ``search.json`` and its plot ``search.png``) atomically; never
+    replaces what we did not write."""
     out = Path(out)
     if (aside := restore_aside(out, is_saved_model)) is not None:  # a kill inside replace_dir's two renames
         print(f"restored {out} from {aside.name}, where a killed run had moved it", flush=True)
@@ -896,6 +900,9 @@ def save_pruned(model: PreTrainedModel, tokenizer, out: Path, overwrite: bool = 
             tokenizer.save_pretrained(tmp)
         if extra is not None:
             (tmp / "search.json").write_text(json.dumps(extra, indent=1))
+            if extra.get("candidates"):
+                plot_search(extra["candidates"], extra.get("winner"), tmp / "search.png",
+                            f"prune search: {len(extra['candidates'])} candidates at {extra['target']:,} parameters")
         replace_dir(tmp, out)  # fsynced, then renamed; an old folder goes only once the new one is in place
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

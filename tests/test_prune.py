@@ -483,8 +483,14 @@ def test_cli_writes_a_loadable_pruned_model(tmp_path, capsys):
     assert model.config.hidden_size == 64 and model.config.num_attention_heads == 4  # axes respected
     assert count_params(model)[0] == summary["winner"]["params_non_embedding"]
     assert abs(summary["winner"]["params_non_embedding"] - summary["target"]) <= 0.03 * summary["target"]
-    table = json.loads((out / "search.json").read_text())["candidates"]
+    def no_nan(name: str):
+        raise AssertionError(f"search.json holds {name}, which is not JSON")
+
+    table = json.loads((out / "search.json").read_text(), parse_constant=no_nan)["candidates"]
     assert len(table) >= 2 and (out / "tokenizer.json").is_file()
+    # Stages a candidate did not reach are null: here one finalist of the candidates is short-distilled.
+    assert sum(r["kl_distilled"] is not None for r in table) == 1 and any(r["kl_distilled"] is None for r in table)
+    assert (out / "search.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert model.config.distill_pruning["rounds"][0]["calibration"]["dataset"] == str(tmp_path / "text.txt")
 
 
