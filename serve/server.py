@@ -6,7 +6,9 @@
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``"stream": true`` gives server-sent
 events: one event per generated token, a final event with ``finish_reason``, with ``"stream_options":
 {"include_usage": true}`` one more with ``"choices": []`` and ``usage``, then ``data: [DONE]``),
-``GET /v1/models``, ``GET /v1/models/{model}``, ``GET /health``, ``GET /metrics`` (Prometheus text). A
+``GET /v1/models``, ``GET /v1/models/{model}``, ``GET /health``, ``GET /metrics`` (Prometheus text). ``n``
+choices are ``n`` requests of the engine's, each taking a place (a seed makes choice i sample with seed + i);
+streamed, their chunks interleave, each naming its choice's ``index``, and ``[DONE]`` follows the last. A
 generation that fails inside the engine gets 500 ``generation_failed``; when streaming, an error event
 ``{"error": {...}}`` then ``[DONE]`` (never a finish chunk, so a client cannot take the cut text as whole).
 
@@ -49,6 +51,7 @@ import asyncio
 import codecs
 import concurrent.futures
 import contextlib
+import dataclasses
 import gc
 import hmac
 import json
@@ -294,8 +297,6 @@ def _sampling(body: dict[str, Any], n_prompt: int, max_seq_len: int, default_max
                          "temperature")
     top_p = _number(body, "top_p", 1.0, MIN_TOP_P, 1.0, " (use temperature 0 for greedy)")
     top_k = _int(body, "top_k", 0, 0, _INT32_MAX, " (0 = off)")
-    if _int(body, "n", 1, 1, _INT32_MAX) != 1:
-        raise BadRequest("only n=1 is supported; send several requests instead", "n", "unsupported")
     seed = _int(body, "seed", None, 0, _UINT64_MAX)
     penalties = {key: _number(body, key, 0.0, -MAX_PENALTY, MAX_PENALTY, " (0 = off)")
                  for key in ("presence_penalty", "frequency_penalty")}
@@ -425,29 +426,30 @@ class AsyncEngine:
         m.watch_gc()
         engine.start()
 
-    def reserve(self) -> None:
-        """Take a place for a request about to be parsed and tokenized; raises :class:`AtCapacity` when the server
-        is full. The place is the request's until it finishes (:meth:`submit` with ``reserved=True``), or until
-        :meth:`release` when it never reaches the engine."""
+    def reserve(self, count: int = 1) -> None:
+        """Take ``count`` places (one per choice) for a request about to be parsed and tokenized, all or none;
+        raises :class:`AtCapacity` when the server is too full. A place is its choice's until it finishes
+        (:meth:`submit` with ``reserved=True``), or until :meth:`release` when it never reaches the engine."""
         with self._lock:
-            if self.in_flight >= self.capacity:
+            if self.in_flight + count > self.capacity:
                 raise AtCapacity
-            self.in_flight += 1
+            self.in_flight += count
 
-    def release(self) -> None:
-        """Give back a place :meth:`reserve` took for a request that did not reach the engine."""
+    def release(self, count: int = 1) -> None:
+        """Give back places :meth:`reserve` took for choices that did not reach the engine."""
         with self._lock:
-            self.in_flight -= 1
+            self.in_flight -= count
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams,
-               reserved: bool = False) -> tuple[Request, asyncio.Queue]:
+    def submit(self, prompt_ids: list[int], params: SamplingParams, reserved: bool = False,
+               queue: asyncio.Queue | None = None, index: int = 0) -> tuple[Request, asyncio.Queue]:
         """Queue a request in the place ``reserve()`` took (``reserved``) or in one taken now (raises
         :class:`AtCapacity` when the server is full). A reserved place stays the caller's to release if the
-        engine refuses the request."""
+        engine refuses the request. Its events go to ``queue`` (a new one by default) as ``(index, delta, token,
+        finish)``: the choices of one reply share a queue and tell their events apart by ``index``."""
         if not reserved:
             self.reserve()
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = asyncio.Queue() if queue is None else queue
         arrival = time.perf_counter()
         last = [arrival]
         metrics = self.metrics
@@ -467,7 +469,7 @@ class AsyncEngine:
                     self.in_flight -= 1
                 if finish == "error":
                     metrics.inc("request_errors_total")
-            loop.call_soon_threadsafe(queue.put_nowait, (delta, token, finish))
+            loop.call_soon_threadsafe(queue.put_nowait, (index, delta, token, finish))
 
         try:
             req = self.engine.submit(prompt_ids, params, on_event)
@@ -561,6 +563,9 @@ class OpenAIRoutes:
             if include is not None and not isinstance(include, bool):
                 raise BadRequest(f"'stream_options.include_usage' must be a boolean, got {_type_name(include)}",
                                  "stream_options.include_usage", "invalid_type")
+        # Each choice is a request of its own in the engine: more than the server can ever hold would wait forever.
+        _int(body, "n", 1, 1, self.aengine.capacity, f" (this server holds {self.aengine.capacity} requests at once: "
+             "--max-batch + --max-queue)")
 
     async def tokenize(self, body: dict[str, Any], chat: bool) -> list[int]:
         loop = asyncio.get_running_loop()
@@ -612,24 +617,38 @@ class OpenAIRoutes:
             aengine.metrics.inc("requests_rejected_total")
             return APIError(503, f"server at capacity ({aengine.capacity} requests in flight); retry later",
                             type="server_busy", code="server_busy", headers={"Retry-After": "1"}).response()
-        submitted = False
+        reserved, reqs, queue = 1, [], asyncio.Queue()
         try:
             body = self.parse_json(raw)
             self.check_common(body, chat)
+            n = body.get("n") or 1
+            if n > 1:  # a place per choice, all before tokenizing
+                aengine.reserve(n - 1)
+                reserved = n
             prompt_ids = await self.tokenize(body, chat)
             try:
                 params = _sampling(body, len(prompt_ids), self.engine.max_seq_len, None if chat else 16, chat)
-                req, queue = aengine.submit(prompt_ids, params, reserved=True)
-                submitted = True
+                for i in range(n):
+                    # With a seed the whole reply repeats: choice i samples with seed + i.
+                    seed = None if params.seed is None else (params.seed + i) % (_UINT64_MAX + 1)
+                    reqs.append(aengine.submit(prompt_ids, dataclasses.replace(params, seed=seed), reserved=True,
+                                               queue=queue, index=i)[0])
             except ValueError as e:
+                for req in reqs:
+                    self.engine.cancel(req)
                 raise BadRequest(str(e)) from None  # the engine's or the sampler's own limits
+        except AtCapacity:
+            aengine.metrics.inc("request_errors_total")
+            aengine.metrics.inc("requests_rejected_total")
+            return APIError(503, f"server at capacity ({aengine.capacity} requests in flight) for {n} choices; retry "
+                            "later", type="server_busy", code="server_busy", headers={"Retry-After": "1"}).response()
         except APIError as e:
             aengine.metrics.inc("request_errors_total")
             return e.response()
         finally:
-            if not submitted:
-                aengine.release()
-        reply = _Reply(self, req, queue, len(prompt_ids), chat, deadline, received)
+            if reserved > len(reqs):  # places of choices that never reached the engine
+                aengine.release(reserved - len(reqs))
+        reply = _Reply(self, reqs, queue, len(prompt_ids), chat, deadline, received)
         if not body.get("stream"):
             return await reply.complete(request)
         return reply.stream(include_usage=bool((body.get("stream_options") or {}).get("include_usage")))
@@ -711,16 +730,19 @@ class LogprobFormat:
 
 
 class _Reply:
-    """The answer to one admitted request: an SSE stream or one JSON body, within the deadline."""
+    """The answer to one admitted request, its ``n`` choices each a request of the engine's: an SSE stream or one
+    JSON body, within the deadline."""
 
-    def __init__(self, api: OpenAIRoutes, req: Request, queue: asyncio.Queue, n_prompt: int, chat: bool,
+    def __init__(self, api: OpenAIRoutes, reqs: list[Request], queue: asyncio.Queue, n_prompt: int, chat: bool,
                  deadline: float, received: float) -> None:
-        self.api, self.req, self.queue, self.n_prompt, self.chat, self.deadline = api, req, queue, n_prompt, chat, deadline
+        self.api, self.reqs, self.queue, self.n_prompt, self.chat, self.deadline = api, reqs, queue, n_prompt, chat, deadline
         self.received = received  # perf_counter when the handler started
         self.first_sent: float | None = None
         self.closed = False  # close() has run
-        self.tokens_sent = 0  # token events streamed so far: the next one's log-probabilities are req.logprobs[this]
-        self.logprobs = LogprobFormat(api.engine.tokenizer, chat)
+        # Per choice: token events streamed so far (the next one's log-probabilities are reqs[i].logprobs[this]),
+        # and the formatter that numbers its text offsets.
+        self.tokens_sent = [0] * len(reqs)
+        self.logprobs = [LogprobFormat(api.engine.tokenizer, chat) for _ in reqs]
         self.rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.obj = "chat.completion" if chat else "text_completion"
@@ -731,58 +753,71 @@ class _Reply:
                                          type="server_error", code="generation_failed")
 
     def log(self) -> None:
-        """Append this request's timings to the server's request log, if it keeps one (serve.metrics.RequestLog)."""
+        """Append each choice's timings to the server's request log, if it keeps one (serve.metrics.RequestLog)."""
         log = self.api.request_log
         if log is None:
             return
-        req, t0 = self.req, self.received
+        t0, done = self.received, time.perf_counter()
         ms = lambda t: None if t is None else round((t - t0) * 1000, 2)  # noqa: E731
-        log.write({"id": self.rid, "engine_id": req.id, "received_s": round(t0, 6), "prompt_tokens": self.n_prompt, "cached_tokens": req.cached_tokens,
-                   "completion_tokens": len(req.out_ids), "finish_reason": req.finish_reason,
-                   "tokenized_ms": ms(req.arrival), "prefill_start_ms": ms(req.prefill_start),
-                   "first_token_ms": ms(req.first_token_at), "first_sent_ms": ms(self.first_sent),
-                   "done_ms": ms(time.perf_counter())})
+        for i, req in enumerate(self.reqs):
+            log.write({"id": self.rid, **({"choice": i} if len(self.reqs) > 1 else {}), "engine_id": req.id,
+                       "received_s": round(t0, 6), "prompt_tokens": self.n_prompt, "cached_tokens": req.cached_tokens,
+                       "completion_tokens": len(req.out_ids), "finish_reason": req.finish_reason,
+                       "tokenized_ms": ms(req.arrival), "prefill_start_ms": ms(req.prefill_start),
+                       "first_token_ms": ms(req.first_token_at), "first_sent_ms": ms(self.first_sent),
+                       "done_ms": ms(done)})
 
     def usage(self) -> dict[str, int]:
-        n = len(self.req.out_ids)
+        """The prompt counted once, as OpenAI does, and every choice's tokens."""
+        n = sum(len(req.out_ids) for req in self.reqs)
         return {"prompt_tokens": self.n_prompt, "completion_tokens": n, "total_tokens": self.n_prompt + n}
 
-    def choice(self, text: str, finish: str | None, first: bool = False,
+    def choice(self, index: int, text: str, finish: str | None, first: bool = False,
                logprobs: list[TokenLogprobs] | None = None) -> dict[str, Any]:
-        lp = None if logprobs is None else self.logprobs.render(logprobs)
+        lp = None if logprobs is None else self.logprobs[index].render(logprobs)
         if self.chat:
             delta: dict[str, str] = {"content": text}
             if first:
                 delta["role"] = "assistant"
-            return {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
-        return {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
+            return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
 
-    def next_logprobs(self, token: int | None) -> list[TokenLogprobs] | None:
+    def next_logprobs(self, index: int, token: int | None) -> list[TokenLogprobs] | None:
         """The log-probabilities a streamed event carries: its token's, when the request asked for them."""
-        if token is None or self.req.logprobs is None:
+        req = self.reqs[index]
+        if token is None or req.logprobs is None:
             return None
-        self.tokens_sent += 1
-        return self.req.logprobs[self.tokens_sent - 1:self.tokens_sent]
+        self.tokens_sent[index] += 1
+        return req.logprobs[self.tokens_sent[index] - 1:self.tokens_sent[index]]
 
-    async def next_event(self) -> tuple[str, int | None, str | None] | None:
-        """The engine's next event, or None once the deadline has passed (the request is then cancelled)."""
+    def cancel(self) -> None:
+        """Stop every choice still generating."""
+        for req in self.reqs:
+            if not req.done:
+                self.api.engine.cancel(req)
+
+    async def next_event(self) -> tuple[int, str, int | None, str | None] | None:
+        """The engine's next event ``(choice, delta, token, finish)``, or None once the deadline has passed (the
+        choices are then cancelled)."""
         loop = asyncio.get_running_loop()
         try:
             return await asyncio.wait_for(self.queue.get(), max(self.deadline - loop.time(), 0.001))
         except asyncio.TimeoutError:
-            self.api.engine.cancel(self.req)
+            self.cancel()
             self.api.aengine.metrics.inc("request_errors_total")
             return None
 
     def stream(self, include_usage: bool = False) -> StreamingResponse:
-        """Server-sent events: one chunk per token, the finish chunk, then ``[DONE]``. ``include_usage`` (OpenAI's
-        ``stream_options``): every chunk has ``"usage": null`` and one more, ``"choices": []`` with the usage,
-        comes before ``[DONE]``."""
+        """Server-sent events: one chunk per token of a choice, each choice's finish chunk, then ``[DONE]`` once every
+        choice has finished. ``include_usage`` (OpenAI's ``stream_options``): every chunk has ``"usage": null`` and
+        one more, ``"choices": []`` with the usage, comes before ``[DONE]``. A choice that fails ends the stream
+        (an error event, the others cancelled)."""
         head = {"id": self.rid, "object": self.obj + (".chunk" if self.chat else ""), "created": self.created,
                 "model": self.api.model_name}
 
         async def events():
-            first = True
+            first = [True] * len(self.reqs)
+            running = len(self.reqs)
             try:
                 while True:
                     event = await self.next_event()
@@ -790,24 +825,26 @@ class _Reply:
                         yield f"data: {json.dumps(self.timeout_error.payload())}\n\n"
                         yield "data: [DONE]\n\n"
                         return
-                    delta, token, finish = event
+                    index, delta, token, finish = event
                     if finish == "error":  # as the non-streaming 500: an error event, never a normal-looking finish
+                        self.cancel()
                         yield f"data: {json.dumps(self.generation_error.payload())}\n\n"
                         yield "data: [DONE]\n\n"
                         return
-                    chunk = {**head, "choices": [self.choice(delta, finish, first, self.next_logprobs(token))]}
+                    chunk = {**head, "choices": [self.choice(index, delta, finish, first[index],
+                                                             self.next_logprobs(index, token))]}
                     if include_usage:
                         chunk["usage"] = None
-                    first = False
-                    if finish is not None:
-                        yield f"data: {json.dumps(chunk)}\n\n"
+                    first[index] = False
+                    if self.first_sent is None:
+                        self.first_sent = time.perf_counter()
+                    yield f"data: {json.dumps(chunk)}\n\n"
+                    running -= finish is not None
+                    if not running:
                         if include_usage:
                             yield f"data: {json.dumps({**head, 'choices': [], 'usage': self.usage()})}\n\n"
                         yield "data: [DONE]\n\n"
                         return
-                    if self.first_sent is None:
-                        self.first_sent = time.perf_counter()
-                    yield f"data: {json.dumps(chunk)}\n\n"
             finally:
                 self.close()
 
@@ -815,13 +852,12 @@ class _Reply:
                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     def close(self) -> None:
-        """The stream has ended, however it did (once per reply): a request still generating is for a client that
-        went away, so it is cancelled and its row freed; the request log gets its line."""
+        """The stream has ended, however it did (once per reply): a choice still generating is for a client that
+        went away, so it is cancelled and its row freed; the request log gets its lines."""
         if self.closed:
             return
         self.closed = True
-        if not self.req.done:
-            self.api.engine.cancel(self.req)
+        self.cancel()
         self.log()
 
     async def complete(self, request: HTTPRequest) -> Response:
@@ -829,33 +865,35 @@ class _Reply:
             # The body is read, so the next ASGI message is the client leaving (or our response ending).
             while (await request.receive())["type"] != "http.disconnect":
                 pass
-            self.api.engine.cancel(self.req)
+            self.cancel()
 
         watcher = asyncio.create_task(watch_disconnect())
-        parts: list[str] = []
+        parts: list[list[str]] = [[] for _ in self.reqs]
+        finishes: list[str | None] = [None] * len(self.reqs)
         try:
-            while True:
+            while None in finishes:
                 event = await self.next_event()
                 if event is None:
                     return self.timeout_error.response()
-                delta, _token, finish = event
-                parts.append(delta)
-                if finish is not None:
-                    break
+                index, delta, _token, finish = event
+                parts[index].append(delta)
+                finishes[index] = finish
+                if finish == "error":
+                    self.cancel()
+                    return self.generation_error.response()
         finally:
             watcher.cancel()
             self.log()
-        if finish == "cancelled":  # only a disconnected client cancels a non-streaming request
+        if "cancelled" in finishes:  # only a disconnected client cancels a non-streaming request
             return Response(status_code=499)
-        if finish == "error":
-            return self.generation_error.response()
-        text = "".join(parts)
-        msg = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
-        lp = None if self.req.logprobs is None else self.logprobs.render(self.req.logprobs)
+        choices = []
+        for i, (req, finish) in enumerate(zip(self.reqs, finishes)):
+            text = "".join(parts[i])
+            msg = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+            lp = None if req.logprobs is None else self.logprobs[i].render(req.logprobs)
+            choices.append({"index": i, **msg, "logprobs": lp, "finish_reason": finish})
         return JSONResponse({"id": self.rid, "object": self.obj, "created": self.created,
-                             "model": self.api.model_name,
-                             "choices": [{"index": 0, **msg, "logprobs": lp, "finish_reason": finish}],
-                             "usage": self.usage()})
+                             "model": self.api.model_name, "choices": choices, "usage": self.usage()})
 
 
 class _EventStream(StreamingResponse):

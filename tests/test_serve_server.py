@@ -117,7 +117,8 @@ def test_chat_completion_and_stream(client):
     (json.dumps({"prompt": "the " * 400}).encode(), "shorten the prompt"),
     (json.dumps({"prompt": 42}).encode(), "'prompt' must be"),
     (json.dumps({"prompt": [1, 99999]}).encode(), "token ids must be in"),
-    (json.dumps({"prompt": "hi", "n": 2}).encode(), "only n=1"),
+    (json.dumps({"prompt": "hi", "n": 3}).encode(), "'n' must be in [1, 2] (this server holds 2 requests at once"),
+    (json.dumps({"prompt": "hi", "n": 0}).encode(), "'n' must be in [1, 2]"),
 ])
 def test_bad_requests_get_400_with_a_message(client, body, message):
     r = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
