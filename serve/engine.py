@@ -42,7 +42,7 @@ from serve.kv_cache import KVCache, MixedKVCache
 from serve.model import DecoderModel
 from serve.prefix_cache import PrefixCache
 from serve.quantize import is_quantized
-from serve.sampling import Penalties, SamplingParams, TokenLogprobs, sample, token_logprobs
+from serve.sampling import Penalties, SamplingParams, TokenLogprobs, sample, token_logprobs, tokens_logprobs
 from serve.text import TextStream
 
 logger = logging.getLogger(__name__)
@@ -60,6 +60,8 @@ class Completion:
     prompt_tokens: int
     stop_token: int | None = None  # the stop token that ended it (not in token_ids); None: no stop token did
     logprobs: list[TokenLogprobs] | None = None  # one per token of token_ids when the params asked (logprobs=k)
+    # One per prompt token when the params asked (prompt_logprobs=k): None for the first, which nothing predicts.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class Request:
@@ -81,6 +83,7 @@ class Request:
         # One per token of out_ids when the params ask (append-only: a reader may index it from another thread).
         self.logprobs: list[TokenLogprobs] | None = None if params.logprobs is None else []
         self.penalties = Penalties(params, prompt_ids) if params.penalized else None
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = None if params.prompt_logprobs is None else [None]
         self.row = -1
         self.pos = -1  # absolute position of the last token fed to the model
         self.prefilled = 0  # prompt tokens already in the cache row (restored or prefilled)
@@ -102,7 +105,8 @@ class Request:
 
     def result(self) -> Completion:
         return Completion(self.text.text, list(self.out_ids), self.finish_reason or "", len(self.prompt_ids),
-                          self.stop_token, None if self.logprobs is None else list(self.logprobs))
+                          self.stop_token, None if self.logprobs is None else list(self.logprobs),
+                          None if self.prompt_logprobs is None else list(self.prompt_logprobs))
 
 
 def device_problem(device: str | None) -> str | None:
@@ -533,7 +537,7 @@ class Engine:
             req.generator = torch.Generator(device=self.device)
             req.generator.manual_seed(req.params.seed if req.params.seed is not None
                                       else int(torch.randint(0, 2**62, ()).item()))
-        if self.prefix_cache is not None:
+        if self.prefix_cache is not None and req.prompt_logprobs is None:  # (its own logprobs need every position)
             req.prefilled = req.cached_tokens = self.prefix_cache.restore(cache, row, req.prompt_ids)
         self._pos[row] = req.prefilled
 
@@ -618,7 +622,14 @@ class Engine:
             # arrival's, and finishing it first keeps the slower of the two first tokens lower.
             between = None if n <= self.overtake_tokens else self._overtake_hook(0)
             nested = self._overtake_s
-            logits = self.model.prefill(cache, req.row, ids, start, logits=start + t == n, between=between)
+            logits = self.model.prefill(cache, req.row, ids, start, between=between,
+                                        logits="all" if req.prompt_logprobs is not None else start + t == n)
+            if req.prompt_logprobs is not None:  # position p predicts prompt token p + 1 (the last: the first output)
+                m = min(t, n - 1 - start)
+                if m > 0:
+                    req.prompt_logprobs += tokens_logprobs(logits[:m], req.prompt_ids[start + 1:start + 1 + m],
+                                                           req.params.prompt_logprobs)
+                logits = logits[-1]
             t1 = time.perf_counter()
             self._note_prefill_time(t, t1 - t0 - (self._overtake_s - nested))
             if self.on_forward is not None:

@@ -530,8 +530,14 @@ class DecoderModel(nn.Module):
             return self._finish_layer_fast(self._fast[li], layer, h, o)
         return self._finish_layer(layer, h, o)
 
+    def _chunk_logits(self, h: torch.Tensor, which: bool | str) -> torch.Tensor | None:
+        """A prefill chunk's ``[1, t, hidden]`` -> the logits :meth:`prefill` returns for ``which``."""
+        if which == "all":
+            return self._logits(h[0])
+        return self._logits(h[:, -1])[0] if which else None
+
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        """A prefill's last position ``[1, hidden]`` -> ``[1, vocab]`` fp32 logits.
+        """A prefill's positions ``[n, hidden]`` (its last alone: ``n`` 1) -> ``[n, vocab]`` fp32 logits.
 
         Through the fused head when prefill uses the fused copies: at one row the head is a matrix-vector
         product bound by reading the whole vocabulary matrix, which oneDNN's packed layout does faster than
@@ -563,7 +569,7 @@ class DecoderModel(nn.Module):
         return o
 
     @torch.inference_mode()
-    def prefill(self, cache: KVCache, row: int, ids: torch.Tensor, start: int, logits: bool = True,
+    def prefill(self, cache: KVCache, row: int, ids: torch.Tensor, start: int, logits: bool | str = True,
                 between: Callable[[], None] | None = None) -> torch.Tensor | None:
         """Run one chunk of one row's prompt through the model and store its keys/values.
 
@@ -571,12 +577,14 @@ class DecoderModel(nn.Module):
             ids: ``[chunk]`` token ids at absolute positions ``start .. start + chunk - 1``; the cache
                 row already holds positions ``< start``.
             logits: compute the last position's logits (False for a chunk that does not end the
-                prompt: the head is a full read of the embedding matrix, skipped when unused).
+                prompt: the head is a full read of the embedding matrix, skipped when unused); ``"all"``:
+                every position's (a prompt's own log-probabilities).
             between: called after every layer but the last (the engine's overtaking,
                 :meth:`serve.engine.Engine.overtake`); it may run forwards of other cache rows, never
                 of ``row``.
         Returns:
-            ``[vocab]`` fp32 logits of the chunk's last position, or None without ``logits``.
+            ``[vocab]`` fp32 logits of the chunk's last position (``[chunk, vocab]`` with ``"all"``), or None
+            without ``logits``.
         """
         if isinstance(cache, MixedKVCache):
             return self._prefill_mixed(cache, row, ids, start, logits, between)
@@ -612,7 +620,7 @@ class DecoderModel(nn.Module):
             if between is not None and li < len(self.layers) - 1:
                 between()
         cache.commit_prefill(row, pos, idx, slot)
-        return self._logits(h[:, -1])[0] if logits else None
+        return self._chunk_logits(h, logits)
 
     @torch.inference_mode()
     def decode_one_token(self, cache: KVCache, tokens: torch.Tensor, pos: torch.Tensor, n_slots: int,
@@ -663,7 +671,7 @@ class DecoderModel(nn.Module):
     # ---- per-head roles: full heads over the dense cache, streaming heads over the bounded one ----------
 
     @torch.inference_mode()
-    def _prefill_mixed(self, cache: MixedKVCache, row: int, ids: torch.Tensor, start: int, logits: bool = True,
+    def _prefill_mixed(self, cache: MixedKVCache, row: int, ids: torch.Tensor, start: int, logits: bool | str = True,
                        between: Callable[[], None] | None = None) -> torch.Tensor | None:
         """:meth:`prefill` for a :class:`MixedKVCache` (same arguments and result)."""
         fc, sc = cache.full, cache.stream
@@ -714,7 +722,7 @@ class DecoderModel(nn.Module):
                 between()
         fc.commit_prefill(row, pos, idx_f, slot_f)
         sc.commit_prefill(row, pos, idx_s, slot_s)
-        return self._logits(h[:, -1])[0] if logits else None
+        return self._chunk_logits(h, logits)
 
     @torch.inference_mode()
     def _decode_mixed(self, cache: MixedKVCache, tokens: torch.Tensor, pos: torch.Tensor, n_slots: int,

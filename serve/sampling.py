@@ -28,7 +28,8 @@ class SamplingParams:
     ``stop`` strings end generation and are not returned; ``stop_token_ids=None`` means the model's EOS.
     ``logprobs=k`` reports each generated token's log-probability and the ``k`` most likely tokens' (0: the
     generated token's alone; None: nothing), under the model's own distribution: temperature 1, before top-k
-    and top-p, whatever the sampling (:func:`token_logprobs`). Penalties against repeating (:class:`Penalties`):
+    and top-p, whatever the sampling (:func:`token_logprobs`); ``prompt_logprobs=k`` the same for each prompt
+    token after the first (the prompt is then prefilled whole, not restored from the prefix cache). Penalties against repeating (:class:`Penalties`):
     ``presence_penalty`` and ``frequency_penalty`` (OpenAI's) lower a token's logit once if it was generated and
     per time it was; ``repetition_penalty`` (CTRL's, as in transformers and vLLM) divides a positive logit, or
     multiplies a negative one, of any token in the prompt or the output (1: off).
@@ -43,6 +44,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -59,8 +61,10 @@ class SamplingParams:
             raise ValueError(f"top_p must be in [{MIN_TOP_P}, 1], got {self.top_p}")
         if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
             raise ValueError(f"seed must be in [0, 2**64 - 1], got {self.seed}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] or None (off), got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}] or None (off), got {k}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:  # also refuses NaN
                 raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 = off), "
@@ -130,15 +134,21 @@ class TokenLogprobs:
 def token_logprobs(logits: torch.Tensor, token: int, k: int) -> TokenLogprobs:
     """``token``'s log-probability under ``[vocab]`` ``logits`` at temperature 1, and the ``k`` most likely
     tokens'. Non-finite logits raise (a JSON reply cannot carry NaN)."""
+    return tokens_logprobs(logits[None], [token], k)[0]
+
+
+def tokens_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprobs]:
+    """:func:`token_logprobs` of ``tokens[i]`` under ``logits[i]`` (``[n, vocab]``), at once."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    chosen = float(logprobs[token])
-    if not math.isfinite(chosen):
+    chosen = logprobs.gather(-1, torch.tensor(tokens, device=logprobs.device)[:, None])[:, 0].tolist()
+    if not all(math.isfinite(c) for c in chosen):
         raise FloatingPointError("non-finite logits; cannot report log-probabilities")
     if not k:
-        return TokenLogprobs(token, chosen)
-    values, ids = logprobs.topk(min(k, logprobs.shape[-1]))
+        return [TokenLogprobs(t, c) for t, c in zip(tokens, chosen)]
+    values, ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
     # Tokens the model rules out (-inf) are left out rather than reported as -Infinity, which JSON cannot carry.
-    return TokenLogprobs(token, chosen, tuple((i, v) for i, v in zip(ids.tolist(), values.tolist()) if v > -math.inf))
+    return [TokenLogprobs(t, c, tuple((i, v) for i, v in zip(row_ids, row_values) if v > -math.inf))
+            for t, c, row_ids, row_values in zip(tokens, chosen, ids.tolist(), values.tolist())]
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

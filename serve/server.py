@@ -24,11 +24,14 @@ for Nagle's algorithm to batch it with the next.
 Every request field is checked at the boundary: a bad one gets 400 with an OpenAI-style body
 ``{"error": {"message", "type", "param", "code"}}`` before anything reaches the engine. Fields are an
 allowlist per endpoint (``IMPLEMENTED``, ``NEUTRAL``, ``IGNORED``): an unknown field, or an OpenAI field this
-server does not implement (``echo``, ``logit_bias``, ``tools``, ``tool_choice`` ``"required"``, ``audio``,
+server does not implement (``logit_bias``, ``best_of``, ``suffix``, ``tools``, ``tool_choice`` ``"required"``, ``audio``,
 ``modalities`` beyond ``["text"]``, ``prediction``, ...) at anything but its neutral value gets 400 naming it
 (code ``unsupported``). Log-probabilities (completions' ``logprobs: k``, chat's ``logprobs: true`` with
 ``top_logprobs: k``, ``k`` at most 20) are the model's own distribution's: temperature 1, before penalties, top-k and top-p
-(as vLLM reports them by default), in OpenAI's formats; streamed, each token's chunk carries its own.
+(as vLLM reports them by default), in OpenAI's formats; streamed, each token's chunk carries its own. Completions'
+``echo`` puts the prompt before each choice's text (streamed: a chunk of its own before the first token's), and
+with ``logprobs`` the prompt tokens' too (the first one's null: nothing predicts it), so a client can score a
+text by its log-likelihood.
 Accepted and ignored, because none can change the output: ``user``, ``metadata``,
 ``store``, ``service_tier``, ``parallel_tool_calls``, ``safety_identifier``, ``prompt_cache_key``. Chat
 messages: ``developer`` is templated as ``system``; a message ``name`` (a string) is accepted and not shown to the
@@ -175,7 +178,8 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 # Every request field this server knows, per endpoint; any other field gets 400, as OpenAI's own API does, so
 # a client that relies on one hears about it instead of silently getting something else.
 # Implemented (each checked in check_common, _sampling, _logprobs, _completion_prompt or _chat_messages); top_k,
-# ignore_eos and repetition_penalty are extensions (vLLM's names). The log-probability fields differ per endpoint (LOGPROBS).
+# ignore_eos and repetition_penalty are extensions (vLLM's names). The prompt and log-probability fields differ per
+# endpoint (OWN).
 IMPLEMENTED = ("model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature", "top_p",
                "top_k", "n", "seed", "stop", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty")
 # Accepted and ignored: none of them can change what is generated.
@@ -184,17 +188,16 @@ IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "
 # Not implemented: accepted only when null or at the neutral value listed (an empty tuple: only null).
 _NEUTRAL_COMMON = {"logit_bias": ({},)}
 NEUTRAL = {
-    "completions": {**_NEUTRAL_COMMON, "echo": (False,), "best_of": (1,), "suffix": ("",)},
+    "completions": {**_NEUTRAL_COMMON, "best_of": (1,), "suffix": ("",)},
     "chat": {**_NEUTRAL_COMMON, "tools": ([],), "functions": ([],),
              "tool_choice": ("none", "auto"), "function_call": ("none", "auto"), "modalities": (["text"],),
              "response_format": ({"type": "text"},), "audio": (), "prediction": (), "web_search_options": (),
              "reasoning_effort": (), "verbosity": ()},
 }
-# Completions: ``logprobs`` is a count (0: the generated token's alone); chat: a boolean, the count is ``top_logprobs``.
-LOGPROBS = {"completions": ("logprobs",), "chat": ("logprobs", "top_logprobs")}
-KNOWN = {"completions": frozenset(("prompt",) + IMPLEMENTED + IGNORED + LOGPROBS["completions"])
-         | NEUTRAL["completions"].keys(),
-         "chat": frozenset(("messages",) + IMPLEMENTED + IGNORED + LOGPROBS["chat"]) | NEUTRAL["chat"].keys()}
+# One endpoint's own: completions' ``logprobs`` is a count (0: the generated token's alone) and ``echo`` returns the
+# prompt too; chat's ``logprobs`` is a boolean, the count is ``top_logprobs``.
+OWN = {"completions": ("prompt", "logprobs", "echo"), "chat": ("messages", "logprobs", "top_logprobs")}
+KNOWN = {endpoint: frozenset(OWN[endpoint] + IMPLEMENTED + IGNORED) | NEUTRAL[endpoint].keys() for endpoint in OWN}
 
 
 def _type_name(v: Any) -> str:
@@ -312,9 +315,12 @@ def _sampling(body: dict[str, Any], n_prompt: int, max_seq_len: int, default_max
                          "characters", "stop")
     for s in stop:
         _unicode(s, "stop")
+    logprobs = _logprobs(body, chat)
+    echo = not chat and _bool(body, "echo", False)
     return SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                           seed=seed, stop=tuple(stop), ignore_eos=_bool(body, "ignore_eos", False),
-                          logprobs=_logprobs(body, chat), repetition_penalty=repetition, **penalties)
+                          logprobs=logprobs, prompt_logprobs=logprobs if echo else None,
+                          repetition_penalty=repetition, **penalties)
 
 
 def _completion_prompt(body: dict[str, Any], vocab: int) -> str | list[int]:
@@ -626,6 +632,11 @@ class OpenAIRoutes:
                 aengine.reserve(n - 1)
                 reserved = n
             prompt_ids = await self.tokenize(body, chat)
+            echo = None
+            if not chat and _bool(body, "echo", False):  # the prompt as sent, or as its token ids decode
+                prompt = _completion_prompt(body, self.vocab)
+                echo = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(
+                    prompt, skip_special_tokens=True, clean_up_tokenization_spaces=False)
             try:
                 params = _sampling(body, len(prompt_ids), self.engine.max_seq_len, None if chat else 16, chat)
                 for i in range(n):
@@ -648,7 +659,7 @@ class OpenAIRoutes:
         finally:
             if reserved > len(reqs):  # places of choices that never reached the engine
                 aengine.release(reserved - len(reqs))
-        reply = _Reply(self, reqs, queue, len(prompt_ids), chat, deadline, received)
+        reply = _Reply(self, reqs, queue, prompt_ids, chat, deadline, received, echo)
         if not body.get("stream"):
             return await reply.complete(request)
         return reply.stream(include_usage=bool((body.get("stream_options") or {}).get("include_usage")))
@@ -700,6 +711,7 @@ class LogprobFormat:
 
     def __init__(self, tokenizer, chat: bool) -> None:
         self.tokenizer, self.chat = tokenizer, chat
+        self.special = set(getattr(tokenizer, "all_special_ids", ()))  # named, but not in the text
         self.text_offset = 0  # of the next token
         self.decoder = codecs.getincrementaldecoder("utf-8")("replace")  # the text the tokens so far make
 
@@ -719,23 +731,31 @@ class LogprobFormat:
                 return {"token": text, "logprob": logprob, "bytes": list(data)}
             return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(i, v) for i, v in e.top]}
                                 for e in entries], "refusal": None}
+        return self.render_tokens([e.token_id for e in entries], entries)
+
+    def render_tokens(self, ids: list[int], entries: list[TokenLogprobs | None]) -> dict[str, Any]:
+        """Completions' lists for tokens ``ids``; an entry of None (an echoed prompt's first token) is null."""
         tokens, offsets = [], []
-        for e in entries:
-            text, data = self.token(e.token_id)
+        for i in ids:
+            text, data = self.token(i)
             tokens.append(text)
             offsets.append(self.text_offset)
-            self.text_offset += len(self.decoder.decode(data))
-        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{self.token(i)[0]: v for i, v in e.top} for e in entries], "text_offset": offsets}
+            if i not in self.special:
+                self.text_offset += len(self.decoder.decode(data))
+        return {"tokens": tokens, "token_logprobs": [None if e is None else e.logprob for e in entries],
+                "top_logprobs": [None if e is None else {self.token(i)[0]: v for i, v in e.top} for e in entries],
+                "text_offset": offsets}
 
 
 class _Reply:
     """The answer to one admitted request, its ``n`` choices each a request of the engine's: an SSE stream or one
     JSON body, within the deadline."""
 
-    def __init__(self, api: OpenAIRoutes, reqs: list[Request], queue: asyncio.Queue, n_prompt: int, chat: bool,
-                 deadline: float, received: float) -> None:
-        self.api, self.reqs, self.queue, self.n_prompt, self.chat, self.deadline = api, reqs, queue, n_prompt, chat, deadline
+    def __init__(self, api: OpenAIRoutes, reqs: list[Request], queue: asyncio.Queue, prompt_ids: list[int], chat: bool,
+                 deadline: float, received: float, echo: str | None = None) -> None:
+        self.api, self.reqs, self.queue, self.chat, self.deadline = api, reqs, queue, chat, deadline
+        self.prompt_ids, self.n_prompt = prompt_ids, len(prompt_ids)
+        self.echo = echo  # completions' echo: the prompt text each choice starts with
         self.received = received  # perf_counter when the handler started
         self.first_sent: float | None = None
         self.closed = False  # close() has run
@@ -781,6 +801,13 @@ class _Reply:
                 delta["role"] = "assistant"
             return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
         return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+
+    def echoed(self, index: int) -> dict[str, Any]:
+        """Choice ``index``'s echo of the prompt: its text, and its tokens' log-probabilities when asked for."""
+        req = self.reqs[index]
+        lp = None if req.prompt_logprobs is None else self.logprobs[index].render_tokens(self.prompt_ids,
+                                                                                      req.prompt_logprobs)
+        return {"index": index, "text": self.echo, "logprobs": lp, "finish_reason": None}
 
     def next_logprobs(self, index: int, token: int | None) -> list[TokenLogprobs] | None:
         """The log-probabilities a streamed event carries: its token's, when the request asked for them."""
@@ -831,6 +858,9 @@ class _Reply:
                         yield f"data: {json.dumps(self.generation_error.payload())}\n\n"
                         yield "data: [DONE]\n\n"
                         return
+                    if first[index] and self.echo is not None:  # the prompt, before the choice's first token
+                        echo = {**head, "choices": [self.echoed(index)], **({"usage": None} if include_usage else {})}
+                        yield f"data: {json.dumps(echo)}\n\n"
                     chunk = {**head, "choices": [self.choice(index, delta, finish, first[index],
                                                              self.next_logprobs(index, token))]}
                     if include_usage:
@@ -890,7 +920,12 @@ class _Reply:
         for i, (req, finish) in enumerate(zip(self.reqs, finishes)):
             text = "".join(parts[i])
             msg = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+            prompt = None if self.echo is None else self.echoed(i)  # (first: the text offsets run on from it)
             lp = None if req.logprobs is None else self.logprobs[i].render(req.logprobs)
+            if prompt is not None:  # the prompt first, its tokens' log-probabilities before the output's
+                msg["text"] = prompt["text"] + text
+                if lp is not None:
+                    lp = {key: prompt["logprobs"][key] + lp[key] for key in lp}
             choices.append({"index": i, **msg, "logprobs": lp, "finish_reason": finish})
         return JSONResponse({"id": self.rid, "object": self.obj, "created": self.created,
                              "model": self.api.model_name, "choices": choices, "usage": self.usage()})

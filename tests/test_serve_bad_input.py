@@ -149,7 +149,7 @@ CASES = [
      "invalid_request_error", "top_logprobs", "invalid_value"),
     ("chat-top-logprobs-too-many", "POST", CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 21}, None, 400,
      "invalid_request_error", "top_logprobs", "invalid_value"),
-    ("echo", "POST", C, {**OK, "echo": True}, None, 400, "invalid_request_error", "echo", "unsupported"),
+    ("echo-string", "POST", C, {**OK, "echo": "yes"}, None, 400, "invalid_request_error", "echo", "invalid_type"),
     ("best-of", "POST", C, {**OK, "best_of": 2}, None, 400, "invalid_request_error", "best_of", "unsupported"),
     ("chat-messages-missing", "POST", CHAT, {"max_tokens": 2}, None,
      400, "invalid_request_error", "messages", "invalid_value"),

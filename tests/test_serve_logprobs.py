@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from core.tiny import save_tiny, tiny_tokenizer
+from core.tiny import save_tiny, tiny_model, tiny_tokenizer
 from serve.engine import Engine
 from serve.sampling import SamplingParams, TokenLogprobs, token_logprobs
 from serve.server import LogprobFormat, ServerThread, create_app
@@ -186,3 +186,82 @@ def test_chat_logprobs_carry_bytes_that_join_into_the_content_and_match_the_stre
     alone = client.post("/v1/chat/completions", json={**body, "top_logprobs": None}).json()["choices"][0]
     assert [e["logprob"] for e in alone["logprobs"]["content"]] == [e["logprob"] for e in content]
     assert all(e["top_logprobs"] == [] for e in alone["logprobs"]["content"])
+
+
+# ---- the prompt's own log-probabilities (completions' echo) ---------------------------------------------------
+
+
+def prompt_reference(model, ids: list[int]) -> torch.Tensor:
+    """``[len(ids) - 1, vocab]``: position p's log-probabilities, which score prompt token p + 1."""
+    import attention
+
+    with torch.no_grad(), attention.use_backend("sdpa"):
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].double(), -1)
+
+
+@pytest.mark.parametrize("kind", ["dense", "hybrid", "per-head"])
+def test_prompt_logprobs_score_every_prompt_token_across_chunks(kind):
+    import copy
+
+    import attention
+    from attention.spec import HybridAttentionConfig
+
+    model = tiny_model("llama", seed=4)
+    ref = model
+    if kind != "dense":  # a bounded cache (sinks, globals, a ring), or one with full heads beside it
+        spec = HybridAttentionConfig(sink_tokens=3, window=8, global_every=5, max_globals=4,
+                                     **({"full_heads": {0: [1]}, "full_layers": [1]} if kind == "per-head" else {}))
+        ref = attention.retrofit(copy.deepcopy(model), spec)
+        model.config.hybrid_attention = spec.to_dict()
+    engine = Engine(model=model, tokenizer=tiny_tokenizer(), max_batch=2, prefill_chunk=5)
+    prompt = list(range(3, 40))  # 37 tokens: eight chunks of 5, past the window
+    params = SamplingParams(max_new_tokens=3, prompt_logprobs=3, ignore_eos=True)
+    for _ in range(2):  # the second time the prefix cache (when on) holds the prompt: it is prefilled anyway
+        out = engine.generate([prompt], params)[0]
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+        want = prompt_reference(ref, prompt)
+        for p, lp in enumerate(out.prompt_logprobs[1:]):
+            assert lp.token_id == prompt[p + 1]
+            assert lp.logprob == pytest.approx(float(want[p, prompt[p + 1]]), abs=1e-4)
+            values, ids = want[p].topk(3)
+            assert [i for i, _ in lp.top] == ids.tolist()
+            assert [v for _, v in lp.top] == pytest.approx(values.tolist(), abs=1e-4)
+    # Its output is the one a request without prompt log-probabilities gets.
+    plain = engine.generate([prompt], SamplingParams(max_new_tokens=3, ignore_eos=True))[0]
+    assert out.token_ids == plain.token_ids and plain.prompt_logprobs is None
+
+
+def test_echo_returns_the_prompt_and_scores_its_tokens_as_a_log_likelihood_client_reads_them(client, engine):
+    # As a log-likelihood client sends it: context + continuation as token ids, one token generated, greedy.
+    text = "the quick brown fox"
+    ids = engine.encode(text)
+    body = {"prompt": ids, "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 1}
+    choice = client.post("/v1/completions", json=body).json()["choices"][0]
+    lp = choice["logprobs"]
+    want = engine.generate([ids], SamplingParams(max_new_tokens=1, logprobs=1, prompt_logprobs=1))[0]
+    assert choice["text"] == text + want.text
+    assert len(lp["tokens"]) == len(ids) + 1
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == pytest.approx([e.logprob for e in want.prompt_logprobs[1:]]
+                                                     + [want.logprobs[0].logprob], abs=1e-6)
+    assert lp["text_offset"][:2] == [0, len(lp["tokens"][0])] and lp["text_offset"][-1] == len(text)
+    # The continuation's log-likelihood and whether it is the greedy one, read the way such clients do.
+    context = 2
+    scored = lp["token_logprobs"][context:-1]
+    greedy = all(max(top, key=top.get) == tok for tok, top in zip(lp["tokens"][context:-1],
+                                                                  lp["top_logprobs"][context:-1]))
+    assert sum(scored) == pytest.approx(sum(e.logprob for e in want.prompt_logprobs[context:]), abs=1e-5)
+    assert greedy == all(e.top[0][0] == e.token_id for e in want.prompt_logprobs[context:])
+    # Streamed: the echo comes first, in a chunk of its own, then the generated token's.
+    body["stream"] = True
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line and line != "data: [DONE]"]
+    assert chunks[0]["choices"][0]["text"] == text
+    streamed = {key: [v for c in chunks if c["choices"][0]["logprobs"] for v in c["choices"][0]["logprobs"][key]]
+                for key in lp}
+    assert streamed == lp and "".join(c["choices"][0]["text"] for c in chunks) == choice["text"]
+    # Without logprobs: the text alone; on chat, echo is not a field.
+    plain = client.post("/v1/completions", json={"prompt": text, "max_tokens": 2, "temperature": 0, "echo": True})
+    assert plain.json()["choices"][0]["text"].startswith(text) and plain.json()["choices"][0]["logprobs"] is None
+    chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "echo": True})
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "echo"

@@ -52,7 +52,7 @@ BAD = [
     (CHAT, {**G, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]},
      AUTH, 400, "messages[0].content[0]", "unsupported"),
     (C, {**G, "prompt": "x", "max_tokens": 0}, AUTH, 400, "max_tokens", "invalid_value"),
-    (C, {**G, "prompt": "x", "echo": True}, AUTH, 400, "echo", "unsupported"),
+    (C, {**G, "prompt": "x", "best_of": 3}, AUTH, 400, "best_of", "unsupported"),
 ]
 
 
