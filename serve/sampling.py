@@ -27,12 +27,13 @@ class SamplingParams:
     sampled request reproducible whatever else shares its batch (each request owns its generator).
     ``stop`` strings end generation and are not returned; ``stop_token_ids=None`` means the model's EOS.
     ``logprobs=k`` reports each generated token's log-probability and the ``k`` most likely tokens' (0: the
-    generated token's alone; None: nothing), under the model's own distribution: temperature 1, before top-k
-    and top-p, whatever the sampling (:func:`token_logprobs`); ``prompt_logprobs=k`` the same for each prompt
-    token after the first (the prompt is then prefilled whole, not restored from the prefix cache). Penalties against repeating (:class:`Penalties`):
-    ``presence_penalty`` and ``frequency_penalty`` (OpenAI's) lower a token's logit once if it was generated and
-    per time it was; ``repetition_penalty`` (CTRL's, as in transformers and vLLM) divides a positive logit, or
-    multiplies a negative one, of any token in the prompt or the output (1: off).
+    generated token's alone; None: nothing), under the model's own distribution: temperature 1, before
+    penalties, top-k and top-p, whatever the sampling (:func:`token_logprobs`); ``prompt_logprobs=k`` the same
+    for each prompt token after the first (the prompt is then prefilled whole, not restored from the prefix
+    cache). Penalties against repeating (:class:`Penalties`): ``presence_penalty`` and ``frequency_penalty``
+    (OpenAI's) lower a token's logit once if it was generated and per time it was; ``repetition_penalty``
+    (CTRL's, as in transformers and vLLM) divides a positive logit, or multiplies a negative one, of any token in
+    the prompt or the output (1: off).
     """
 
     max_new_tokens: int = 128

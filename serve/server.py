@@ -24,15 +24,14 @@ for Nagle's algorithm to batch it with the next.
 Every request field is checked at the boundary: a bad one gets 400 with an OpenAI-style body
 ``{"error": {"message", "type", "param", "code"}}`` before anything reaches the engine. Fields are an
 allowlist per endpoint (``IMPLEMENTED``, ``NEUTRAL``, ``IGNORED``): an unknown field, or an OpenAI field this
-server does not implement (``logit_bias``, ``best_of``, ``suffix``, ``tools``, ``tool_choice`` ``"required"``, ``audio``,
-``modalities`` beyond ``["text"]``, ``prediction``, ...) at anything but its neutral value gets 400 naming it
-(code ``unsupported``). Log-probabilities (completions' ``logprobs: k``, chat's ``logprobs: true`` with
-``top_logprobs: k``, ``k`` at most 20) are the model's own distribution's: temperature 1, before penalties, top-k and top-p
-(as vLLM reports them by default), in OpenAI's formats; streamed, each token's chunk carries its own. Completions'
-``echo`` puts the prompt before each choice's text (streamed: a chunk of its own before the first token's), and
-with ``logprobs`` the prompt tokens' too (the first one's null: nothing predicts it), so a client can score a
-text by its log-likelihood.
-Accepted and ignored, because none can change the output: ``user``, ``metadata``,
+server does not implement (``logit_bias``, ``best_of``, ``suffix``, ``tools``, ``tool_choice`` ``"required"``,
+``audio``, ``modalities`` beyond ``["text"]``, ``prediction``, ...) at anything but its neutral value gets 400
+naming it (code ``unsupported``). Log-probabilities (completions' ``logprobs: k``, chat's ``logprobs: true`` with
+``top_logprobs: k``, ``k`` at most 20) are the model's own distribution's: temperature 1, before penalties, top-k
+and top-p (as vLLM reports them by default), in OpenAI's formats; streamed, each token's chunk carries its own.
+Completions' ``echo`` puts the prompt before each choice's text (streamed: a chunk of its own before the first
+token's), and with ``logprobs`` the prompt tokens' too (the first one's null: nothing predicts it), so a client can
+score a text by its log-likelihood. Accepted and ignored, because none can change the output: ``user``, ``metadata``,
 ``store``, ``service_tier``, ``parallel_tool_calls``, ``safety_identifier``, ``prompt_cache_key``. Chat
 messages: ``developer`` is templated as ``system``; a message ``name`` (a string) is accepted and not shown to the
 model, as chat templates drop it. ``max_tokens`` and
