@@ -572,7 +572,9 @@ class OpenAIRoutes:
         _int(body, "n", 1, 1, self.aengine.capacity, f" (this server holds {self.aengine.capacity} requests at once: "
              "--max-batch + --max-queue)")
 
-    async def tokenize(self, body: dict[str, Any], chat: bool) -> list[int]:
+    async def tokenize(self, body: dict[str, Any], chat: bool, prompt: str | list[int] | None) -> list[int]:
+        """The prompt's token ids: chat messages through the template, or completions' ``prompt`` as
+        :func:`_completion_prompt` parsed it (None for chat)."""
         loop = asyncio.get_running_loop()
         if chat:
             messages = _chat_messages(body)
@@ -588,7 +590,6 @@ class OpenAIRoutes:
                 if type(e).__module__.split(".")[0] != "jinja2":
                     raise
                 raise BadRequest(f"the model's chat template rejected these messages: {e}", "messages") from None
-        prompt = _completion_prompt(body, self.vocab)
         if isinstance(prompt, list):
             return prompt
         return await loop.run_in_executor(self.tokenize_pool, self.engine.encode, prompt)
@@ -630,12 +631,12 @@ class OpenAIRoutes:
             if n > 1:  # a place per choice, all before tokenizing
                 aengine.reserve(n - 1)
                 reserved = n
-            prompt_ids = await self.tokenize(body, chat)
+            prompt = None if chat else _completion_prompt(body, self.vocab)
+            prompt_ids = await self.tokenize(body, chat, prompt)
             echo = None
             if not chat and _bool(body, "echo", False):  # the prompt as sent, or as its token ids decode
-                prompt = _completion_prompt(body, self.vocab)
                 echo = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(
-                    prompt, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+                    prompt_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
             try:
                 params = _sampling(body, len(prompt_ids), self.engine.max_seq_len, None if chat else 16, chat)
                 for i in range(n):
