@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import math
 import platform
 import subprocess
 from pathlib import Path
@@ -78,6 +79,22 @@ def differences(before: dict[str, Any] | None, now: dict[str, Any] | None) -> li
     return out
 
 
+def finite_or_null(value: Any) -> Any:
+    """``value`` with every float that is not finite, at any depth of dicts, lists and tuples, made None.
+
+    ``json.dumps`` writes such a float as ``NaN`` or ``Infinity``, which Python reads back but strict JSON
+    readers (``jq``, browsers, most languages) refuse; null is what they read as "not measured".
+    """
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(v) for v in value]
+    return value
+
+
 def json_line(result: dict[str, Any]) -> str:
-    """A benchmark's JSON last line: ``result`` with the environment it was measured under (key ``environment``)."""
-    return json.dumps({**result, "environment": environment()})
+    """A benchmark's JSON last line: ``result`` with the environment it was measured under (key ``environment``),
+    as strict JSON (a quantity an arm did not measure, NaN in Python, is written null: :func:`finite_or_null`)."""
+    return json.dumps(finite_or_null({**result, "environment": environment()}), allow_nan=False)

@@ -42,7 +42,7 @@ from accelerate.utils import (
 from core import checkpoint as ckpt
 from core import rundir
 from core.config import ConfigError, check_resume_config, parse_config, save_config
-from core.environment import differences, environment
+from core.environment import differences, environment, finite_or_null
 from core.fsio import atomic_write_text, is_saved_model, replace_dir, restore_aside
 from core.models import resolve_model_path
 from core.tiny import TINY, tiny_teacher, tiny_teacher_tokenizer
@@ -487,8 +487,7 @@ class TrainerState:
 
 def json_line(record: dict[str, Any]) -> str:
     """``record`` as one strict-JSON line: a float that is not finite becomes null."""
-    return json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()},
-                      allow_nan=False) + "\n"
+    return json.dumps(finite_or_null(record), allow_nan=False) + "\n"
 
 
 class Run:

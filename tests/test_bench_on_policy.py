@@ -149,7 +149,7 @@ def test_compare_two_arm_logs(tmp_path, capsys):
     assert out["ppl_change"] == pytest.approx(61.8 / 60.0 - 1)
     assert out["own_rkl_change_se"] == pytest.approx((1.10 / 1.25) * ((0.022 / 1.10) ** 2 + (0.025 / 1.25) ** 2) ** 0.5)
     assert out["target_rkl_met"] and out["target_ppl_met"] and out["step_cost_ratio"] == pytest.approx(1.25)
-    assert math.isnan(out["step_cost_ratio_mean"]) and out["target_cost_met"]  # an older log has no means
+    assert out["step_cost_ratio_mean"] is None and out["target_cost_met"]  # an older log has no means (null)
     # Queued rollouts: the median on-policy step decodes nothing; the mean, which the target also checks, does.
     queued = _log(tmp_path, "queued.log", on_policy=_arm(61.8, 1.10, 0.022, 2) | {"on_step_mean_s": 9.0,
                                                                                  "off_step_mean_s": 4.0})

@@ -5,9 +5,11 @@ from __future__ import annotations
 import ast
 import copy
 import json
+import math
 import subprocess
 from pathlib import Path
 
+import pytest
 import torch
 
 from core import environment as env_mod
@@ -59,6 +61,18 @@ def test_json_line_is_the_result_with_the_environment_it_ran_under():
     result = {"ppl": 64.43, "arms": {"off": [1, 2]}, "target_met": False}
     assert json.loads(json_line(result)) == {**result, "environment": environment()}
     assert "environment" not in result  # the caller's dict is left as it was
+
+
+def test_json_line_writes_what_was_not_measured_as_null_at_any_depth():
+    """NaN and the infinities are not JSON: jq and other strict readers refuse a line holding them."""
+    result = {"cost": math.nan, "arms": {"off": {"cos": -math.inf, "ppl": 64.4}, "rows": [1.5, math.inf, (math.nan, 2)]},
+              "steps": 3, "name": "mix", "flag": True}
+    line = json_line(result)
+    back = json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in the JSON line"))
+    assert back["cost"] is None and back["arms"]["off"] == {"cos": None, "ppl": 64.4}
+    assert back["arms"]["rows"] == [1.5, None, [None, 2]]
+    assert (back["steps"], back["name"], back["flag"]) == (3, "mix", True)
+    assert math.isnan(result["cost"]) and result["arms"]["rows"][1] == math.inf  # the caller's dict is left as it was
 
 
 def test_every_benchmark_prints_its_result_through_json_line():
