@@ -428,6 +428,10 @@ class Engine:
         if n_prompt + params.max_new_tokens > self.max_seq_len:
             raise ValueError(f"prompt ({n_prompt} tokens) + max new tokens ({params.max_new_tokens}) exceeds the "
                              f"context of {self.max_seq_len} tokens; shorten the prompt or lower max tokens")
+        vocab = self.model.config.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias names token {max(params.logit_bias)} but the model's vocabulary has {vocab} "
+                             f"tokens (ids 0 to {vocab - 1}); drop it")
 
     def _ensure_cache(self, rows: int) -> KVCache:
         """Grow the cache to ``rows`` rows (only when a request is admitted: never inside a forward)."""

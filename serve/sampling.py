@@ -1,5 +1,5 @@
-"""Sampling parameters, the per-row token choice (greedy / temperature / top-k / top-p, seeded), repetition
-penalties and the log-probabilities a request may ask for."""
+"""Sampling parameters, the per-row token choice (greedy / temperature / top-k / top-p, seeded), the logit
+adjustments a request may ask for (repetition penalties, logit bias) and the log-probabilities it may ask for."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ SEED_RANGE = (0, 2**64 - 1)  # what torch.Generator.manual_seed accepts
 # Most alternatives a request may ask for per token (OpenAI's chat limit; vLLM's default cap).
 MAX_LOGPROBS = 20
 MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: [-2, 2]
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100] (±100 bans or forces a token)
+MAX_BIASED_TOKENS = 300  # most entries one request's logit_bias may hold (OpenAI's limit)
 
 
 @dataclasses.dataclass
@@ -33,7 +35,9 @@ class SamplingParams:
     cache). Penalties against repeating (:class:`Penalties`): ``presence_penalty`` and ``frequency_penalty``
     (OpenAI's) lower a token's logit once if it was generated and per time it was; ``repetition_penalty``
     (CTRL's, as in transformers and vLLM) divides a positive logit, or multiplies a negative one, of any token in
-    the prompt or the output (1: off).
+    the prompt or the output (1: off). ``logit_bias`` adds ``{token_id: bias}`` (each in [-100, 100]) to those
+    logits before the token is chosen; -100 all but bans a token and +100 all but forces it, the log-probabilities
+    stay the model's. The penalties and the bias change what is sampled, greedy included (:class:`Penalties`).
     """
 
     max_new_tokens: int = 128
@@ -49,6 +53,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -72,6 +77,15 @@ class SamplingParams:
                                  f"got {getattr(self, name)}")
         if not 0 < self.repetition_penalty < math.inf:
             raise ValueError(f"repetition_penalty must be a finite value > 0 (1 = off), got {self.repetition_penalty}")
+        if self.logit_bias:
+            if len(self.logit_bias) > MAX_BIASED_TOKENS:
+                raise ValueError(f"logit_bias may hold at most {MAX_BIASED_TOKENS} tokens, got {len(self.logit_bias)}")
+            for token, bias in self.logit_bias.items():
+                if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                    raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+                if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:  # also refuses NaN
+                    raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                                     f"got {bias} for token {token}")
         if isinstance(self.stop, str):
             self.stop = (self.stop,)
         if any(not s for s in self.stop):
@@ -83,27 +97,34 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+        """Whether the logits a token is chosen from differ from the model's (penalties or a logit bias)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1 or self.logit_bias)
 
 
 class Penalties:
-    """One request's penalties against repeating: its output token counts, its prompt's tokens, and the logits
-    they change (the penalized logits are what the token is chosen from; log-probabilities stay the model's)."""
+    """One request's adjustments of the logits its tokens are chosen from: the penalties against repeating (its
+    output token counts, its prompt's tokens) and its logit bias. Log-probabilities stay the model's."""
 
     def __init__(self, params: SamplingParams, prompt_ids: list[int]) -> None:
         self.params = params
         self.prompt_ids = prompt_ids
         self.counts: torch.Tensor | None = None  # [vocab] times each token was generated, made at the first call
         self.seen: torch.Tensor | None = None  # [vocab] in the prompt or the output (repetition_penalty only)
+        self.bias: torch.Tensor | None = None  # [vocab] logit_bias, dense (made at the first call)
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        """``[vocab]`` logits with this request's penalties applied (a new fp32 tensor)."""
+        """``[vocab]`` logits with this request's penalties and bias applied (a new fp32 tensor)."""
         p = self.params
         if self.counts is None:
-            self.counts = torch.zeros(logits.shape[-1], dtype=torch.float32, device=logits.device)
+            vocab, device = logits.shape[-1], logits.device
+            self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)
             if p.repetition_penalty != 1:
-                self.seen = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
-                self.seen[torch.tensor(self.prompt_ids, dtype=torch.long, device=logits.device)] = True
+                self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+                self.seen[torch.tensor(self.prompt_ids, dtype=torch.long, device=device)] = True
+            if p.logit_bias:
+                self.bias = torch.zeros(vocab, dtype=torch.float32, device=device)
+                self.bias[torch.tensor(list(p.logit_bias), dtype=torch.long, device=device)] = torch.tensor(
+                    [float(b) for b in p.logit_bias.values()], device=device)
         out = logits.float()
         if self.seen is not None:
             scaled = torch.where(out > 0, out / p.repetition_penalty, out * p.repetition_penalty)
@@ -112,6 +133,8 @@ class Penalties:
             out = out - p.frequency_penalty * self.counts
         if p.presence_penalty:
             out = out - p.presence_penalty * (self.counts > 0).float()
+        if self.bias is not None:
+            out = out + self.bias
         return out
 
     def add(self, token: int) -> None:

@@ -24,14 +24,15 @@ for Nagle's algorithm to batch it with the next.
 Every request field is checked at the boundary: a bad one gets 400 with an OpenAI-style body
 ``{"error": {"message", "type", "param", "code"}}`` before anything reaches the engine. Fields are an
 allowlist per endpoint (``IMPLEMENTED``, ``NEUTRAL``, ``IGNORED``): an unknown field, or an OpenAI field this
-server does not implement (``logit_bias``, ``best_of``, ``suffix``, ``tools``, ``tool_choice`` ``"required"``,
+server does not implement (``best_of``, ``suffix``, ``tools``, ``tool_choice`` ``"required"``,
 ``audio``, ``modalities`` beyond ``["text"]``, ``prediction``, ...) at anything but its neutral value gets 400
 naming it (code ``unsupported``). Log-probabilities (completions' ``logprobs: k``, chat's ``logprobs: true`` with
 ``top_logprobs: k``, ``k`` at most 20) are the model's own distribution's: temperature 1, before penalties, top-k
 and top-p (as vLLM reports them by default), in OpenAI's formats; streamed, each token's chunk carries its own.
 Completions' ``echo`` puts the prompt before each choice's text (streamed: a chunk of its own before the first
 token's), and with ``logprobs`` the prompt tokens' too (the first one's null: nothing predicts it), so a client can
-score a text by its log-likelihood. Accepted and ignored, because none can change the output: ``user``, ``metadata``,
+score a text by its log-likelihood. ``logit_bias`` (``{"token id": bias}``, each in [-100, 100], at most 300) is
+added to the logits each token is chosen from, greedy included; the log-probabilities stay the model's. Accepted and ignored, because none can change the output: ``user``, ``metadata``,
 ``store``, ``service_tier``, ``parallel_tool_calls``, ``safety_identifier``, ``prompt_cache_key``. Chat
 messages: ``developer`` is templated as ``system``; a message ``name`` (a string) is accepted and not shown to the
 model, as chat templates drop it. ``max_tokens`` and
@@ -83,6 +84,8 @@ from serve.engine import Engine, HelpFormatter, Request, WarmupError, device_pro
 from serve.heap import tune_heap
 from serve.metrics import Metrics, RequestLog, StepLog
 from serve.sampling import (
+    MAX_BIASED_TOKENS,
+    MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_PENALTY,
     MIN_TEMPERATURE,
@@ -180,15 +183,15 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 # ignore_eos and repetition_penalty are extensions (vLLM's names). The prompt and log-probability fields differ per
 # endpoint (OWN).
 IMPLEMENTED = ("model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature", "top_p",
-               "top_k", "n", "seed", "stop", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty")
+               "top_k", "n", "seed", "stop", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty",
+               "logit_bias")
 # Accepted and ignored: none of them can change what is generated.
 IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "safety_identifier",
            "prompt_cache_key")
 # Not implemented: accepted only when null or at the neutral value listed (an empty tuple: only null).
-_NEUTRAL_COMMON = {"logit_bias": ({},)}
 NEUTRAL = {
-    "completions": {**_NEUTRAL_COMMON, "best_of": (1,), "suffix": ("",)},
-    "chat": {**_NEUTRAL_COMMON, "tools": ([],), "functions": ([],),
+    "completions": {"best_of": (1,), "suffix": ("",)},
+    "chat": {"tools": ([],), "functions": ([],),
              "tool_choice": ("none", "auto"), "function_call": ("none", "auto"), "modalities": (["text"],),
              "response_format": ({"type": "text"},), "audio": (), "prediction": (), "web_search_options": (),
              "reasoning_effort": (), "verbosity": ()},
@@ -278,9 +281,34 @@ def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
     return top or 0
 
 
+def _logit_bias(body: dict[str, Any], vocab: int | None) -> dict[int, float] | None:
+    """``logit_bias``: an object of token ids (JSON keys, so strings of digits) to biases in [-100, 100]; ``vocab``
+    bounds the ids (None: the engine checks them)."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise BadRequest(f"'logit_bias' must be an object of token ids to numbers, got {_type_name(bias)}",
+                         "logit_bias", "invalid_type")
+    if len(bias) > MAX_BIASED_TOKENS:
+        raise BadRequest(f"'logit_bias' may hold at most {MAX_BIASED_TOKENS} tokens, got {len(bias)}", "logit_bias")
+    out = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 12 and (vocab is None or int(key) < vocab)):
+            raise BadRequest(f"'logit_bias' keys must be token ids{f' in [0, {vocab})' if vocab else ''}, got "
+                             f"{key[:40]!r}", "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:  # (NaN fails the range)
+            raise BadRequest(f"'logit_bias' values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got "
+                             f"{str(value)[:40]} for token {key}", "logit_bias")
+        out[int(key)] = float(value)
+    return out
+
+
 def _sampling(body: dict[str, Any], n_prompt: int, max_seq_len: int, default_max: int | None,
-              chat: bool = False) -> SamplingParams:
-    """The request's sampling fields, each checked; ``default_max`` caps ``max_tokens`` when it is absent."""
+              chat: bool = False, vocab: int | None = None) -> SamplingParams:
+    """The request's sampling fields, each checked; ``default_max`` caps ``max_tokens`` when it is absent;
+    ``vocab`` bounds ``logit_bias``'s token ids (None: the engine checks them)."""
     room = max_seq_len - n_prompt
     if room < 1:
         raise BadRequest(f"the prompt has {n_prompt} tokens but the model context is {max_seq_len}; "
@@ -319,7 +347,7 @@ def _sampling(body: dict[str, Any], n_prompt: int, max_seq_len: int, default_max
     return SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                           seed=seed, stop=tuple(stop), ignore_eos=_bool(body, "ignore_eos", False),
                           logprobs=logprobs, prompt_logprobs=logprobs if echo else None,
-                          repetition_penalty=repetition, **penalties)
+                          repetition_penalty=repetition, logit_bias=_logit_bias(body, vocab), **penalties)
 
 
 def _completion_prompt(body: dict[str, Any], vocab: int) -> str | list[int]:
@@ -638,7 +666,8 @@ class OpenAIRoutes:
                 echo = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(
                     prompt_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
             try:
-                params = _sampling(body, len(prompt_ids), self.engine.max_seq_len, None if chat else 16, chat)
+                params = _sampling(body, len(prompt_ids), self.engine.max_seq_len, None if chat else 16, chat,
+                                   self.vocab)
                 for i in range(n):
                     # With a seed the whole reply repeats: choice i samples with seed + i.
                     seed = None if params.seed is None else (params.seed + i) % (_UINT64_MAX + 1)

@@ -1,4 +1,5 @@
-"""Penalties against repeating (presence, frequency, repetition): against naive loops and a plain forward."""
+"""Penalties against repeating (presence, frequency, repetition) and logit bias: against naive loops and a plain
+forward."""
 
 from __future__ import annotations
 
@@ -14,31 +15,36 @@ from serve.server import ServerThread, create_app
 
 
 def naive_penalties(logits: list[float], prompt: list[int], output: list[int], presence: float, frequency: float,
-                    repetition: float) -> list[float]:
-    """One token at a time: CTRL's repetition penalty over prompt and output, then OpenAI's two over the output."""
+                    repetition: float, bias: dict[int, float] | None = None) -> list[float]:
+    """One token at a time: CTRL's repetition penalty over prompt and output, then OpenAI's two over the output,
+    then the logit bias."""
     out = []
     for tok, x in enumerate(logits):
         if repetition != 1 and (tok in prompt or tok in output):
             x = x / repetition if x > 0 else x * repetition
         n = output.count(tok)
         x -= frequency * n + (presence if n else 0.0)
+        x += (bias or {}).get(tok, 0.0)
         out.append(x)
     return out
 
 
-@pytest.mark.parametrize("presence, frequency, repetition", [
-    (0.7, 0.0, 1.0), (0.0, 0.5, 1.0), (0.0, 0.0, 1.3), (0.0, 0.0, 0.8), (-0.5, 1.5, 1.2),
+@pytest.mark.parametrize("presence, frequency, repetition, bias", [
+    (0.7, 0.0, 1.0, None), (0.0, 0.5, 1.0, None), (0.0, 0.0, 1.3, None), (0.0, 0.0, 0.8, None),
+    (-0.5, 1.5, 1.2, None), (0.0, 0.0, 1.0, {3: -100.0, 4: 2.5, 49: 100}), (0.4, 1.0, 1.3, {7: -3.0, 0: 1.0}),
 ])
-def test_penalties_equal_a_naive_loop(presence, frequency, repetition):
+def test_penalties_equal_a_naive_loop(presence, frequency, repetition, bias):
     g = torch.Generator().manual_seed(0)
     vocab, prompt = 50, [3, 7, 7, 11]
-    params = SamplingParams(presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition)
+    params = SamplingParams(presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition,
+                            logit_bias=bias)
+    assert params.penalized
     pen = Penalties(params, prompt)
     output: list[int] = []
     for _ in range(12):
         logits = torch.randn(vocab, generator=g) * 3
         got = pen(logits)
-        want = naive_penalties(logits.tolist(), prompt, output, presence, frequency, repetition)
+        want = naive_penalties(logits.tolist(), prompt, output, presence, frequency, repetition, bias)
         assert got.tolist() == pytest.approx(want, abs=1e-5)
         token = int(torch.randint(0, 15, (), generator=g))  # from a few ids, so that tokens repeat
         pen.add(token)
@@ -50,6 +56,15 @@ def test_penalties_equal_a_naive_loop(presence, frequency, repetition):
 def test_penalties_out_of_range_are_refused(kwargs):
     with pytest.raises(ValueError, match="penalty must be"):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("bias, match", [({5: 100.5}, "values must be in"), ({5: float("nan")}, "values must be in"),
+                                         ({-1: 1.0}, "keys must be token ids"), ({"5": 1.0}, "keys must be token ids"),
+                                         ({i: 1.0 for i in range(301)}, "at most 300")])
+def test_logit_bias_out_of_range_is_refused(bias, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(logit_bias=bias)
+    assert not SamplingParams(logit_bias={}).penalized  # an empty bias changes nothing
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +85,7 @@ def reference_generate(model_dir, prompt_ids: list[int], params: SamplingParams)
         with torch.no_grad():
             logits = model(torch.tensor([prompt_ids + out])).logits[0, -1]
         pen = torch.tensor(naive_penalties(logits.tolist(), prompt_ids, out, params.presence_penalty,
-                                           params.frequency_penalty, params.repetition_penalty))
+                                           params.frequency_penalty, params.repetition_penalty, params.logit_bias))
         token = sample(pen, params, gen)
         logprobs.append(float(torch.log_softmax(logits.double(), -1)[token]))
         out.append(token)
@@ -82,7 +97,11 @@ def reference_generate(model_dir, prompt_ids: list[int], params: SamplingParams)
     SamplingParams(max_new_tokens=16, repetition_penalty=1.5, presence_penalty=0.5, ignore_eos=True, logprobs=0),
     SamplingParams(max_new_tokens=16, temperature=0.5, top_k=20, seed=1, frequency_penalty=2.0,
                    repetition_penalty=3.0, ignore_eos=True, logprobs=0),
-], ids=["greedy-frequency", "greedy-repetition-presence", "sampled"])
+    SamplingParams(max_new_tokens=16, logit_bias={i: 4.0 for i in range(40, 90)} | {i: -100 for i in range(20)},
+                   ignore_eos=True, logprobs=0),
+    SamplingParams(max_new_tokens=16, temperature=0.8, seed=3, logit_bias={i: 3.0 for i in range(40, 90)},
+                   frequency_penalty=0.5, ignore_eos=True, logprobs=0),
+], ids=["greedy-frequency", "greedy-repetition-presence", "sampled", "greedy-bias", "sampled-bias-frequency"])
 def test_engine_output_with_penalties_equals_a_cacheless_reference(model_dir, params):
     engine = Engine(model_dir, max_batch=2, max_seq_len=128)
     prompt = "the quick brown fox"
@@ -101,19 +120,44 @@ def test_engine_output_with_penalties_equals_a_cacheless_reference(model_dir, pa
         ignore_eos=True))[0].token_ids
 
 
-def test_server_passes_the_penalties_to_the_engine(model_dir):
+def test_logit_bias_bans_and_forces_tokens_and_names_ids_beyond_the_vocabulary(model_dir):
+    engine = Engine(model_dir, max_batch=2, max_seq_len=128)
+    prompt = "the quick brown fox"
+    plain = engine.generate([prompt], SamplingParams(max_new_tokens=12, ignore_eos=True))[0].token_ids
+    banned = engine.generate([prompt], SamplingParams(max_new_tokens=12, ignore_eos=True,
+                                                      logit_bias=dict.fromkeys(plain, -100)))[0].token_ids
+    assert not set(banned) & set(plain)
+    forced = engine.generate([prompt], SamplingParams(max_new_tokens=6, temperature=1.0, seed=0, ignore_eos=True,
+                                                      logit_bias={17: 100}))[0].token_ids
+    assert forced == [17] * 6
+    vocab = engine.model.config.vocab_size
+    with pytest.raises(ValueError, match=f"logit_bias names token {vocab} but the model's vocabulary has {vocab}"):
+        engine.generate([prompt], SamplingParams(max_new_tokens=4, logit_bias={3: 1.0, vocab: 1.0}))
+
+
+def test_server_passes_the_penalties_and_the_bias_to_the_engine(model_dir):
     engine = Engine(model_dir, max_batch=1, max_seq_len=128)
     body = {"prompt": "the quick brown fox", "max_tokens": 12, "temperature": 0, "ignore_eos": True,
-            "frequency_penalty": 1.5, "presence_penalty": 0.3, "repetition_penalty": 1.2}
+            "frequency_penalty": 1.5, "presence_penalty": 0.3, "repetition_penalty": 1.2,
+            "logit_bias": {"40": 6, "41": 2.5, "7": -100}}
     want = engine.generate(["the quick brown fox"], SamplingParams(
+        max_new_tokens=12, ignore_eos=True, frequency_penalty=1.5, presence_penalty=0.3, repetition_penalty=1.2,
+        logit_bias={40: 6.0, 41: 2.5, 7: -100.0}))[0]
+    unbiased = engine.generate(["the quick brown fox"], SamplingParams(
         max_new_tokens=12, ignore_eos=True, frequency_penalty=1.5, presence_penalty=0.3, repetition_penalty=1.2))[0]
+    plain = engine.generate(["the quick brown fox"], SamplingParams(max_new_tokens=12, ignore_eos=True))[0]
+    assert len({want.text, unbiased.text, plain.text}) == 3  # (else the bias or the penalties would go unseen here)
     with ServerThread(create_app(engine, max_queue=1, model_name="tiny")) as srv, \
             httpx.Client(base_url=srv.url, timeout=60) as c:
         got = c.post("/v1/completions", json=body).json()
+        chat = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
+                                                     "temperature": 0, "ignore_eos": True, "logit_bias": {"17": 100}})
         neutral = c.post("/v1/completions", json={**body, "frequency_penalty": 0, "presence_penalty": 0.0,
-                                                  "repetition_penalty": 1})
+                                                  "repetition_penalty": 1, "logit_bias": {}})
     assert got["choices"][0]["text"] == want.text and got["usage"]["completion_tokens"] == 12
-    assert neutral.status_code == 200 and neutral.json()["choices"][0]["text"] != want.text
+    assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["content"] == engine.tokenizer.decode(
+        [17] * 6, skip_special_tokens=True)
+    assert neutral.status_code == 200 and neutral.json()["choices"][0]["text"] == plain.text
 
 
 def test_generate_cli_takes_penalties_and_refuses_bad_ones_before_loading(model_dir, capsys, monkeypatch):
