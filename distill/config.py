@@ -24,7 +24,9 @@ from distill.training import PRECISIONS, TRACKERS
 # max_steps may only grow. Anything else would make the finished model match neither config.
 RESUME_SAFE = ("eval_every", "log_every", "save_every", "keep_checkpoints", "tracker", "output_dir", "resume",
                "overwrite", "debug_exit_at_step", "gate", "gate_prompts", "gradient_checkpointing",
-               "compare_ce_only", "teacher_shape", "student_shape", "zero_stage", "offload", "threads")
+               "compare_ce_only", "teacher_shape", "student_shape", "zero_stage", "offload", "threads",
+               # the global batch they make with the processes is checked on resume (check_resume_world)
+               "micro_batch_size", "grad_accum")
 
 
 @dataclass

@@ -173,8 +173,9 @@ def start_run(config_cls: type, argv: list[str] | None = None, *, resume_safe: I
     the main process then claims it: an old run is removed only if ``overwrite`` allows it and the
     folder carries our marker, so a mistyped ``output_dir`` never loses files we did not write. A
     resume is checked here too: a config that differs from the checkpoint's outside ``resume_safe``, another
-    number of processes (:func:`check_resume_world`) or another distributed backend (:func:`check_resume_backend`)
-    is refused before any model or data loads.
+    global batch, another number of processes where the checkpoint's state is saved per process
+    (:func:`check_resume_world`) or another distributed backend (:func:`check_resume_backend`) is refused before any
+    model or data loads.
     ``without_deepspeed``: the error for a recipe that does not run under DeepSpeed, raised before the
     folder is touched when a DeepSpeed config launched it;
     ``without_fsdp`` the same for an FSDP config. ``check``: the recipe's own checks of the parsed config
@@ -192,7 +193,8 @@ def start_run(config_cls: type, argv: list[str] | None = None, *, resume_safe: I
     resume = check_resume(cfg, out, resume_safe) if cfg.resume is not None else None
     accelerator = make_accelerator(cfg, out)
     if resume is not None:  # world size and backend are known once the accelerator exists; still before any model loads
-        check_resume_world(resume, accelerator.num_processes)
+        check_resume_world(resume, accelerator.num_processes, global_batch(cfg, accelerator.num_processes),
+                           getattr(cfg, "micro_batch_size", None))
         check_resume_backend(resume, checkpoint_backend(accelerator))
     setup_threads(cfg.threads, accelerator.is_main_process)  # every core, even under `accelerate launch`
     if accelerator.is_main_process:
@@ -212,23 +214,58 @@ def check_resume(cfg: Any, out: Path, resume_safe: Iterable[str] = ()) -> Path:
 
 
 class WorldSizeMismatch(ckpt.CheckpointError):
-    """A resume on another number of processes than the checkpoint was written by."""
+    """A resume whose global batch differs from the checkpoint's, or on another number of processes where the
+    checkpoint's state is saved per process."""
 
 
-def check_resume_world(path: Path, num_processes: int) -> None:
-    """Refuse to resume checkpoint ``path`` on another number of processes than wrote it.
+def global_batch(cfg: Any, num_processes: int | None) -> int | None:
+    """Blocks per optimizer step: micro_batch_size × grad_accum × processes (None where one is not known)."""
+    batch = (getattr(cfg, "micro_batch_size", None), getattr(cfg, "grad_accum", None), num_processes)
+    return math.prod(batch) if None not in batch else None
 
-    The global batch counts the processes, the data order starts step t at about t × global batch, a token
-    budget (``max_tokens``) sets the step count from it, and each rank restores its own RNG state: on another
-    world size the resumed run would silently train on other data for another number of steps. A checkpoint
-    from before the world size was recorded is accepted unchecked.
+
+def check_resume_world(path: Path, num_processes: int, global_batch: int | None = None,
+                       micro_batch_size: int | None = None) -> None:
+    """Refuse to resume checkpoint ``path`` where the rest of the run would not be the one it started.
+
+    The data order starts step t at t × global batch (blocks per step: micro_batch_size × grad_accum × processes)
+    and a token budget (``max_tokens``) sets the step count from it, so the global batch must stay what it was:
+    otherwise the resumed run would silently train on other data for another number of steps. The number of
+    processes may change with it (a node lost, or more GPUs), e.g. 2 processes × grad_accum 1 resumed on 1
+    process × grad_accum 2, but only where the checkpoint holds the whole optimizer state (DDP or one process):
+    DeepSpeed and FSDP save it in shards, one per process. The ranks' random states then differ from an
+    uninterrupted run's and their own states (queued rollout rows) are dropped, so sampled steps differ;
+    deterministic ones do not, up to the order of floating-point sums. A checkpoint from before these were recorded is accepted
+    unchecked. ``micro_batch_size``: this run's, for the fix the error names.
     """
-    saved = ckpt.read_state(path).get("num_processes")
-    if saved is not None and saved != num_processes:
-        raise WorldSizeMismatch(
-            f"checkpoint {path} was written by {saved} process{'es' * (saved != 1)} but this run has "
-            f"{num_processes}; the data order and step count depend on the world size: launch with {saved} "
-            f"process{'es' * (saved != 1)} (accelerate launch --num_processes {saved}) to resume it")
+    state = ckpt.read_state(path)
+    saved, saved_batch = state.get("num_processes"), state.get("global_batch")
+    if saved is None:
+        return
+    plural = "es" * (saved != 1)
+    if saved != num_processes:
+        if state.get("backend") != "plain" or saved_batch is None:
+            why = (f"{BACKENDS[state['backend']][0]} saves the optimizer state per process" if state.get("backend")
+                   in BACKENDS else "it does not record how its state is laid out")
+            raise WorldSizeMismatch(
+                f"checkpoint {path} was written by {saved} process{plural} but this run has {num_processes}, and "
+                f"{why}: launch with {saved} process{plural} (accelerate launch --num_processes {saved}) to resume it")
+    if saved_batch is None or global_batch is None or saved_batch == global_batch:
+        return
+    raise WorldSizeMismatch(
+        f"checkpoint {path} trained on {saved_batch} blocks per step but this run takes {global_batch}; the data "
+        f"order and step count depend on it: {_global_batch_fix(saved_batch, num_processes, micro_batch_size)}")
+
+
+def _global_batch_fix(blocks: int, num_processes: int, micro_batch_size: int | None) -> str:
+    """How to take ``blocks`` per step on ``num_processes`` processes (micro_batch_size × grad_accum each)."""
+    if blocks % num_processes:
+        return (f"launch with a number of processes that divides {blocks} (it was written by "
+                f"{blocks} blocks = micro_batch_size × grad_accum × processes)")
+    per = blocks // num_processes
+    micro = max(d for d in range(1, min(per, micro_batch_size or per) + 1) if per % d == 0)
+    return (f"set micro_batch_size={micro} grad_accum={per // micro} (micro_batch_size × grad_accum × {num_processes} "
+            f"process{'es' * (num_processes != 1)} = {blocks})")
 
 
 def finish_run(cfg: Any, accelerator: Accelerator, out: Path, summary: dict[str, Any],
@@ -508,10 +545,8 @@ class Run:
         self.out = Path(cfg.output_dir).expanduser()
         self.main = accelerator.is_main_process
         world = getattr(accelerator, "num_processes", None)
-        batch = (getattr(cfg, "micro_batch_size", None), getattr(cfg, "grad_accum", None), world)
         self.state = TrainerState(environment=environment(), num_processes=world,
-                                  global_batch=math.prod(batch) if None not in batch else None,
-                                  backend=checkpoint_backend(accelerator))
+                                  global_batch=global_batch(cfg, world), backend=checkpoint_backend(accelerator))
         self.tracker_project, self.progress = tracker_project, progress
         self.bar = None
         self._t_step = 0.0
@@ -520,6 +555,7 @@ class Run:
         self.rss = PeakRSS()  # peak memory per phase: setup, train, eval_save, after
         self.loop_tokens = 0
         self.resumed_from: Path | None = None
+        self.resharded = False  # resumed on another number of processes than the checkpoint's (check_resume_world)
         self._plotted_evals = 0  # len(state.evals) at the last plot: a new evaluation redraws loss.png
         self._plot_failed = False
 
@@ -534,9 +570,11 @@ class Run:
             return self.state
         path = ckpt.resolve_resume(self.cfg.resume, self.out)  # its config was checked by start_run
         if self.state.num_processes is not None:  # start_run checked the run's own; an ablation's is checked here
-            check_resume_world(path, self.state.num_processes)
+            check_resume_world(path, self.state.num_processes, self.state.global_batch,
+                               getattr(self.cfg, "micro_batch_size", None))
         check_resume_backend(path, self.state.backend)
         saved = ckpt.read_state(path)
+        self.resharded = saved.get("num_processes") not in (None, self.state.num_processes)
         try:
             self.accelerator.load_state(str(path))
         except Exception as err:  # noqa: BLE001 - a torn or foreign checkpoint
@@ -548,6 +586,11 @@ class Run:
         self.resumed_from = path
         if self.main:
             print(f"resumed from {path} at step {self.state.step}")
+            if self.resharded:
+                print(f"note: the checkpoint was written by {saved['num_processes']} processes and this run has "
+                      f"{self.state.num_processes}, with the same {self.state.global_batch} blocks per step: the "
+                      "data order is the same; the random states differ from an uninterrupted run's and queued "
+                      "rollout rows are dropped")
             if changed:  # allowed, but the rest of the run may not match an uninterrupted one
                 print(f"warning: the checkpoint was written under another environment ({'; '.join(changed)}); "
                       "the resumed steps may differ from an uninterrupted run's")
@@ -556,7 +599,7 @@ class Run:
     def rank_state(self) -> dict[str, Any]:
         """This rank's own state saved with the checkpoint resumed from ({} when none: a fresh run, an older
         checkpoint, or another world size)."""
-        if self.resumed_from is None:
+        if self.resumed_from is None or self.resharded:
             return {}
         path = self.resumed_from / f"rank{self.accelerator.process_index}_state.json"
         return json.loads(path.read_text()) if path.is_file() else {}

@@ -91,7 +91,9 @@ logger = get_logger(__name__)
 # max_steps may only grow. Anything else would make the finished model match neither config.
 RESUME_SAFE = ("eval_every", "log_every", "save_every", "keep_checkpoints", "tracker", "output_dir", "resume",
                "overwrite", "debug_exit_at_step", "gate", "gate_prompts", "gradient_checkpointing", "threads",
-               "longctx_lengths", "longctx_trials", "longctx_depths", "eval_cache_dir")
+               "longctx_lengths", "longctx_trials", "longctx_depths", "eval_cache_dir",
+               # the global batch they make with the processes is checked on resume (check_resume_world)
+               "micro_batch_size", "grad_accum")
 ATTN_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJ = ("gate_proj", "up_proj", "down_proj")
 

@@ -303,9 +303,28 @@ def _run_recipe(config: str, out: Path, cpu_ddp: bool, *extra: str, harness: Pat
 @needs_recipe
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_recipe_cpu_ddp_two_processes(tmp_path):
-    summary = _run_recipe("cpu_ddp_2proc.yaml", tmp_path / "run", cpu_ddp=True)
+def test_recipe_cpu_ddp_two_processes_and_its_resume_on_one(tmp_path):
+    """Then the step-2 checkpoint resumed on one process with grad_accum 2 (the same 4 blocks per step, the same
+    data order; a node lost): the last step gives the two-process run's weights, up to the order of sums."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    summary = _run_recipe("cpu_ddp_2proc.yaml", out, cpu_ddp=True)
     assert "deepspeed" not in summary
+    two = load_file(out / "final" / "model.safetensors")
+    proc = subprocess.run([sys.executable, str(RECIPE), "--config", str(TINY), f"output_dir={out}", "max_steps=3",
+                           "save_every=2", "seed=0", "grad_accum=2", f"resume={out / 'checkpoints' / 'step-2'}"],
+                          cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=420)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "written by 2 processes and this run has 1, with the same 4 blocks per step" in proc.stdout
+    one = load_file(out / "final" / "model.safetensors")
+    assert one.keys() == two.keys()
+    for name in two:
+        torch.testing.assert_close(one[name], two[name], rtol=1e-4, atol=1e-5, msg=name)
+    # (the last step did move the weights: the comparison is not of two copies of the checkpoint)
+    step2 = {k.removeprefix("student."): v for k, v in
+             load_file(out / "checkpoints" / "step-2" / "model.safetensors").items() if k.startswith("student.")}
+    assert step2.keys() == one.keys() and any(not torch.allclose(step2[k], one[k], rtol=1e-4, atol=1e-5) for k in one)
 
 
 @needs_recipe

@@ -328,10 +328,12 @@ def test_the_ranks_meet_before_the_gate_so_none_waits_for_it(tmp_path, monkeypat
 
 
 @pytest.mark.slow
-def test_a_resume_on_another_number_of_processes_is_refused_before_any_model_loads(tmp_path, monkeypatch):
-    """The global batch counts the processes and the data order follows it (a token budget sets the step count
-    from it too): a checkpoint resumes only on as many processes as wrote it, or the run would silently train on
-    other data. An older checkpoint, without the record, resumes unchecked."""
+def test_a_resume_keeps_the_global_batch_and_may_change_the_number_of_processes(tmp_path, monkeypatch):
+    """The data order and a token budget's step count follow the global batch (micro_batch_size × grad_accum ×
+    processes): a resume that changes it is refused before any model loads, naming a split that keeps it. The
+    number of processes may change with the global batch kept, where the checkpoint holds the whole optimizer
+    state (one process or DDP), not where it is saved per process (DeepSpeed). An older checkpoint, without the
+    record, resumes unchecked."""
     from core.config import ConfigError
     from distill.config import RESUME_SAFE, DistillConfig, check_sources
     from tests.helpers import ROOT
@@ -341,30 +343,53 @@ def test_a_resume_on_another_number_of_processes_is_refused_before_any_model_loa
     state_path = out / "checkpoints" / "step-2" / "trainer_state.json"
     state = json.loads(state_path.read_text())
     assert state["num_processes"] == 1 and state["global_batch"] == 2  # micro_batch_size 2 × grad_accum 1 × 1
+    assert state["backend"] == "plain"
 
-    def start(world: int):
+    def start(world: int, *extra: str):
         monkeypatch.setattr(training, "make_accelerator", lambda cfg, out: SimpleNamespace(
             num_processes=world, is_main_process=True, wait_for_everyone=lambda: None))
         monkeypatch.setattr(training, "setup_threads", lambda *args: None)
         return training.start_run(DistillConfig, ["--config", str(ROOT / "recipes/configs/tiny.yaml"),
-                                                  f"output_dir={out}", "resume=latest", "max_steps=4"],
+                                                  f"output_dir={out}", "resume=latest", "max_steps=4", *extra],
                                   resume_safe=RESUME_SAFE, check=check_sources)
 
-    with pytest.raises(ConfigError) as err:
-        start(2)
-    message = str(err.value)
-    assert "\n" not in message and "written by 1 process but this run has 2" in message
-    assert "launch with 1 process (accelerate launch --num_processes 1)" in message
-    start(1)  # the same world size passes
+    def refused(world: int, *extra: str) -> str:
+        with pytest.raises(ConfigError) as err:
+            start(world, *extra)
+        assert "\n" not in str(err.value)
+        return str(err.value)
 
-    del state["num_processes"], state["global_batch"]  # a checkpoint from before the record: accepted
-    state_path.write_text(json.dumps(state))
+    assert ("trained on 2 blocks per step but this run takes 4; the data order and step count depend on it: set "
+            "micro_batch_size=1 grad_accum=1 (micro_batch_size × grad_accum × 2 processes = 2)") in refused(2)
+    assert "set micro_batch_size=2 grad_accum=1 (micro_batch_size × grad_accum × 1 process = 2)" in refused(
+        1, "grad_accum=2")
+    assert "launch with a number of processes that divides 2" in refused(4, "micro_batch_size=1")
+    start(2, "micro_batch_size=1")  # two processes taking one block each: the same data order
+    start(1, "micro_batch_size=1", "grad_accum=2")  # one process, two micro-batches of one block
+
+    state_path.write_text(json.dumps({**state, "backend": "deepspeed zero-3"}))
+    assert ("written by 1 process but this run has 2, and DeepSpeed ZeRO-3 saves the optimizer state per process: "
+            "launch with 1 process (accelerate launch --num_processes 1) to resume it") in refused(
+        2, "micro_batch_size=1")
+    start(1)  # the same world size passes whatever the backend (check_resume_backend checks that)
+
+    older = {k: v for k, v in state.items() if k not in ("num_processes", "global_batch", "backend")}
+    state_path.write_text(json.dumps(older))  # a checkpoint from before the record: accepted
     start(2)
-    state_path.write_text(json.dumps({**state, "num_processes": 1, "global_batch": 2}))
+    state_path.write_text(json.dumps(state))
 
     proc = _distill([f"output_dir={out}", "resume=latest", "max_steps=4", "save_every=2", "eval_every=0"])
     assert f"resumed from {out / 'checkpoints' / 'step-2'} at step 2" in proc.stdout
+    assert "note: the checkpoint was written by" not in proc.stdout
     assert json.loads((out / "checkpoints" / "step-4" / "trainer_state.json").read_text())["num_processes"] == 1
+
+
+def test_the_fix_for_a_changed_global_batch_keeps_each_process_micro_batch_when_it_can():
+    fix = training._global_batch_fix
+    assert fix(8, 2, 2) == "set micro_batch_size=2 grad_accum=2 (micro_batch_size × grad_accum × 2 processes = 8)"
+    assert fix(8, 2, 3).startswith("set micro_batch_size=2 grad_accum=2")  # 3 does not divide 4 blocks per process
+    assert fix(12, 1, 5).startswith("set micro_batch_size=4 grad_accum=3")
+    assert fix(6, 4, 1).startswith("launch with a number of processes that divides 6")
 
 
 @pytest.mark.parametrize("tracker", ["wandb", "tensorboard"])
