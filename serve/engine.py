@@ -43,6 +43,7 @@ from serve.model import DecoderModel
 from serve.prefix_cache import PrefixCache
 from serve.quantize import is_quantized
 from serve.sampling import Penalties, SamplingParams, TokenLogprobs, sample, token_logprobs, tokens_logprobs
+from serve.structured import Constraint, Grammars
 from serve.text import TextStream
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,7 @@ class Request:
         # One per token of out_ids when the params ask (append-only: a reader may index it from another thread).
         self.logprobs: list[TokenLogprobs] | None = None if params.logprobs is None else []
         self.penalties = Penalties(params, prompt_ids) if params.penalized else None
+        self.constraint: Constraint | None = None  # params.grammar's matcher (Engine.submit makes it)
         self.prompt_logprobs: list[TokenLogprobs | None] | None = None if params.prompt_logprobs is None else [None]
         self.row = -1
         self.pos = -1  # absolute position of the last token fed to the model
@@ -102,6 +104,18 @@ class Request:
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def adjusted(self) -> bool:
+        """Whether its tokens are chosen from other logits than the model's (penalties, logit bias, a grammar)."""
+        return self.penalties is not None or self.constraint is not None
+
+    def choice_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The ``[vocab]`` logits its next token is chosen from: the model's, penalized, biased, then masked to
+        what its grammar can take."""
+        if self.penalties is not None:
+            logits = self.penalties(logits)
+        return logits if self.constraint is None else self.constraint(logits)
 
     def result(self) -> Completion:
         return Completion(self.text.text, list(self.out_ids), self.finish_reason or "", len(self.prompt_ids),
@@ -330,6 +344,7 @@ class Engine:
         self.trim_every_s: float | None = 10.0
         self.trims = 0
         self._waiting: deque[Request] = deque()
+        self._grammars: Grammars | None = None  # structured output, made at the first grammar (see grammars)
         self._calls: deque[Callable[[], None]] = deque()  # for the loop's thread, between steps (_on_loop)
         self._rows: list[Request | None] = []
         self._lock = threading.Condition()
@@ -432,6 +447,15 @@ class Engine:
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise ValueError(f"logit_bias names token {max(params.logit_bias)} but the model's vocabulary has {vocab} "
                              f"tokens (ids 0 to {vocab - 1}); drop it")
+        if params.grammar is not None:
+            self.grammars.check(params.grammar)  # GrammarError is a ValueError
+
+    @property
+    def grammars(self) -> Grammars:
+        """The compiler of requests' grammars (structured output), made at the first one."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.model.config.vocab_size, self.stop_ids)
+        return self._grammars
 
     def _ensure_cache(self, rows: int) -> KVCache:
         """Grow the cache to ``rows`` rows (only when a request is admitted: never inside a forward)."""
@@ -456,6 +480,8 @@ class Engine:
         prompt_ids = [int(t) for t in prompt_ids]
         self.check_request(len(prompt_ids), params)
         req = Request(prompt_ids, params, on_event, self.tokenizer, self.stop_ids)
+        if params.grammar is not None:
+            req.constraint = self.grammars.constraint(params.grammar)
         with self._lock:
             self._waiting.append(req)
             self._lock.notify_all()
@@ -519,11 +545,13 @@ class Engine:
             req.logprobs.append(token_logprobs(logits, token, req.params.logprobs))
         if req.penalties is not None:
             req.penalties.add(token)
+        if req.constraint is not None:
+            req.constraint.consume(token)
         req.out_ids.append(token)
         delta = req.text.push(token)
         if req.on_event is not None:
             req.on_event(delta, token, None)
-        if req.text.stopped:
+        if req.text.stopped or (req.constraint is not None and req.constraint.done):
             self._finish(req, "stop")
         elif len(req.out_ids) >= req.params.max_new_tokens:
             self._finish(req, "length")
@@ -645,7 +673,7 @@ class Engine:
         if req.prefilled < n:
             return budget
         req.pos = n - 1
-        token = sample(logits if req.penalties is None else req.penalties(logits), req.params, req.generator)
+        token = sample(req.choice_logits(logits), req.params, req.generator)
         self._accept(req, token, logits)
         if not req.done:
             self._tokens[req.row] = token
@@ -828,10 +856,9 @@ class Engine:
         # Per-row work is isolated: a row whose sampling, detokenization or callback raises is finished
         # with "error" and freed; the forward above is shared, so its failure is left to the caller.
         for r in active:
-            if r.penalties is not None or not r.params.greedy:  # (greedy without penalties: the argmax above)
+            if r.adjusted or not r.params.greedy:  # (greedy on the model's own logits: the argmax above)
                 try:
-                    row = logits[r.row] if r.penalties is None else r.penalties(logits[r.row])
-                    nxt[r.row] = sample(row, r.params, r.generator)
+                    nxt[r.row] = sample(r.choice_logits(logits[r.row]), r.params, r.generator)
                 except Exception as e:
                     self._fail(r, e)
         self._tokens[:hi].copy_(nxt)

@@ -1,7 +1,8 @@
 """Stream a completion to the terminal.
 
     python -m serve.generate --model DIR --prompt "Once upon a time" [--chat] [--max-new-tokens 128] \
-        [--temperature 0] [--top-k 0] [--top-p 1] [--seed 0] [--stop STR ...]
+        [--temperature 0] [--top-k 0] [--top-p 1] [--seed 0] [--stop STR ...] [--json | --json-schema SCHEMA |
+        --regex PATTERN]
 
 ``--temperature 0`` is greedy. A model whose ``config.json`` carries ``"hybrid_attention"`` decodes
 with the bounded KV cache.
@@ -10,8 +11,10 @@ with the bounded KV cache.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
+from pathlib import Path
 
 from serve.engine import HelpFormatter
 from serve.sampling import SamplingParams
@@ -33,10 +36,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="divide positive logits of tokens already in the prompt or output by this (1: off)")
     p.add_argument("--frequency-penalty", type=float, default=0.0,
                    help="subtract this times a token's count in the output from its logit, in [-2, 2] (0: off)")
+    structured = p.add_mutually_exclusive_group()
+    structured.add_argument("--json", action="store_true", help="answer with a JSON object (structured output)")
+    structured.add_argument("--json-schema", default=None, metavar="SCHEMA",
+                            help="answer with JSON that matches this schema: a file, or the schema itself as JSON")
+    structured.add_argument("--regex", default=None, help="answer with text that matches this regular expression")
     p.add_argument("--max-seq-len", type=int, default=None,
                    help="context limit, at most the model's max_position_embeddings (unset: the model's)")
     p.add_argument("--device", default=None, help="auto / cpu / cuda / cuda:N (unset: cuda when available)")
     return p.parse_args(argv)
+
+
+def grammar_from_args(args: argparse.Namespace):
+    """The structured-output grammar the flags ask for (None: free text), checked before any model loads."""
+    from serve.structured import Grammar
+
+    if args.json:
+        grammar = Grammar.json_object()
+    elif args.regex is not None:
+        grammar = Grammar.regex(args.regex)
+    elif args.json_schema is not None:
+        text = args.json_schema
+        if not text.lstrip().startswith("{"):
+            try:
+                text = Path(text).read_text()
+            except OSError as e:
+                raise ValueError(f"--json-schema {args.json_schema}: {e.strerror}; pass a schema file or the schema "
+                                 "as JSON") from None
+        try:
+            grammar = Grammar.json_schema(json.loads(text))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--json-schema is not JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    else:
+        return None
+    grammar.validate()
+    return grammar
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                 top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=tuple(args.stop or ()),
-                                repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty)
+                                repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
+                                grammar=grammar_from_args(args))
         from core.models import resolve_model_path
         from serve.engine import Engine
 

@@ -8,6 +8,8 @@ import math
 
 import torch
 
+from serve.structured import Grammar
+
 # Below this a temperature is greedy in all but name, and dividing fp32 logits by it overflows; callers
 # who mean greedy say temperature=0.
 MIN_TEMPERATURE = 1e-3
@@ -38,6 +40,8 @@ class SamplingParams:
     the prompt or the output (1: off). ``logit_bias`` adds ``{token_id: bias}`` (each in [-100, 100]) to those
     logits before the token is chosen; -100 all but bans a token and +100 all but forces it, the log-probabilities
     stay the model's. The penalties and the bias change what is sampled, greedy included (:class:`Penalties`).
+    ``grammar`` (:class:`serve.structured.Grammar`: a JSON schema, any JSON object, a regular expression) allows
+    only the tokens that keep the output on it, and the request ends when it is whole.
     """
 
     max_new_tokens: int = 128
@@ -54,6 +58,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

@@ -32,7 +32,11 @@ and top-p (as vLLM reports them by default), in OpenAI's formats; streamed, each
 Completions' ``echo`` puts the prompt before each choice's text (streamed: a chunk of its own before the first
 token's), and with ``logprobs`` the prompt tokens' too (the first one's null: nothing predicts it), so a client can
 score a text by its log-likelihood. ``logit_bias`` (``{"token id": bias}``, each in [-100, 100], at most 300) is
-added to the logits each token is chosen from, greedy included; the log-probabilities stay the model's. Accepted and ignored, because none can change the output: ``user``, ``metadata``,
+added to the logits each token is chosen from, greedy included; the log-probabilities stay the model's.
+``response_format`` (both endpoints) asks for structured output: ``{"type": "json_object"}`` any JSON object,
+``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}`` JSON that matches the schema
+(:mod:`serve.structured`; a schema its compiler refuses gets 400). The reply is whole unless ``max_tokens`` cuts it
+(``finish_reason`` ``"length"``). Accepted and ignored, because none can change the output: ``user``, ``metadata``,
 ``store``, ``service_tier``, ``parallel_tool_calls``, ``safety_identifier``, ``prompt_cache_key``. Chat
 messages: ``developer`` is templated as ``system``; a message ``name`` (a string) is accepted and not shown to the
 model, as chat templates drop it. ``max_tokens`` and
@@ -93,6 +97,7 @@ from serve.sampling import (
     SamplingParams,
     TokenLogprobs,
 )
+from serve.structured import Grammar, GrammarError
 from serve.text import token_bytes
 
 API_KEY_ENV = "HYBRID_DISTILL_API_KEY"
@@ -184,7 +189,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 # endpoint (OWN).
 IMPLEMENTED = ("model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature", "top_p",
                "top_k", "n", "seed", "stop", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty",
-               "logit_bias")
+               "logit_bias", "response_format")
 # Accepted and ignored: none of them can change what is generated.
 IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "safety_identifier",
            "prompt_cache_key")
@@ -193,7 +198,7 @@ NEUTRAL = {
     "completions": {"best_of": (1,), "suffix": ("",)},
     "chat": {"tools": ([],), "functions": ([],),
              "tool_choice": ("none", "auto"), "function_call": ("none", "auto"), "modalities": (["text"],),
-             "response_format": ({"type": "text"},), "audio": (), "prediction": (), "web_search_options": (),
+             "audio": (), "prediction": (), "web_search_options": (),
              "reasoning_effort": (), "verbosity": ()},
 }
 # One endpoint's own: completions' ``logprobs`` is a count (0: the generated token's alone) and ``echo`` returns the
@@ -305,6 +310,30 @@ def _logit_bias(body: dict[str, Any], vocab: int | None) -> dict[int, float] | N
     return out
 
 
+def _response_format(body: dict[str, Any]) -> Grammar | None:
+    """``response_format``: ``{"type": "text"}`` (nothing), ``{"type": "json_object"}`` (any JSON object) or
+    ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}`` (JSON that matches the schema)."""
+    rf = body.get("response_format")
+    if rf is None:
+        return None
+    if not isinstance(rf, dict):
+        raise BadRequest(f"'response_format' must be an object, got {_type_name(rf)}", "response_format",
+                         "invalid_type")
+    kind = rf.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Grammar.json_object()
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        if not (isinstance(spec, dict) and isinstance(spec.get("schema"), dict)):
+            raise BadRequest("'response_format' of type json_schema needs \"json_schema\": {\"name\": ..., \"schema\": "
+                             "{...}} with the schema an object", "response_format")
+        return Grammar.json_schema(spec["schema"])
+    raise BadRequest(f"'response_format' type must be text, json_object or json_schema, got {str(kind)[:40]!r}",
+                     "response_format")
+
+
 def _sampling(body: dict[str, Any], n_prompt: int, max_seq_len: int, default_max: int | None,
               chat: bool = False, vocab: int | None = None) -> SamplingParams:
     """The request's sampling fields, each checked; ``default_max`` caps ``max_tokens`` when it is absent;
@@ -347,7 +376,8 @@ def _sampling(body: dict[str, Any], n_prompt: int, max_seq_len: int, default_max
     return SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                           seed=seed, stop=tuple(stop), ignore_eos=_bool(body, "ignore_eos", False),
                           logprobs=logprobs, prompt_logprobs=logprobs if echo else None,
-                          repetition_penalty=repetition, logit_bias=_logit_bias(body, vocab), **penalties)
+                          repetition_penalty=repetition, logit_bias=_logit_bias(body, vocab),
+                          grammar=_response_format(body), **penalties)
 
 
 def _completion_prompt(body: dict[str, Any], vocab: int) -> str | list[int]:
@@ -676,7 +706,8 @@ class OpenAIRoutes:
             except ValueError as e:
                 for req in reqs:
                     self.engine.cancel(req)
-                raise BadRequest(str(e)) from None  # the engine's or the sampler's own limits
+                # the engine's or the sampler's own limits, or a schema the grammar compiler refuses
+                raise BadRequest(str(e), "response_format" if isinstance(e, GrammarError) else None) from None
         except AtCapacity:
             aengine.metrics.inc("request_errors_total")
             aengine.metrics.inc("requests_rejected_total")
