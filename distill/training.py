@@ -235,8 +235,8 @@ def check_resume_world(path: Path, num_processes: int, global_batch: int | None 
     process × grad_accum 2, but only where the checkpoint holds the whole optimizer state (DDP or one process):
     DeepSpeed and FSDP save it in shards, one per process. The ranks' random states then differ from an
     uninterrupted run's and their own states (queued rollout rows) are dropped, so sampled steps differ;
-    deterministic ones do not, up to the order of floating-point sums. A checkpoint from before these were recorded is accepted
-    unchecked. ``micro_batch_size``: this run's, for the fix the error names.
+    deterministic ones do not, up to the order of floating-point sums. A checkpoint from before these were
+    recorded is accepted unchecked. ``micro_batch_size``: this run's, for the fix the error names.
     """
     state = ckpt.read_state(path)
     saved, saved_batch = state.get("num_processes"), state.get("global_batch")
@@ -260,8 +260,8 @@ def check_resume_world(path: Path, num_processes: int, global_batch: int | None 
 def _global_batch_fix(blocks: int, num_processes: int, micro_batch_size: int | None) -> str:
     """How to take ``blocks`` per step on ``num_processes`` processes (micro_batch_size × grad_accum each)."""
     if blocks % num_processes:
-        return (f"launch with a number of processes that divides {blocks} (it was written by "
-                f"{blocks} blocks = micro_batch_size × grad_accum × processes)")
+        return (f"launch with a number of processes that divides {blocks}, and set micro_batch_size × grad_accum × "
+                f"processes = {blocks}")
     per = blocks // num_processes
     micro = max(d for d in range(1, min(per, micro_batch_size or per) + 1) if per % d == 0)
     return (f"set micro_batch_size={micro} grad_accum={per // micro} (micro_batch_size × grad_accum × {num_processes} "
