@@ -541,12 +541,12 @@ class Engine:
             req.stop_token = token
             self._finish(req, "stop")
             return
+        if req.constraint is not None:  # first: a token its grammar refuses fails the request with nothing recorded
+            req.constraint.consume(token)
         if req.logprobs is not None:  # before the token is recorded: a failure leaves the two lists equal
             req.logprobs.append(token_logprobs(logits, token, req.params.logprobs))
         if req.penalties is not None:
             req.penalties.add(token)
-        if req.constraint is not None:
-            req.constraint.consume(token)
         req.out_ids.append(token)
         delta = req.text.push(token)
         if req.on_event is not None:
