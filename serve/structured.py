@@ -8,9 +8,9 @@ nothing more. A stop token is allowed exactly where the grammar may end, so the 
 ``max_new_tokens`` cuts it (``"length"``, as for any request). Log-probabilities stay the model's own.
 
 Why llguidance: the token-level matching of a grammar against a byte-level BPE vocabulary (a token may hold part of
-a JSON string, a closing quote and a comma at once) is the hard part, and it is what llguidance does, in Rust, in
-tens of microseconds per token; it is the structured-output backend of vLLM and llama.cpp, a small wheel with no
-dependencies. This file only compiles requests' grammars, keeps one matcher per request and turns its bitmask into
+a JSON string, a closing quote and a comma at once) is the hard part, and it is what llguidance does, in Rust (the
+mask and its logits take ~0.15 ms a token on the demo model here, `bench/structured.py`); it is a structured-output
+backend of vLLM and llama.cpp, a small wheel with no dependencies. This file only compiles requests' grammars, keeps one matcher per request and turns its bitmask into
 logits. JSON is compact by default (``", "`` and ``": "`` between items, no other whitespace): a free-whitespace
 grammar lets a small model spend its whole budget on newlines before the first key.
 """
