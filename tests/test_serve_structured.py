@@ -141,6 +141,16 @@ def test_a_grammar_that_does_not_compile_is_refused_at_submit_in_one_line(engine
     assert "\n" not in str(err.value) and engine.num_waiting == 0
 
 
+def test_without_llguidance_a_grammar_names_the_install(model_dir, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # as if not installed: importing it raises ImportError
+    fresh = Engine(model_dir, max_batch=1, max_seq_len=64)
+    with pytest.raises(GrammarError, match=r'structured output needs llguidance: pip install -e "\.\[serve\]"'):
+        fresh.submit(fresh.encode("hi"), SamplingParams(max_new_tokens=4, grammar=Grammar.json_object()))
+    assert fresh.generate(["hi"], SamplingParams(max_new_tokens=2))[0].token_ids  # the rest still serves
+
+
 def test_grammar_kinds_are_checked():
     with pytest.raises(ValueError, match="grammar kind must be one of"):
         Grammar("lark", "start: 'a'")
