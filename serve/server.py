@@ -698,6 +698,9 @@ class OpenAIRoutes:
             try:
                 params = _sampling(body, len(prompt_ids), self.engine.max_seq_len, None if chat else 16, chat,
                                    self.vocab)
+                if params.grammar is not None:  # compiled in the worker thread: the event loop never waits on it
+                    await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, self.engine.grammars.check,
+                                                                     params.grammar)
                 for i in range(n):
                     # With a seed the whole reply repeats: choice i samples with seed + i.
                     seed = None if params.seed is None else (params.seed + i) % (_UINT64_MAX + 1)

@@ -103,7 +103,9 @@ class Grammars:
     def __init__(self, tokenizer, vocab: int, stop_ids: set[int]) -> None:
         self.hf_tokenizer, self.vocab, self.stop_ids = tokenizer, vocab, sorted(stop_ids)
         self._tokenizer = None
-        self._checked: dict[Grammar, str] = {}  # grammar -> its llguidance source, once it compiled
+        # grammar -> a compiled matcher at its start, copied for each request (compiling takes milliseconds for an
+        # ordinary schema, up to a second for a huge one; a copy takes microseconds). The recent ones are kept.
+        self._compiled: dict[Grammar, Any] = {}
 
     @property
     def tokenizer(self):
@@ -116,19 +118,25 @@ class Grammars:
                 raise GrammarError(f"structured output needs a fast tokenizer ({e})") from None
         return self._tokenizer
 
-    def check(self, grammar: Grammar) -> str:
-        """``grammar``'s llguidance source; a grammar that does not compile raises :class:`GrammarError` (one line)."""
-        if grammar not in self._checked:
+    def check(self, grammar: Grammar) -> None:
+        """Compile ``grammar`` against the vocabulary, once (a server calls this off its event loop); one that does
+        not compile raises :class:`GrammarError` (one line)."""
+        self._matcher(grammar)
+
+    def _matcher(self, grammar: Grammar):
+        matcher = self._compiled.get(grammar)
+        if matcher is None:
             source = grammar.source()
             _check(grammar, source, self.tokenizer)
-            if len(self._checked) > 256:  # a server sees many schemas: keep the recent ones
-                self._checked.pop(next(iter(self._checked)))
-            self._checked[grammar] = source
-        return self._checked[grammar]
+            matcher = _llguidance().LLMatcher(self.tokenizer, source, log_level=0)
+            if len(self._compiled) >= 256:
+                self._compiled.pop(next(iter(self._compiled)), None)
+            self._compiled[grammar] = matcher
+        return matcher
 
     def constraint(self, grammar: Grammar) -> Constraint:
-        """A fresh matcher for one request."""
-        return Constraint(_llguidance().LLMatcher(self.tokenizer, self.check(grammar), log_level=0), self.vocab)
+        """A fresh matcher for one request: a copy of the compiled one."""
+        return Constraint(self._matcher(grammar).deep_copy(), self.vocab)
 
 
 class Constraint:

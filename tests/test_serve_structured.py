@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import httpx
 import pytest
@@ -158,10 +159,12 @@ def test_grammar_kinds_are_checked():
         Grammar.regex("")
 
 
-def test_server_response_format_json_schema_and_json_object(model_dir):
+def test_server_response_format_json_schema_and_json_object(model_dir, monkeypatch):
     engine = Engine(model_dir, max_batch=2, max_seq_len=256)
     msg = [{"role": "user", "content": "who are you?"}]
     schema_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
+    compiled_on, source = [], Grammar.source  # a grammar's source is made only when it is compiled
+    monkeypatch.setattr(Grammar, "source", lambda g: compiled_on.append(threading.current_thread().name) or source(g))
     with ServerThread(create_app(engine, model_name="tiny")) as srv, httpx.Client(base_url=srv.url, timeout=60) as c:
         chat = c.post("/v1/chat/completions", json={"messages": msg, "max_tokens": 80, "temperature": 0,
                                                     "response_format": schema_format})
@@ -187,6 +190,9 @@ def test_server_response_format_json_schema_and_json_object(model_dir):
     assert [r.status_code for r in bad] == [400] * 5
     assert [r.json()["error"]["param"] for r in bad] == ["response_format"] * 5
     assert "objecto" in bad[-1].json()["error"]["message"]
+    # Each grammar is compiled in the tokenizing thread, never on the event loop (the engine then finds it
+    # compiled): the schema, any object and the refused one.
+    assert len(compiled_on) == 3 and all(name.startswith("tokenize") for name in compiled_on), compiled_on
 
 
 def test_generate_cli_answers_in_the_format_and_refuses_a_bad_one_before_loading(model_dir, tmp_path, capsys,
