@@ -69,7 +69,6 @@ class Grammar:
         except ValueError as e:  # not a JSON object at all
             raise GrammarError(f"the JSON schema is not a JSON object ({e})") from None
 
-
     def validate(self) -> None:
         """Raise :class:`GrammarError` (one line) if the grammar does not compile, without a tokenizer (so before a
         model loads); :meth:`Grammars.check` compiles it against the vocabulary too."""
@@ -93,8 +92,8 @@ def _llguidance():
 
 
 class Grammars:
-    """One engine's grammar compiler: the tokenizer in llguidance's form (built at the first grammar, about a second
-    for a large vocabulary), the check of a request's grammar and the matcher each request gets.
+    """One engine's grammar compiler: the tokenizer in llguidance's form (built at the first grammar), the check of
+    a request's grammar and the matcher each request gets.
 
     ``vocab``: the model's logits width (may exceed the tokenizer's); ``stop_ids``: the tokens that end a request,
     allowed wherever the grammar may end.
@@ -104,7 +103,8 @@ class Grammars:
         self.hf_tokenizer, self.vocab, self.stop_ids = tokenizer, vocab, sorted(stop_ids)
         self._tokenizer = None
         # grammar -> a compiled matcher at its start, copied for each request (compiling takes milliseconds for an
-        # ordinary schema, up to a second for a huge one; a copy takes microseconds). The recent ones are kept.
+        # ordinary schema and far longer for a huge one; a copy is cheap). At most 256, the first compiled dropped
+        # first.
         self._compiled: dict[Grammar, Any] = {}
 
     @property
