@@ -90,6 +90,7 @@ def main() -> None:
         return isinstance(obj, dict) and set(SCHEMA["required"]) <= set(obj)
 
     whole = [c for c in outputs if c.finish_reason == "stop"]
+    n_valid = sum(valid(c.text) for c in whole)
     # The grammar's own work, replayed on the constrained outputs: a mask per generated token.
     mask_s, masked = 0.0, 0
     logits = torch.zeros(engine.model.config.vocab_size)
@@ -107,7 +108,7 @@ def main() -> None:
         print(f"{k:<12} {sum(tokens[k]):>7} {sum(seconds[k]):>8.2f} {1e3 * per_token[k]:>9.2f}")
     mask_ms = 1e3 * mask_s / max(1, masked)
     print(f"constrained replies whole: {len(whole)}/{len(outputs)}, of those valid JSON with the required keys: "
-          f"{sum(valid(c.text) for c in whole)}/{len(whole)}; grammar mask {mask_ms:.3f} ms/token "
+          f"{n_valid}/{len(whole)}; grammar mask {mask_ms:.3f} ms/token "
           f"(median round {statistics.median(seconds['json_schema']):.2f}s constrained vs "
           f"{statistics.median(seconds['free']):.2f}s free)")
     print(json_line({"model": args.model, "batch": args.batch, "new_tokens": args.new_tokens, "reps": args.reps,
@@ -115,7 +116,7 @@ def main() -> None:
                      "ms_per_token_json_schema": 1e3 * per_token["json_schema"],
                      "overhead_ratio": per_token["json_schema"] / per_token["free"],
                      "grammar_mask_ms_per_token": mask_ms, "replies": len(outputs), "replies_whole": len(whole),
-                     "replies_valid": sum(valid(c.text) for c in whole)}))
+                     "replies_valid": n_valid}))
 
 
 if __name__ == "__main__":

@@ -286,9 +286,9 @@ def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
     return top or 0
 
 
-def _logit_bias(body: dict[str, Any], vocab: int | None) -> dict[int, float] | None:
-    """``logit_bias``: an object of token ids (JSON keys, so strings of digits) to biases in [-100, 100]; ``vocab``
-    bounds the ids (None: the engine checks them)."""
+def _logit_bias(body: dict[str, Any], vocab: int) -> dict[int, float] | None:
+    """``logit_bias``: an object of token ids (JSON keys, so strings of digits) in [0, ``vocab``) to biases in
+    [-100, 100]."""
     bias = body.get("logit_bias")
     if bias is None:
         return None
@@ -299,9 +299,8 @@ def _logit_bias(body: dict[str, Any], vocab: int | None) -> dict[int, float] | N
         raise BadRequest(f"'logit_bias' may hold at most {MAX_BIASED_TOKENS} tokens, got {len(bias)}", "logit_bias")
     out = {}
     for key, value in bias.items():
-        if not (key.isascii() and key.isdigit() and len(key) <= 12 and (vocab is None or int(key) < vocab)):
-            raise BadRequest(f"'logit_bias' keys must be token ids{f' in [0, {vocab})' if vocab else ''}, got "
-                             f"{key[:40]!r}", "logit_bias")
+        if not (key.isascii() and key.isdigit() and len(key) <= 12 and int(key) < vocab):
+            raise BadRequest(f"'logit_bias' keys must be token ids in [0, {vocab}), got {key[:40]!r}", "logit_bias")
         if isinstance(value, bool) or not isinstance(value, (int, float)) \
                 or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:  # (NaN fails the range)
             raise BadRequest(f"'logit_bias' values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got "
@@ -334,10 +333,10 @@ def _response_format(body: dict[str, Any]) -> Grammar | None:
                      "response_format")
 
 
-def _sampling(body: dict[str, Any], n_prompt: int, max_seq_len: int, default_max: int | None,
-              chat: bool = False, vocab: int | None = None) -> SamplingParams:
+def _sampling(body: dict[str, Any], n_prompt: int, max_seq_len: int, default_max: int | None, chat: bool,
+              vocab: int) -> SamplingParams:
     """The request's sampling fields, each checked; ``default_max`` caps ``max_tokens`` when it is absent;
-    ``vocab`` bounds ``logit_bias``'s token ids (None: the engine checks them)."""
+    ``vocab`` bounds ``logit_bias``'s token ids."""
     room = max_seq_len - n_prompt
     if room < 1:
         raise BadRequest(f"the prompt has {n_prompt} tokens but the model context is {max_seq_len}; "

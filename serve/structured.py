@@ -72,11 +72,11 @@ class Grammar:
     def validate(self) -> None:
         """Raise :class:`GrammarError` (one line) if the grammar does not compile, without a tokenizer (so before a
         model loads); :meth:`Grammars.check` compiles it against the vocabulary too."""
-        _check(self, self.source(), None)
+        _refuse(self, _llguidance().LLMatcher.validate_grammar(self.source(), None))
 
 
-def _check(grammar: Grammar, source: str, tokenizer) -> None:
-    error = _llguidance().LLMatcher.validate_grammar(source, tokenizer)
+def _refuse(grammar: Grammar, error: str) -> None:
+    """Raise llguidance's ``error`` about ``grammar`` as a one-line :class:`GrammarError` (nothing when empty)."""
     if error:
         what = {"json_schema": "the JSON schema", "regex": "the regular expression"}.get(grammar.kind, "the grammar")
         raise GrammarError(f"{what} cannot be used: {' '.join(error.split())[:300]}")
@@ -126,9 +126,9 @@ class Grammars:
     def _matcher(self, grammar: Grammar):
         matcher = self._compiled.get(grammar)
         if matcher is None:
-            source = grammar.source()
-            _check(grammar, source, self.tokenizer)
-            matcher = _llguidance().LLMatcher(self.tokenizer, source, log_level=0)
+            # Compiled once: a grammar that does not compile leaves the matcher in its error state (it never raises).
+            matcher = _llguidance().LLMatcher(self.tokenizer, grammar.source(), log_level=0)
+            _refuse(grammar, matcher.get_error() if matcher.is_error() else "")
             if len(self._compiled) >= 256:
                 self._compiled.pop(next(iter(self._compiled)), None)
             self._compiled[grammar] = matcher
