@@ -537,7 +537,7 @@ class Engine:
         request."""
         if req.first_token_at is None:
             req.first_token_at = time.perf_counter()
-        if token in req.stop_ids:
+        if token in req.stop_ids or (req.constraint is not None and token in req.constraint.end_ids):
             req.stop_token = token
             self._finish(req, "stop")
             return

@@ -4,8 +4,9 @@ A request that must answer in a format (a JSON object, one that matches a JSON s
 a :class:`Grammar` in its :class:`~serve.sampling.SamplingParams`. At each token the engine sets the logits of every
 token the grammar cannot take next to -inf before the token is chosen (greedy, sampled, after the penalties and the
 logit bias), feeds the chosen token to the grammar, and ends the request with ``"stop"`` when the grammar can take
-nothing more. A stop token is allowed exactly where the grammar may end, so the output is whole unless
-``max_new_tokens`` cuts it (``"length"``, as for any request). Log-probabilities stay the model's own.
+nothing more. A stop token is allowed exactly where the grammar may end, and ends the request there (also one that
+ignores EOS or names stop tokens of its own), so the output is whole unless ``max_new_tokens`` cuts it
+(``"length"``, as for any request) or a stop the request named comes first. Log-probabilities stay the model's own.
 
 Why llguidance: the token-level matching of a grammar against a byte-level BPE vocabulary (a token may hold part of
 a JSON string, a closing quote and a comma at once) is the hard part, and it is what llguidance does, in Rust (the
@@ -136,14 +137,16 @@ class Grammars:
 
     def constraint(self, grammar: Grammar) -> Constraint:
         """A fresh matcher for one request: a copy of the compiled one."""
-        return Constraint(self._matcher(grammar).deep_copy(), self.vocab)
+        return Constraint(self._matcher(grammar).deep_copy(), self.vocab, frozenset(self.stop_ids))
 
 
 class Constraint:
     """One request's place in its grammar: which tokens it may take next (:meth:`__call__`) and the tokens it took."""
 
-    def __init__(self, matcher, vocab: int) -> None:
-        self.matcher, self.vocab = matcher, vocab
+    def __init__(self, matcher, vocab: int, end_ids: frozenset[int]) -> None:
+        # end_ids: the engine's stop tokens, which the grammar allows where it may end; one chosen there ends the
+        # request even when the request ignores EOS or names stop tokens of its own (nothing else may follow).
+        self.matcher, self.vocab, self.end_ids = matcher, vocab, end_ids
         self._words = torch.zeros((vocab + 31) // 32, dtype=torch.int32)
         self._bits = torch.arange(32, dtype=torch.int32)
 

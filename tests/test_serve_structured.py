@@ -216,3 +216,24 @@ def test_generate_cli_answers_in_the_format_and_refuses_a_bad_one_before_loading
         assert generate.main([*argv, *flags]) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("own", [{}, {"ignore_eos": True}, {"stop_token_ids": [5]}], ids=["plain", "ignore-eos", "own-stops"])
+def test_the_grammar_s_end_is_a_stop_even_for_a_request_with_stops_of_its_own(engine, own):
+    """Where the grammar may end, the engine's stop token ends the request and is not recorded as output, also
+    when the request ignores EOS or names stop tokens of its own (it was recorded as a token of the output)."""
+    stop, = engine.stop_ids
+    # Greedy, the stop token biased up: one letter (the pattern needs one), then the stop wherever it is allowed.
+    params = SamplingParams(max_new_tokens=20, logit_bias={stop: 100.0}, grammar=Grammar.regex("[a-z]{1,12}"), **own)
+    got, = engine.generate(["the quick brown fox"], params)
+    assert (got.finish_reason, got.stop_token) == ("stop", stop)
+    assert stop not in got.token_ids and len(got.token_ids) == 1 and re.fullmatch("[a-z]", got.text)
+
+
+def test_a_stop_token_the_request_names_ends_it_where_the_grammar_would_go_on(engine):
+    """A request's own stop token that the grammar allows mid-output stops it there, as the client asked."""
+    letter, = engine.encode("q")
+    params = SamplingParams(max_new_tokens=20, logit_bias={letter: 100.0}, stop_token_ids=[letter],
+                            grammar=Grammar.regex("[a-z]{2,12}"))
+    got, = engine.generate(["the quick brown fox"], params)
+    assert (got.finish_reason, got.stop_token, got.token_ids) == ("stop", letter, [])
