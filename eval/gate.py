@@ -233,7 +233,10 @@ def _load_inputs(cfg: GateConfig) -> tuple[Path, list[Prompt], list[str] | None,
                 raise GateInputError(f"heldout file {hp} is empty; give it some text or drop --heldout")
         except UnicodeDecodeError:
             raise GateInputError(f"heldout file {hp} is not UTF-8 text; convert it") from None
-    if cfg.rescale not in ("none", "prompts"):
+    if cfg.rescale == "prompts" and len({p.prompt.strip() for p in prompts}) < 2:  # else a zero denominator
+        raise GateInputError(f"rescale=prompts needs at least two different prompt texts to build its baseline, and "
+                             f"{prompts_path.name} has one; use rescale=none or a text file")
+    elif cfg.rescale not in ("none", "prompts"):
         _check_rescale_text(Path(cfg.rescale))
     _check_longctx(cfg, models)
     return prompts_path, prompts, refs, models
