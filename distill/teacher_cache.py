@@ -288,11 +288,15 @@ def read_meta(path: str | Path) -> dict:
     return json.loads((path / META).read_text())
 
 
-def check_meta(meta: dict, path: str | Path, *, temperature: float | None = None, kd_kind: str | None = None) -> None:
+def check_meta(meta: dict, path: str | Path, *, temperature: float | None = None, kd_kind: str | None = None,
+               seq_len: int | None = None) -> None:
     """Checks that need only the cache's metadata (run before any model loads)."""
     mode = meta.get("mode", "topk")
     if mode not in MODES:
         raise TeacherCacheError(f"teacher cache {path} has unknown mode {mode!r}; rewrite it with recipes/cache_teacher.py")
+    if seq_len is not None and meta.get("seq_len") not in (None, seq_len):
+        raise TeacherCacheError(f"teacher cache {path} holds blocks of {meta['seq_len']} tokens but the run uses "
+                                f"seq_len={seq_len}; set seq_len={meta['seq_len']} or re-cache at this seq_len")
     if kd_kind is not None and kd_kind != "forward_kl":
         raise TeacherCacheError(f"a teacher cache gives forward-KL targets only; set kd_kind=forward_kl "
                                 f"(got {kd_kind}) or distill from the live teacher")

@@ -72,10 +72,12 @@ def check_lengths(cfg: DistillConfig, student_config) -> None:
 
 
 def check_before_loading(cfg: DistillConfig) -> None:
-    """:func:`distill.config.check_sources`, then what the models' config.json files can judge without their
-    weights: the lengths (:func:`check_lengths`) and keep_layers against the teacher's depth. A source whose
-    config cannot be read so (the demo teacher before its one-time conversion) is checked once it loads."""
+    """:func:`distill.config.check_sources`, a teacher cache's ``meta.json`` (:func:`check_cache`), then what the
+    models' config.json files can judge without their weights: the lengths (:func:`check_lengths`) and keep_layers
+    against the teacher's depth. A source whose config cannot be read so (the demo teacher before its one-time
+    conversion) is checked once it loads."""
     check_sources(cfg)
+    check_cache(cfg)
 
     teacher = None if cfg.teacher_cache and cfg.student else peek_config(cfg.teacher)
     derived = not cfg.student  # a derived student keeps the teacher's positions
@@ -89,10 +91,18 @@ def check_before_loading(cfg: DistillConfig) -> None:
             raise ConfigError(f"{err} (keep_layers)") from None
 
 
+def check_cache(cfg: DistillConfig) -> None:
+    """A ``teacher_cache`` that is no cache, or one of another mode, temperature, divergence or seq_len: refused
+    from its ``meta.json`` alone, before the run folder is claimed (``overwrite=true`` would have removed the old
+    run) and before any model loads."""
+    if cfg.teacher_cache:
+        check_meta(read_meta(cfg.teacher_cache), cfg.teacher_cache, temperature=cfg.temperature, kd_kind=cfg.kd_kind,
+                   seq_len=cfg.seq_len)
+
+
 def load_models(cfg: DistillConfig):
     """``(teacher or None, student, tokenizer)``: the pair, the student ready to train."""
-    if cfg.teacher_cache:  # mode/temperature/divergence mismatches fail before any model loads
-        check_meta(read_meta(cfg.teacher_cache), cfg.teacher_cache, temperature=cfg.temperature, kd_kind=cfg.kd_kind)
+    check_cache(cfg)  # already checked before the run folder was claimed; cheap, and load_models stands alone
     teacher, student, tokenizer = load_pair(cfg)
     check_lengths(cfg, student.config)  # for a source check_before_loading could not read without loading it
     if cfg.gradient_checkpointing:

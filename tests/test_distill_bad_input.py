@@ -1,0 +1,52 @@
+"""recipes/distill.py and recipes/cache_teacher.py: bad input is refused in one line, before any model loads and
+before an existing run or cache is touched."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from core.config import ConfigError
+from core.rundir import MARKER
+from tests.helpers import forbid
+
+TINY = ["--config", "recipes/configs/tiny.yaml"]
+CACHED = ["hidden_weight=0", "attn_weight=0"]
+
+
+@pytest.fixture
+def distill(monkeypatch):
+    """recipes/distill.py, with any model load failing the test: the bad input must be refused first."""
+    from recipes import distill
+
+    forbid(monkeypatch, "weights were loaded before the bad input was refused",
+           (distill, "load_pair"), (distill, "load_models"))
+    return distill
+
+
+def _old_run(path):
+    """A finished run of ours in ``path``, which ``overwrite=true`` would replace."""
+    path.mkdir()
+    (path / MARKER).write_text("")
+    (path / "summary.json").write_text("{}")
+    (path / "final").mkdir()
+    return path
+
+
+@pytest.mark.parametrize("meta, argv, match", [
+    (None, [], "is not a teacher cache"),
+    ({"mode": "topk", "seq_len": 128}, [], "holds blocks of 128 tokens but the run uses seq_len=64; set seq_len=128"),
+    ({"mode": "sampled", "seq_len": 64, "temperature": 1.0}, [], "set temperature=1.0"),
+    ({"mode": "topk", "seq_len": 64}, ["kd_kind=reverse_kl"], "set kd_kind=forward_kl"),
+])
+def test_a_bad_teacher_cache_is_refused_before_an_old_run_is_replaced(distill, tmp_path, meta, argv, match):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    if meta is not None:
+        (cache / "meta.json").write_text(json.dumps(meta))
+    out = _old_run(tmp_path / "run")
+    with pytest.raises(ConfigError, match=match) as err:
+        distill.main([*TINY, *CACHED, *argv, f"teacher_cache={cache}", f"output_dir={out}", "overwrite=true"])
+    assert "\n" not in str(err.value)
+    assert sorted(p.name for p in out.iterdir()) == sorted([MARKER, "summary.json", "final"])
