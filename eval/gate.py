@@ -96,6 +96,7 @@ from eval.generation import (
     Generator,
     TransformersGenerator,
     check_model_dir,
+    check_prompts_fit,
     generate_outputs,
     load_model,
     load_tokenizer,
@@ -224,6 +225,9 @@ def _load_inputs(cfg: GateConfig) -> tuple[Path, list[Prompt], list[str] | None,
     models = {"candidate": check_model_dir(cfg.candidate), "baseline": check_model_dir(cfg.baseline)}
     if cfg.teacher:
         models["teacher"] = check_model_dir(cfg.teacher)
+    for role in ("candidate", "baseline", *(("teacher",) if refs is None and cfg.teacher else ())):
+        # a prompt past the positions of a model that generates: now, not after the other models' generations
+        check_prompts_fit(models[role], prompts, cfg.max_new_tokens, cfg.chat, role)
     if cfg.heldout:
         hp = Path(cfg.heldout)
         if not hp.is_file():

@@ -90,6 +90,26 @@ def check_model_dir(model: str | Path) -> Path:
     return path
 
 
+def check_prompts_fit(model_dir: Path, prompts: list[Prompt], max_new_tokens: int, default_chat: bool,
+                      role: str) -> None:
+    """One :class:`GateInputError` line when a rendered prompt and ``max_new_tokens`` outrun the model's
+    ``max_position_embeddings`` (a hybrid model refuses such a sequence in the middle of generating, a dense one
+    runs past the positions it was trained for). A ``config.json`` without the key is left to the model."""
+    try:
+        limit = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return
+    if not isinstance(limit, int) or isinstance(limit, bool):
+        return
+    tok = load_tokenizer(model_dir)
+    for prompt in prompts:
+        n = len(render(tok, prompt, default_chat)[1])
+        if n + max_new_tokens - 1 > limit:  # the last new token is never fed back
+            raise GateInputError(f"prompt '{prompt.id}' is {n} tokens: with max_new_tokens={max_new_tokens} the {role} "
+                                 f"would run to position {n + max_new_tokens - 1}, past its max_position_embeddings="
+                                 f"{limit}; shorten the prompt or lower max_new_tokens")
+
+
 def load_tokenizer(model_dir: Path):
     from transformers import AutoTokenizer
 

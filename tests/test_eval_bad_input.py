@@ -26,3 +26,28 @@ def test_rescale_prompts_with_one_distinct_prompt_text_exits_3_before_any_genera
     assert code == 3, err
     assert err.count("\n") == 1 and "rescale=prompts needs at least two different prompt texts" in err
     assert not out.exists()
+
+
+def test_a_prompt_past_a_models_positions_exits_3_before_any_generation(tmp_path, capsys, monkeypatch):
+    """A hybrid model refuses a sequence past max_position_embeddings in the middle of generate: that was exit 5
+    with a traceback, after the models before it had generated."""
+    import attention
+    import eval.generation as generation
+    from core.tiny import tiny_model, tiny_tokenizer
+
+    model = tiny_model("llama", max_pos=64)
+    attention.retrofit(model, attention.HybridAttentionConfig(sink_tokens=1, window=4, global_every=0))
+    model.save_pretrained(tmp_path / "m")
+    tiny_tokenizer().save_pretrained(tmp_path / "m")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"id": "short", "prompt": "the quick brown fox"}) + "\n"
+                       + json.dumps({"id": "long", "prompt": "the quick brown fox " * 40}) + "\n")
+    monkeypatch.setattr(generation, "load_causal_lm", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
+    out = tmp_path / "out"
+    capsys.readouterr()  # the save's progress bar
+    code = main(["--candidate", str(tmp_path / "m"), "--baseline", str(tmp_path / "m"), "--prompts", str(prompts),
+                 "--out", str(out), "--max-new-tokens", "4"])
+    err = capsys.readouterr().err
+    assert code == 3, err
+    assert err.count("\n") == 1 and "prompt 'long' is" in err and "max_position_embeddings=64" in err
+    assert not out.exists()
