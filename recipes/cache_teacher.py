@@ -40,6 +40,7 @@ from tqdm.auto import tqdm
 from core.config import (
     ConfigError,
     check_fields,
+    check_output_dir,
     config_changes,
     field,
     load_yaml,
@@ -297,8 +298,9 @@ def restore_replaced(out: Path) -> None:
 
 def main() -> None:
     cfg = parse_config(CacheTeacherConfig)
-    check_before_loading(cfg)
     out = Path(cfg.output_dir)
+    check_output_dir(out, "output_dir")  # a file (overwrite=true would move it aside), or a place we cannot write
+    check_before_loading(cfg)
     restore_replaced(out)
     if out.exists() and not cfg.overwrite:
         raise ConfigError(f"{out} already exists; pass overwrite=true or another output_dir=")

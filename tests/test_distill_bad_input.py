@@ -4,6 +4,7 @@ before an existing run or cache is touched."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -50,3 +51,28 @@ def test_a_bad_teacher_cache_is_refused_before_an_old_run_is_replaced(distill, t
         distill.main([*TINY, *CACHED, *argv, f"teacher_cache={cache}", f"output_dir={out}", "overwrite=true"])
     assert "\n" not in str(err.value)
     assert sorted(p.name for p in out.iterdir()) == sorted([MARKER, "summary.json", "final"])
+
+
+@pytest.fixture
+def cache_teacher(monkeypatch):
+    """recipes/cache_teacher.py, with a teacher load failing the test."""
+    import recipes.cache_teacher as cache_teacher
+
+    forbid(monkeypatch, "the teacher was loaded before the bad input was refused",
+           *((cache_teacher, name) for name in ("load_teacher", "tiny_teacher", "load_causal_lm")))
+    return cache_teacher
+
+
+@pytest.mark.parametrize("where, overwrite, match", [
+    ("notes", True, "is a file, not a folder"),  # overwrite=true moved the user's file aside for the cache
+    ("notes/cache", False, "lies under .*notes, which is a file"),
+])
+def test_cache_teacher_refuses_an_output_dir_that_is_or_lies_under_a_file(cache_teacher, tmp_path, monkeypatch,
+                                                                          where, overwrite, match):
+    (tmp_path / "notes").write_text("mine")
+    monkeypatch.setattr(sys, "argv", ["cache_teacher.py", "teacher=tiny-random", f"output_dir={tmp_path / where}",
+                                      f"overwrite={overwrite}"])
+    with pytest.raises(ConfigError, match=match) as err:
+        cache_teacher.main()
+    assert "\n" not in str(err.value)
+    assert [p.name for p in tmp_path.iterdir()] == ["notes"] and (tmp_path / "notes").read_text() == "mine"
