@@ -100,6 +100,7 @@ from eval.generation import (
     generate_outputs,
     load_model,
     load_tokenizer,
+    max_positions,
 )
 from eval.longctx import INTERIOR_DEPTHS, LongCtxError, check_prompt_fits, load_for_eval, run_longctx
 from eval.metrics import LMStats, text_windows, window_stats
@@ -243,7 +244,23 @@ def _load_inputs(cfg: GateConfig) -> tuple[Path, list[Prompt], list[str] | None,
     elif cfg.rescale not in ("none", "prompts"):
         _check_rescale_text(Path(cfg.rescale))
     _check_longctx(cfg, models)
+    _check_lm_seq_len(cfg, models)
     return prompts_path, prompts, refs, models
+
+
+def _check_lm_seq_len(cfg: GateConfig, models: dict[str, Path]) -> None:
+    """``lm_seq_len`` within the positions of every model the LM metrics run (a hybrid one refused a longer
+    window after all the generations and scoring; a dense one runs past the positions it was trained for)."""
+    if cfg.skip_lm_metrics:
+        return
+    ref_role = "teacher" if "teacher" in models else "baseline"
+    roles = dict.fromkeys(["candidate", ref_role, *(["baseline"] if cfg.heldout else [])])
+    for role in roles:
+        limit = max_positions(models[role])
+        # the metrics are skipped (no error) where the candidate and the reference model share no vocabulary
+        if limit is not None and cfg.lm_seq_len > limit and _same_vocab(models["candidate"], models[ref_role]):
+            raise GateInputError(f"lm_seq_len={cfg.lm_seq_len} exceeds the {role}'s max_position_embeddings={limit}; "
+                                 "lower --lm-seq-len or pass --skip-lm-metrics")
 
 
 def _check_rescale_text(path: Path) -> None:

@@ -90,16 +90,22 @@ def check_model_dir(model: str | Path) -> Path:
     return path
 
 
+def max_positions(model_dir: Path) -> int | None:
+    """``max_position_embeddings`` of a model's ``config.json`` (None: not there or unreadable; the model decides)."""
+    try:
+        limit = json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) else None
+
+
 def check_prompts_fit(model_dir: Path, prompts: list[Prompt], max_new_tokens: int, default_chat: bool,
                       role: str) -> None:
     """One :class:`GateInputError` line when a rendered prompt and ``max_new_tokens`` outrun the model's
     ``max_position_embeddings`` (a hybrid model refuses such a sequence in the middle of generating, a dense one
     runs past the positions it was trained for). A ``config.json`` without the key is left to the model."""
-    try:
-        limit = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings")
-    except (OSError, ValueError, AttributeError):
-        return
-    if not isinstance(limit, int) or isinstance(limit, bool):
+    limit = max_positions(model_dir)
+    if limit is None:
         return
     tok = load_tokenizer(model_dir)
     for prompt in prompts:

@@ -15,6 +15,17 @@ def _model_dirs(tmp_path):
     return ["--candidate", str(tmp_path / "cand"), "--baseline", str(tmp_path / "base")]
 
 
+def _tiny_hybrid(path, max_pos: int):
+    import attention
+    from core.tiny import tiny_model, tiny_tokenizer
+
+    model = tiny_model("llama", max_pos=max_pos)
+    attention.retrofit(model, attention.HybridAttentionConfig(sink_tokens=1, window=4, global_every=0))
+    model.save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
 def test_rescale_prompts_with_one_distinct_prompt_text_exits_3_before_any_generation(tmp_path, capsys):
     """The prompts are the rescale baseline's texts: copies of one text give it no unrelated pair (it raised a
     ValueError after every generation, exit 5 with a traceback)."""
@@ -31,14 +42,9 @@ def test_rescale_prompts_with_one_distinct_prompt_text_exits_3_before_any_genera
 def test_a_prompt_past_a_models_positions_exits_3_before_any_generation(tmp_path, capsys, monkeypatch):
     """A hybrid model refuses a sequence past max_position_embeddings in the middle of generate: that was exit 5
     with a traceback, after the models before it had generated."""
-    import attention
     import eval.generation as generation
-    from core.tiny import tiny_model, tiny_tokenizer
 
-    model = tiny_model("llama", max_pos=64)
-    attention.retrofit(model, attention.HybridAttentionConfig(sink_tokens=1, window=4, global_every=0))
-    model.save_pretrained(tmp_path / "m")
-    tiny_tokenizer().save_pretrained(tmp_path / "m")
+    _tiny_hybrid(tmp_path / "m", max_pos=64)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"id": "short", "prompt": "the quick brown fox"}) + "\n"
                        + json.dumps({"id": "long", "prompt": "the quick brown fox " * 40}) + "\n")
@@ -51,3 +57,25 @@ def test_a_prompt_past_a_models_positions_exits_3_before_any_generation(tmp_path
     assert code == 3, err
     assert err.count("\n") == 1 and "prompt 'long' is" in err and "max_position_embeddings=64" in err
     assert not out.exists()
+
+
+def test_lm_seq_len_past_a_models_positions_exits_3_before_any_generation(tmp_path, capsys, monkeypatch):
+    """The LM metrics' windows are lm_seq_len tokens: past a hybrid model's positions that raised after every
+    generation and the scoring (exit 5, traceback)."""
+    import eval.generation as generation
+
+    m = _tiny_hybrid(tmp_path / "m", max_pos=64)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "prompt": f"fox {i}", "reference": "the lazy dog " * 20}) + "\n"
+                               for i in range(2)))
+    monkeypatch.setattr(generation, "load_causal_lm", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
+    out = tmp_path / "out"
+    capsys.readouterr()  # the save's progress bar
+    argv = ["--candidate", str(m), "--baseline", str(m), "--prompts", str(prompts), "--out", str(out),
+            "--max-new-tokens", "4", "--lm-seq-len", "128"]
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 3, err
+    assert err.count("\n") == 1 and "lm_seq_len=128 exceeds the candidate's max_position_embeddings=64" in err
+    assert not out.exists()
+    assert main([*argv, "--skip-lm-metrics", "--out", str(tmp_path / "o2")]) == 4  # past the check: the load
