@@ -240,7 +240,25 @@ def check_sources(cfg: Any) -> None:
     for key, name in models:
         if name:
             check_model_source(name, key)
-    for spec in parse_sources(cfg.datasets, cfg.dataset):  # neither set: a DataError naming both keys
+    specs = parse_sources(cfg.datasets, cfg.dataset)  # neither set: a DataError naming both keys
+    for spec in specs:
         check_data_source(spec.source, "datasets source" if cfg.datasets else "dataset")
     if cfg.eval_dataset:
         check_data_source(cfg.eval_dataset, "eval_dataset")
+    if getattr(cfg, "overwrite", False):
+        inputs = [("teacher", cfg.teacher), *models[-2:], ("teacher_cache", getattr(cfg, "teacher_cache", None)),
+                  *(("datasets source" if cfg.datasets else "dataset", s.source) for s in specs),
+                  ("eval_dataset", cfg.eval_dataset)]
+        check_inputs_outside(cfg.output_dir, inputs)
+
+
+def check_inputs_outside(output_dir: str, inputs: list[tuple[str, str | None]]) -> None:
+    """A one-line :class:`ConfigError` when a local input (``(key, path)``) lies inside ``output_dir``, which
+    ``overwrite=true`` removes before anything loads: the run would delete what it was about to read."""
+    out = Path(output_dir).expanduser()
+    for key, source in inputs:
+        path = Path(source).expanduser() if source else None
+        if path is not None and path.exists() and (
+                out.absolute() in path.absolute().parents or out.resolve() in path.resolve().parents):
+            raise ConfigError(f"{key} {source} lies inside output_dir {output_dir}, which overwrite=true removes "
+                              "first; move it out of that folder or choose another output_dir=")

@@ -10,7 +10,8 @@ import pytest
 
 from core.config import ConfigError
 from core.rundir import MARKER
-from tests.helpers import forbid
+from core.tiny import save_tiny
+from tests.helpers import forbid, write_text_corpus
 
 TINY = ["--config", "recipes/configs/tiny.yaml"]
 CACHED = ["hidden_weight=0", "attn_weight=0"]
@@ -76,3 +77,18 @@ def test_cache_teacher_refuses_an_output_dir_that_is_or_lies_under_a_file(cache_
         cache_teacher.main()
     assert "\n" not in str(err.value)
     assert [p.name for p in tmp_path.iterdir()] == ["notes"] and (tmp_path / "notes").read_text() == "mine"
+
+
+@pytest.mark.parametrize("key", ["student", "teacher_cache", "dataset"])
+def test_overwrite_refuses_to_remove_an_input_that_lies_inside_the_old_run(distill, tmp_path, key):
+    out = _old_run(tmp_path / "run")
+    inputs = {"student": save_tiny(out / "final"), "teacher_cache": out / "cache", "dataset": out / "train.txt"}
+    (out / "cache").mkdir()
+    (out / "cache" / "meta.json").write_text(json.dumps({"mode": "topk", "seq_len": 64}))
+    write_text_corpus(out / "train.txt")
+    keep = sorted(p.relative_to(out) for p in out.rglob("*"))
+    argv = [f"{key}={inputs[key]}", *(CACHED if key == "teacher_cache" else [])]
+    with pytest.raises(ConfigError, match=f"{key} .* lies inside output_dir .*; move it out") as err:
+        distill.main([*TINY, *argv, f"output_dir={out}", "overwrite=true"])
+    assert "\n" not in str(err.value)
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == keep
