@@ -51,6 +51,7 @@ from core.models import (
     cache_kwargs,
     load_causal_lm,
     load_tokenizer,
+    peek_config,
     resolve_device,
     resolve_model_path,
     returned_cache,
@@ -301,13 +302,41 @@ def load_for_eval(model: str, *, dense: bool = False, retrofit: str | None = Non
         attention.revert(lm)
     if retrofit is None:
         return lm, tok, "dense"
-    try:
-        spec = attention.HybridAttentionConfig() if retrofit == "default" else \
-            attention.HybridAttentionConfig.from_dict(json.loads(retrofit))
-    except (json.JSONDecodeError, TypeError) as err:
-        raise LongCtxError(f"--retrofit needs 'default' or a JSON object of hybrid attention keys ({err})") from None
-    attention.retrofit(lm, spec)
+    attention.retrofit(lm, retrofit_spec(retrofit))
     return lm, tok, "hybrid"
+
+
+def retrofit_spec(retrofit: str) -> attention.HybridAttentionConfig:
+    """The ``--retrofit`` spec: ``default`` or a JSON object of hybrid attention keys (one :class:`LongCtxError`
+    line otherwise)."""
+    if retrofit == "default":
+        return attention.HybridAttentionConfig()
+    try:
+        raw = json.loads(retrofit)
+        if not isinstance(raw, dict):
+            raise TypeError(f"got {type(raw).__name__}")
+        return attention.HybridAttentionConfig.from_dict(raw)
+    except (json.JSONDecodeError, TypeError, attention.HybridAttentionError) as err:
+        raise LongCtxError(f"--retrofit needs 'default' or a JSON object of hybrid attention keys "
+                           f"({str(err).splitlines()[0]})") from None
+
+
+def check_model_config(model: str, lengths: list[int], spec: attention.HybridAttentionConfig | None) -> None:
+    """The lengths (and a ``--retrofit`` spec's head roles) against the model's ``config.json``, read without its
+    weights; a model whose config cannot be read so is checked once it loads (:func:`run_longctx`)."""
+    config = peek_config(model)
+    if config is None:
+        return
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and max(lengths) > limit:
+        raise LongCtxError(f"length {max(lengths)} exceeds the model's max_position_embeddings={limit}; "
+                           "drop it from --lengths")
+    if spec is not None:
+        try:
+            spec.check_model(config.num_hidden_layers,
+                             getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+        except attention.HybridAttentionError as err:
+            raise LongCtxError(f"--retrofit: {str(err).splitlines()[0]}") from None
 
 
 def _ints(text: str) -> list[int]:
@@ -362,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
             raise LongCtxError(f"unknown --scoring {args.scoring!r}; use one of {', '.join(SCORINGS)}")
         if args.out:
             check_output_dir(args.out, "--out")
+        check_model_config(args.model, lengths, None if args.retrofit is None else retrofit_spec(args.retrofit))
         try:
             model, tok, attn = load_for_eval(args.model, dense=args.dense, retrofit=args.retrofit)
         except HybridAttentionError as err:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from eval.gate import main
 
 
@@ -79,3 +81,30 @@ def test_lm_seq_len_past_a_models_positions_exits_3_before_any_generation(tmp_pa
     assert err.count("\n") == 1 and "lm_seq_len=128 exceeds the candidate's max_position_embeddings=64" in err
     assert not out.exists()
     assert main([*argv, "--skip-lm-metrics", "--out", str(tmp_path / "o2")]) == 4  # past the check: the load
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--retrofit", '{"window": 0}'], "--retrofit needs 'default' or a JSON object of hybrid attention keys (window "
+                                      "must be > 0"),
+    (["--retrofit", "{window: 4}"], "--retrofit needs 'default' or a JSON object"),
+    (["--retrofit", "[4]"], "(got list)"),
+    (["--retrofit", '{"full_layers": [5]}'], "--retrofit: hybrid attention head roles name layer(s) [5] but the model "
+                                             "has 2 layers"),
+    (["--lengths", "300"], "length 300 exceeds the model's max_position_embeddings=64; drop it from --lengths"),
+])
+def test_longctx_refuses_a_bad_retrofit_spec_or_length_before_the_model_loads(tmp_path, monkeypatch, capsys, flags,
+                                                                             says):
+    """The --retrofit spec and the model's positions are known from the command line and config.json: they were
+    checked only after the weights loaded."""
+    import eval.longctx as longctx
+    from core.tiny import save_tiny
+
+    save_tiny(tmp_path / "m", max_pos=64)
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the model was loaded before the bad input was refused")
+    monkeypatch.setattr(longctx, "load_for_eval", loaded)
+    capsys.readouterr()
+    assert longctx.main(["--model", str(tmp_path / "m"), "--lengths", "64", *flags]) == 3
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: ") and says in err, err
