@@ -84,7 +84,31 @@ def _spec_from_config(config: Any) -> HybridAttentionConfig:
         raise HybridAttentionError(f"model config has no {CONFIG_KEY!r}; call attention.retrofit(model, spec) first")
     if isinstance(raw, HybridAttentionConfig):
         return raw
+    _check_stored(raw)
     return _parse_spec(json.dumps(raw, sort_keys=True))
+
+
+def _check_stored(raw: Any, where: str = "the model config") -> None:
+    """A spec stored in a config (``config.json``) is an object of spec keys: one line naming the fix otherwise."""
+    if not isinstance(raw, dict):
+        raise HybridAttentionError(f"{where}: {CONFIG_KEY!r} must be an object of hybrid attention keys, got "
+                                   f"{raw!r}; fix or remove it")
+
+
+def _stored_spec(saved: dict[str, Any], where: str) -> HybridAttentionConfig:
+    """The spec a saved ``config.json`` (``saved``, read at ``where``) carries, checked against the layers and KV
+    heads it records, without any weights: one :class:`HybridAttentionError` line naming the file otherwise."""
+    raw = saved.get(CONFIG_KEY)
+    _check_stored(raw, where)
+    try:
+        spec = HybridAttentionConfig.from_dict(raw)
+        layers = saved.get("num_hidden_layers")
+        kv_heads = saved.get("num_key_value_heads") or saved.get("num_attention_heads")
+        if isinstance(layers, int) and isinstance(kv_heads, int):
+            spec.check_model(layers, kv_heads)
+    except HybridAttentionError as err:
+        raise HybridAttentionError(f"{where}: {str(err).splitlines()[0]}") from None
+    return spec
 
 
 @functools.lru_cache(maxsize=16)
@@ -215,6 +239,8 @@ def retrofit(model: Any, config: HybridAttentionConfig | dict | None = None) -> 
     _check_supported(model)
     if config is None:
         raw = getattr(model.config, CONFIG_KEY, None)
+        if raw is not None:
+            _check_stored(raw)
         spec = HybridAttentionConfig.from_dict(dict(raw)) if raw is not None else HybridAttentionConfig()
     elif isinstance(config, dict):
         spec = HybridAttentionConfig.from_dict(config)
@@ -284,6 +310,7 @@ def load(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> Any:
             raise HybridAttentionError(f"{local} is not valid JSON ({err}); fix or rewrite it") from None
         if not isinstance(saved, dict) or saved.get(CONFIG_KEY) is None:
             raise missing
+        _stored_spec(saved, str(local))  # a broken spec: before the weights load
     model = AutoModelForCausalLM.from_pretrained(path, **from_pretrained_kwargs)
     if getattr(model.config, CONFIG_KEY, None) is None:
         raise missing

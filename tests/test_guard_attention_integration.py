@@ -140,3 +140,29 @@ def test_load_names_a_broken_config_json(tmp_path):
     with pytest.raises(attention.HybridAttentionError, match="config.json is not valid JSON") as err:
         attention.load(tmp_path)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("stored, says", [
+    ({"sink_tokens": 2, "window": 0, "global_every": 0}, "window must be > 0"),
+    ({"full_layers": [7]}, "name layer(s) [7] but the model has 2 layers"),
+    ({"windw": 4}, "unknown hybrid attention keys ['windw']"),
+    ("sinks+window", "'hybrid_attention' must be an object of hybrid attention keys, got 'sinks+window'"),
+    (5, "'hybrid_attention' must be an object of hybrid attention keys, got 5"),
+])
+def test_load_refuses_a_broken_stored_spec_before_its_weights_load(tmp_path, stored, says):
+    """A spec config.json holds but no model can run is one line naming the file, from the config alone: it was
+    found only after the weights loaded, and a spec that is no object raised a bare ValueError or TypeError."""
+    cfg = mistral().config
+    setattr(cfg, CONFIG_KEY, stored)
+    cfg.save_pretrained(tmp_path)  # config only, no weights: reading them would fail another way
+    with pytest.raises(attention.HybridAttentionError) as err:
+        attention.load(tmp_path)
+    msg = str(err.value)
+    assert "\n" not in msg and says in msg and str(tmp_path / "config.json") in msg, msg
+
+
+def test_retrofit_from_a_stored_spec_that_is_no_object_is_one_line():
+    model = mistral()
+    setattr(model.config, CONFIG_KEY, ["sink", 4])
+    with pytest.raises(attention.HybridAttentionError, match="must be an object of hybrid attention keys"):
+        attention.retrofit(model)
