@@ -168,7 +168,8 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: 
 
     # ---- teacher–student module, optimizer, schedule -------------------------------------
     loss_cfg = losses_for(cfg, accelerator)
-    cache = cached_teacher(cfg, accelerator, data, student, tokenizer) if cfg.teacher_cache else None
+    # kd_weight=0 (the CE-only ablation of a cached run) reads nothing from the cache, and needs no teacher either
+    cache = cached_teacher(cfg, accelerator, data, student, tokenizer) if cfg.teacher_cache and cfg.kd_weight else None
     model = DistillModel(student, None if cache else teacher, loss_cfg, tokenizer_size=len(tokenizer),
                          cached_teacher=cache is not None)
     configure_deepspeed(accelerator, cfg.micro_batch_size, cfg.max_grad_norm)  # micro batch, clipping; no-op without
@@ -367,14 +368,15 @@ def main(argv: list[str] | None = None) -> None:
     summary = training_function(cfg, accelerator)
 
     if cfg.compare_ce_only:
-        # The ablation: same student init, steps, data order and schedule; CE on the data only. A searched
+        # The ablation: same student init, steps, data order and schedule; CE on the data only. It keeps the
+        # run's teacher_cache, so that a cached run with a student never loads the teacher (nor needs it). A searched
         # student is the one the fresh run saved (a resumed run searched nothing, and must not search again).
         # It checkpoints like the run (save_every, keep_checkpoints) into ce_only/, and a resumed run resumes it.
         searched = not cfg.student and cfg.student_init == "prune" and (out / PRUNED_DIR).is_dir()
         base = dataclasses.replace(
             cfg, output_dir=str(out / "ce_only"), kd_weight=0.0, hidden_weight=0.0, attn_weight=0.0,
             focal_weight=0.0, ce_weight=1.0, compare_ce_only=False, gate=False, resume=None, overwrite=True,
-            teacher_cache=None, debug_exit_at_step=ablation_exit_at_step(cfg), on_policy_fraction=0.0,
+            debug_exit_at_step=ablation_exit_at_step(cfg), on_policy_fraction=0.0,
             student=str(out / PRUNED_DIR) if searched else cfg.student,
         )
         # A fresh start for the accelerator: it holds the distilled run's model, optimizer and scheduler (memory,

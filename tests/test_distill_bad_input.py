@@ -92,3 +92,30 @@ def test_overwrite_refuses_to_remove_an_input_that_lies_inside_the_old_run(disti
         distill.main([*TINY, *argv, f"output_dir={out}", "overwrite=true"])
     assert "\n" not in str(err.value)
     assert sorted(p.relative_to(out) for p in out.rglob("*")) == keep
+
+
+class _Loaded(Exception):
+    """What the CE-only ablation loaded, raised out of the recipe."""
+
+
+def test_the_ce_only_ablation_of_a_cached_run_never_loads_the_teacher(tmp_path, monkeypatch):
+    """A cache exists because the teacher does not fit beside the student (or is not on this machine): the
+    ablation that follows the distilled run must not load it either (it failed after the whole run, or ran out of
+    memory)."""
+    from recipes import distill
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "meta.json").write_text(json.dumps({"mode": "topk", "seq_len": 64}))
+
+    def training_function(cfg, accelerator, known_init=None):
+        if known_init is None:  # the distilled run
+            return {"teacher_ppl": 1.0, "student_ppl_init": 2.0, "top1_agreement_init": 0.0}
+        raise _Loaded(distill.load_models(cfg))
+
+    monkeypatch.setattr(distill, "training_function", training_function)
+    with pytest.raises(_Loaded) as loaded:
+        distill.main([*TINY, *CACHED, "teacher=/no/such/teacher", f"student={save_tiny(tmp_path / 'student')}",
+                      f"teacher_cache={cache}", "compare_ce_only=true", f"output_dir={tmp_path / 'run'}"])
+    teacher, student, _ = loaded.value.args[0]
+    assert teacher is None and student is not None
