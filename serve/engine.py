@@ -196,6 +196,10 @@ class WarmupError(RuntimeError):
     """A warm-up request failed: serving would fail every request the same way. One line naming the fix."""
 
 
+class GenerationError(RuntimeError):
+    """:meth:`Engine.stream`'s request ended with ``"error"`` (its cause chained): the text so far is not whole."""
+
+
 def _placement(model, device, dtype) -> tuple[torch.device, torch.dtype]:
     """Where and in what dtype an engine runs: as asked; else a live ``model`` where it is, in its dtype (``.to``
     works in place, so moving it would change the caller's model too); else CUDA + bf16 when available, CPU + fp32."""
@@ -896,7 +900,8 @@ class Engine:
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                chat: bool = False) -> Iterator[str]:
-        """Yield text deltas of one prompt as they are produced (concatenated they equal the full text)."""
+        """Yield text deltas of one prompt as they are produced (concatenated they equal the full text). A request
+        the engine fails raises :class:`GenerationError` after the deltas it had (never a silent, cut end)."""
         if self._thread is not None:
             raise RuntimeError("the engine runs in a background thread; use submit() with on_event instead")
         out: deque[str] = deque()
@@ -908,6 +913,11 @@ class Engine:
                     yield out.popleft()
             while out:
                 yield out.popleft()
+            if req.finish_reason == "error":
+                cause = req.error or RuntimeError("unknown error")
+                why = (str(cause).strip().splitlines() or [""])[0][:300]
+                raise GenerationError(f"generation failed after {len(req.out_ids)} tokens "
+                                      f"({type(cause).__name__}: {why})") from req.error
         finally:
             if not req.done:
                 self.cancel(req)

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from serve.engine import HelpFormatter
+from serve.engine import GenerationError, HelpFormatter
 from serve.sampling import SamplingParams
 
 
@@ -101,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except GenerationError as e:  # the text printed is cut: never a success
+        sys.stdout.write("\n")
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

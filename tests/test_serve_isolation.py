@@ -155,3 +155,29 @@ def test_a_failed_streamed_generation_ends_with_an_error_event(tmp_path, monkeyp
         # The server still serves: the sampler fails only the poisoned request's third call.
         ok = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "temperature": 0})
         assert ok.status_code == 200
+
+
+def test_a_streamed_request_that_fails_raises_after_its_text_and_the_cli_says_so(tmp_path, monkeypatch, capsys):
+    """Engine.stream used to end a failed request like a whole one, and the generate CLI exited 0 with cut text."""
+    from serve import generate
+    from serve.engine import GenerationError
+
+    path = save_tiny(tmp_path, arch="qwen2")
+    engine = Engine(path, max_batch=2, max_seq_len=128)
+    params = SamplingParams(max_new_tokens=N, temperature=1.0, seed=POISON_SEED, ignore_eos=True)
+    whole = engine.generate([PROMPTS[1]], params)[0]
+    monkeypatch.setattr(serve.engine, "sample", poisoned_sampler(4))  # its fourth token fails
+    deltas: list[str] = []
+    with pytest.raises(GenerationError, match=r"generation failed after 3 tokens \(RuntimeError: injected") as err:
+        for delta in engine.stream(PROMPTS[1], params):
+            deltas.append(delta)
+    assert isinstance(err.value.__cause__, RuntimeError)
+    assert whole.text.startswith("".join(deltas))  # the same seed: the text up to the failure
+    assert engine.num_active == 0
+    assert "".join(engine.stream(PROMPTS[2], greedy())) == engine.generate([PROMPTS[2]], greedy())[0].text
+
+    monkeypatch.setattr(serve.engine, "sample", poisoned_sampler(2))
+    rc = generate.main(["--model", str(path), "--prompt", "the lazy dog", "--temperature", "1",
+                        "--seed", str(POISON_SEED), "--max-new-tokens", "6"])
+    assert rc == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: generation failed after 1 tokens")
