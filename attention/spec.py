@@ -92,6 +92,10 @@ class HybridAttentionConfig:
             raise HybridAttentionError(f"global_every must be >= 0, got {self.global_every}; use 0 to disable globals")
         if self.max_globals is not None and self.max_globals < 0:
             raise HybridAttentionError(f"max_globals must be >= 0 or None, got {self.max_globals}")
+        if self.global_rows and (self.global_every == 0 or self.max_globals == 0):
+            # the pattern would be the one without rows, yet the spec unbounded: serving would refuse it
+            raise HybridAttentionError(f"global_rows=true has no global tokens to give rows to (global_every="
+                                       f"{self.global_every}, max_globals={self.max_globals}); set global_rows=false")
         if self.window_policy is not None:
             try:
                 policy = [(b if b is None or not _is_int(b) else int(b), int(w) if _is_int(w) else w)

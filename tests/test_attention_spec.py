@@ -79,3 +79,12 @@ def test_window_policy_refuses_bounds_no_input_can_reach(policy):
         HybridAttentionConfig(window_policy=policy)
     assert "\n" not in str(err.value)
     assert HybridAttentionConfig(window_policy=[[1, 8], [None, 16]]).window_for(1) == 8
+
+
+@pytest.mark.parametrize("keys", [{"global_every": 0}, {"global_every": 8, "max_globals": 0}])
+def test_global_rows_without_global_tokens_is_refused(keys):
+    """Without global tokens there are no global rows: the flag changed no mask but made the spec unbounded, so
+    the serving cache refused a model whose pattern it can serve ("needs the whole history")."""
+    with pytest.raises(HybridAttentionError, match="global_rows=true has no global tokens.*set global_rows=false"):
+        HybridAttentionConfig(global_rows=True, **keys)
+    assert HybridAttentionConfig(global_rows=False, **keys).bounded
