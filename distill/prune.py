@@ -989,6 +989,20 @@ DEFAULT_RATIO = 1 / 3  # the recipe's budget when it names none: a third of the 
 PRUNED_DIR = "pruned"  # under a recipe's output_dir: the student its search picked, read back on resume
 
 
+def check_recipe_search(cfg: Any) -> None:
+    """What a recipe config's search (:func:`prune_for_recipe`) needs that the config alone decides: one process,
+    known ``prune_axes``, prepared (not streamed) data. One-line :class:`PruneError`; the recipe calls it before the
+    teacher loads."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # ranks could pick different students on a GPU
+        raise PruneError("student_init=prune runs in one process; prune once with python -m distill.prune "
+                         "--out DIR, then launch with student=DIR")
+    parse_axes(cfg.prune_axes)
+    specs = parse_sources(cfg.datasets, cfg.dataset, text_field=cfg.text_field, streaming=cfg.streaming)
+    if any(s.streaming for s in specs):  # the search indexes and slices blocks; a stream has no length
+        raise PruneError("student_init=prune calibrates on prepared blocks, and a streamed source has none: set "
+                         "streaming=false, or prune once with python -m distill.prune and pass student=DIR")
+
+
 def prune_for_recipe(teacher: PreTrainedModel, tokenizer, cfg: Any, log: Callable[[str], None] = print
                      ) -> PreTrainedModel:
     """``student_init: prune`` in ``recipes/distill.py``: search a student at the config's budget.
@@ -1002,9 +1016,7 @@ def prune_for_recipe(teacher: PreTrainedModel, tokenizer, cfg: Any, log: Callabl
     """
     if getattr(cfg, "resume", None) is not None and (student := resumed_student(teacher, cfg, log)) is not None:
         return student
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # ranks could pick different students on a GPU
-        raise PruneError("student_init=prune runs in one process; prune once with python -m distill.prune "
-                         "--out DIR, then launch with student=DIR")
+    check_recipe_search(cfg)
     # Its terms train the candidates; eval_blocks decides which held-out blocks rank them.
     key = (*(str(getattr(cfg, k, None)) for k in _RECIPE_KEYS), repr(cfg.losses()), str(cfg.eval_blocks))
     if key in _recipe_memo:
@@ -1012,9 +1024,6 @@ def prune_for_recipe(teacher: PreTrainedModel, tokenizer, cfg: Any, log: Callabl
     axes = parse_axes(cfg.prune_axes)
     data_args = cfg.data_args()
     specs = parse_sources(cfg.datasets, cfg.dataset, text_field=cfg.text_field, streaming=cfg.streaming)
-    if any(s.streaming for s in specs):  # the search indexes and slices blocks; a stream has no length
-        raise PruneError("student_init=prune calibrates on prepared blocks, and a streamed source has none: set "
-                         "streaming=false, or prune once with python -m distill.prune and pass student=DIR")
     # Chat data with completion_only: the search ranks and short-distills on the assistant's tokens, as the
     # recipe trains and evaluates (calibration keeps every token: see calibration_data). The candidates are ranked
     # on held-out blocks after the run's eval_blocks, so the held-out perplexity the run reports is not the text

@@ -34,7 +34,7 @@ from distill.config import RESUME_SAFE, DistillConfig, check_sources
 from distill.data import build_data, steps_for_tokens
 from distill.distributed import configure_deepspeed, deepspeed_settings, is_fsdp, is_zero3, prepare_teacher
 from distill.model import DistillModel, LossConfig
-from distill.prune import PRUNED_DIR
+from distill.prune import PRUNED_DIR, check_recipe_search
 from distill.sources import load_pair
 from distill.student import parse_keep
 from distill.teacher_cache import TeacherCache, check_meta, fingerprint, read_meta
@@ -72,12 +72,14 @@ def check_lengths(cfg: DistillConfig, student_config) -> None:
 
 
 def check_before_loading(cfg: DistillConfig) -> None:
-    """:func:`distill.config.check_sources`, a teacher cache's ``meta.json`` (:func:`check_cache`), then what the
-    models' config.json files can judge without their weights: the lengths (:func:`check_lengths`) and keep_layers
-    against the teacher's depth. A source whose config cannot be read so (the demo teacher before its one-time
-    conversion) is checked once it loads."""
+    """:func:`distill.config.check_sources`, a teacher cache's ``meta.json`` (:func:`check_cache`), a pruning
+    search's settings (:func:`distill.prune.check_recipe_search`), then what the models' config.json files can judge
+    without their weights: the lengths (:func:`check_lengths`) and keep_layers against the teacher's depth. A source
+    whose config cannot be read so (the demo teacher before its one-time conversion) is checked once it loads."""
     check_sources(cfg)
     check_cache(cfg)
+    if not cfg.student and cfg.student_init == "prune" and cfg.resume is None:  # a resume reads its student back
+        check_recipe_search(cfg)
 
     teacher = None if cfg.teacher_cache and cfg.student else peek_config(cfg.teacher)
     derived = not cfg.student  # a derived student keeps the teacher's positions

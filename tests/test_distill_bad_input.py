@@ -119,3 +119,15 @@ def test_the_ce_only_ablation_of_a_cached_run_never_loads_the_teacher(tmp_path, 
                       f"teacher_cache={cache}", "compare_ce_only=true", f"output_dir={tmp_path / 'run'}"])
     teacher, student, _ = loaded.value.args[0]
     assert teacher is None and student is not None
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["prune_axes=depth,mlpp"], r"unknown prune axes \['mlpp'\]; use a comma list of depth, mlp, heads, hidden"),
+    (["streaming=true"], "student_init=prune calibrates on prepared blocks.*set streaming=false"),
+])
+def test_a_pruning_search_that_cannot_run_is_refused_before_the_teacher_loads(distill, tmp_path, argv, match):
+    out = _old_run(tmp_path / "run")
+    with pytest.raises(ConfigError, match=match) as err:
+        distill.main([*TINY, "student_init=prune", *argv, f"output_dir={out}", "overwrite=true"])
+    assert "\n" not in str(err.value)
+    assert sorted(p.name for p in out.iterdir()) == sorted([MARKER, "summary.json", "final"])
