@@ -19,6 +19,9 @@ SEED_RANGE = (0, 2**64 - 1)  # what torch.Generator.manual_seed accepts
 # Most alternatives a request may ask for per token (OpenAI's chat limit; vLLM's default cap).
 MAX_LOGPROBS = 20
 MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: [-2, 2]
+# repetition_penalty's range: beyond a factor of 1000 either way, dividing or multiplying fp32 logits by it overflows
+# (a positive logit to inf, a zero one times inf to NaN) and the sampler refuses the request's every token.
+REPETITION_PENALTY_RANGE = (1e-3, 1e3)
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100] (±100 bans or forces a token)
 MAX_BIASED_TOKENS = 300  # most entries one request's logit_bias may hold (OpenAI's limit)
 
@@ -36,12 +39,12 @@ class SamplingParams:
     for each prompt token after the first (the prompt is then prefilled whole, not restored from the prefix
     cache). Penalties against repeating (:class:`Penalties`): ``presence_penalty`` and ``frequency_penalty``
     (OpenAI's) lower a token's logit once if it was generated and per time it was; ``repetition_penalty``
-    (CTRL's, as in transformers and vLLM) divides a positive logit, or multiplies a negative one, of any token in
-    the prompt or the output (1: off). ``logit_bias`` adds ``{token_id: bias}`` (each in [-100, 100]) to those
-    logits before the token is chosen; -100 all but bans a token and +100 all but forces it, the log-probabilities
-    stay the model's. The penalties and the bias change what is sampled, greedy included (:class:`Penalties`).
-    ``grammar`` (:class:`serve.structured.Grammar`: a JSON schema, any JSON object, a regular expression) allows
-    only the tokens that keep the output on it, and the request ends when it is whole.
+    (CTRL's, as in transformers and vLLM; in [1e-3, 1e3]) divides a positive logit, or multiplies a negative one,
+    of any token in the prompt or the output (1: off). ``logit_bias`` adds ``{token_id: bias}`` (each in
+    [-100, 100]) to those logits before the token is chosen; -100 all but bans a token and +100 all but forces it,
+    the log-probabilities stay the model's. The penalties and the bias change what is sampled, greedy included
+    (:class:`Penalties`). ``grammar`` (:class:`serve.structured.Grammar`: a JSON schema, any JSON object, a regular
+    expression) allows only the tokens that keep the output on it, and the request ends when it is whole.
     """
 
     max_new_tokens: int = 128
@@ -80,8 +83,9 @@ class SamplingParams:
             if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:  # also refuses NaN
                 raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 = off), "
                                  f"got {getattr(self, name)}")
-        if not 0 < self.repetition_penalty < math.inf:
-            raise ValueError(f"repetition_penalty must be a finite value > 0 (1 = off), got {self.repetition_penalty}")
+        lo, hi = REPETITION_PENALTY_RANGE
+        if not lo <= self.repetition_penalty <= hi:  # also refuses NaN
+            raise ValueError(f"repetition_penalty must be in [{lo:g}, {hi:g}] (1 = off), got {self.repetition_penalty}")
         if self.logit_bias:
             if len(self.logit_bias) > MAX_BIASED_TOKENS:
                 raise ValueError(f"logit_bias may hold at most {MAX_BIASED_TOKENS} tokens, got {len(self.logit_bias)}")

@@ -94,6 +94,7 @@ from serve.sampling import (
     MAX_PENALTY,
     MIN_TEMPERATURE,
     MIN_TOP_P,
+    REPETITION_PENALTY_RANGE,
     SamplingParams,
     TokenLogprobs,
 )
@@ -358,10 +359,7 @@ def _sampling(body: dict[str, Any], n_prompt: int, max_seq_len: int, default_max
     seed = _int(body, "seed", None, 0, _UINT64_MAX)
     penalties = {key: _number(body, key, 0.0, -MAX_PENALTY, MAX_PENALTY, " (0 = off)")
                  for key in ("presence_penalty", "frequency_penalty")}
-    repetition = _number(body, "repetition_penalty", 1.0, -math.inf, math.inf)
-    if not repetition > 0:
-        raise BadRequest(f"'repetition_penalty' must be a finite number > 0 (1 = off), got {repetition}",
-                         "repetition_penalty")
+    repetition = _number(body, "repetition_penalty", 1.0, *REPETITION_PENALTY_RANGE, " (1 = off)")
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not (isinstance(stop, list) and len(stop) <= 4

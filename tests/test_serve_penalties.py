@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from core.tiny import save_tiny
 from serve.engine import Engine
-from serve.sampling import Penalties, SamplingParams, sample
+from serve.sampling import REPETITION_PENALTY_RANGE, Penalties, SamplingParams, sample
 from serve.server import ServerThread, create_app
 
 
@@ -158,6 +158,34 @@ def test_server_passes_the_penalties_and_the_bias_to_the_engine(model_dir):
     assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["content"] == engine.tokenizer.decode(
         [17] * 6, skip_special_tokens=True)
     assert neutral.status_code == 200 and neutral.json()["choices"][0]["text"] == plain.text
+
+
+def test_repetition_penalty_is_refused_where_fp32_logits_overflow_and_is_exact_at_its_bounds(model_dir):
+    """A tiny or huge penalty used to pass the checks, then overflow (a positive logit to inf, a zero one times inf
+    to NaN): a sampled request failed with 500. Refused now; at the range's bounds the logits are a naive loop's."""
+    lo, hi = REPETITION_PENALTY_RANGE
+    for rp in (lo / 10, hi * 10):
+        with pytest.raises(ValueError, match="repetition_penalty must be in"):
+            SamplingParams(repetition_penalty=rp)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(50, generator=g) * 30
+    logits[[3, 7]] = 0.0  # zero logits: times an infinite penalty, NaN
+    prompt = [3, 7, 11, 20, 21]
+    for rp in (lo, hi):
+        got = Penalties(SamplingParams(repetition_penalty=rp), prompt)(logits)
+        assert torch.isfinite(got).all()
+        assert got.tolist() == pytest.approx(naive_penalties(logits.tolist(), prompt, [], 0.0, 0.0, rp), rel=1e-6)
+    engine = Engine(model_dir, max_batch=2, max_seq_len=64)
+    body = {"prompt": "the quick brown fox", "max_tokens": 4, "temperature": 1.0, "seed": 0, "ignore_eos": True}
+    with ServerThread(create_app(engine, model_name="tiny")) as srv, \
+            httpx.Client(base_url=srv.url, timeout=60) as c:
+        for rp in (1e-40, 1e39):
+            r = c.post("/v1/completions", json={**body, "repetition_penalty": rp})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "repetition_penalty", r.text
+            assert "must be a finite number in [0.001, 1000.0]" in r.json()["error"]["message"]
+        for rp in (lo, hi):
+            r = c.post("/v1/completions", json={**body, "repetition_penalty": rp})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
 
 
 def test_generate_cli_takes_penalties_and_refuses_bad_ones_before_loading(model_dir, capsys, monkeypatch):
