@@ -185,6 +185,9 @@ def _export(cfg: ExportConfig, out: Path) -> ExportResult:
 
     # 1. What are we exporting? Refuse a bad target (or gate teacher) before the (slow) load.
     src = ex.resolve_source(cfg.source, cfg.checkpoint)
+    if cfg.base and src.kind != "lora":  # else the base would be ignored: the export is the source's own weights
+        raise ConfigError(f"base= only applies when source is a LoRA adapter (adapter_config.json), not a "
+                          f"{src.describe()}; drop base=")
     # The base an adapter records is usually a local model dir too: overwrite must not delete it.
     base = ex.lora_base(src, cfg.base)
     local_base = base if base and Path(base).expanduser().is_dir() else None

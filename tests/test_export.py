@@ -365,6 +365,18 @@ def test_bad_sources_name_the_fix(tmp_path: Path, run_dir) -> None:
             parse_config(ExportConfig, ["source=a", "output_dir=b", bad])
 
 
+
+def test_base_for_a_source_that_is_no_lora_adapter_is_refused_before_the_load(run_dir, tmp_path, monkeypatch) -> None:
+    """base= names what a LoRA adapter merges into: for any other source it was silently ignored, and the export
+    was the source's own weights, not the merge the caller asked for."""
+    run, _ = run_dir
+    other = save_tiny(tmp_path / "other-base", seed=5)
+    monkeypatch.setattr(ex, "load_student", lambda *a, **k: pytest.fail("the source was loaded"))
+    with pytest.raises(ConfigError, match=r"base= only applies when source is a LoRA adapter .*, not a model "
+                                          r"directory .*final; drop base=") as err:
+        run_export(run, tmp_path / "out", base=str(other))
+    assert "\n" not in str(err.value) and not (tmp_path / "out").exists()
+
 def test_deepspeed_checkpoint_goes_through_zero_to_fp32(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("deepspeed")
     import deepspeed.utils.zero_to_fp32 as z2f
