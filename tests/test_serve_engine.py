@@ -359,6 +359,27 @@ def test_too_long_requests_are_refused_not_truncated():
         SamplingParams(max_new_tokens=0)
 
 
+def test_a_refused_generate_call_leaves_nothing_queued():
+    """generate() with a prompt refused after others were queued (or on an engine looping in its thread) used to
+    leave those queued: they ran for no one, ahead of the next requests."""
+    engine = Engine(model=tiny_model("llama"), tokenizer=tiny_tokenizer(), max_batch=1, max_seq_len=64)
+    long = SamplingParams(max_new_tokens=50, ignore_eos=True)
+    with pytest.raises(ValueError, match="exceeds the context of 64"):
+        engine.generate([[5, 6, 7], list(range(3, 60))], long)
+    forwards: list[int] = []
+    engine.on_forward = lambda _kind, _t0, _t1, _n, ids: forwards.extend(ids)
+    got = engine.generate([[9, 9]], SamplingParams(max_new_tokens=2, ignore_eos=True))[0]
+    assert len(got.token_ids) == 2 and len(set(forwards)) == 1 and len(forwards) == 2  # its prefill, one decode
+    assert engine.num_waiting == engine.num_active == 0
+    engine.start()
+    try:
+        with pytest.raises(RuntimeError, match="background thread"):
+            engine.generate([[5, 6, 7]], long)
+        assert engine.num_waiting == engine.num_active == 0 and len(forwards) == 2
+    finally:
+        engine.stop()
+
+
 @pytest.mark.slow
 def test_generate_cli_streams_text(tmp_path):
     save_tiny(tmp_path, arch="qwen2")
