@@ -890,11 +890,21 @@ class Engine:
 
     def generate(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
                  | None = None, *, chat: bool = False) -> list[Completion]:
-        """Generate for several prompts at once (continuous batching, ``max_batch`` at a time)."""
+        """Generate for several prompts at once (continuous batching, ``max_batch`` at a time). A prompt that is
+        refused (too long, a bad grammar) refuses the call with nothing left queued."""
         plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(plist)} sampling params")
-        reqs = [self.submit(self.encode(p, chat), sp) for p, sp in zip(prompts, plist)]
+        if self._thread is not None:  # before any is queued: the loop would run them for no one
+            raise RuntimeError("the engine runs in a background thread; use submit() with on_event instead")
+        reqs: list[Request] = []
+        try:
+            for p, sp in zip(prompts, plist):
+                reqs.append(self.submit(self.encode(p, chat), sp))
+        except BaseException:
+            for req in reqs:  # the prompts queued before the refused one: finished at the next step, never run
+                self.cancel(req)
+            raise
         self._run_until(reqs)
         return [r.result() for r in reqs]
 
