@@ -30,6 +30,7 @@ are removed when the next export to the same output starts.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import sys
@@ -107,6 +108,14 @@ class ExportConfig:
         self.quantize = str(self.quantize).lower()
         if self.quantize != "none":
             qz.check_scheme(self.quantize)  # before the (slow) load
+        # A quantization setting nothing reads (no quantize=, or no gate) must not pass as applied.
+        unread = [f.name for f in dataclasses.fields(self) if f.name.startswith("quant_") and f.name != "quant_gate"
+                  and getattr(self, f.name) != f.default] if self.quantize == "none" or not self.quant_gate else []
+        if unread:
+            raise ConfigError(f"{', '.join(unread)} only appl{'ies' if len(unread) == 1 else 'y'} to a quantized export's "
+                              f"gate, which {'quantize=none' if self.quantize == 'none' else 'quant_gate=false'} does "
+                              f"not run; drop {'it' if len(unread) == 1 else 'them'} or pass "
+                              f"{'quantize=int8 (or w8a8)' if self.quantize == 'none' else 'quant_gate=true'}")
         if self.quantize != "none" and self.quant_gate:
             # A broken prompt file or teacher must fail now, not after the quantization and the baseline's outputs.
             self.quant_gate_teacher = str(self.quant_gate_teacher or "none").strip()
