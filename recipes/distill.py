@@ -15,7 +15,9 @@ import dataclasses
 import math
 import shutil
 import sys
+import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 # Python puts a script's folder first on sys.path, and this folder holds distill.py, which would shadow
 # the `distill` package: keep the folder off sys.path so imports come from the installed packages.
@@ -33,10 +35,11 @@ from distill import on_policy
 from distill.config import RESUME_SAFE, DistillConfig, check_sources
 from distill.data import build_data, steps_for_tokens
 from distill.distributed import configure_deepspeed, deepspeed_settings, is_fsdp, is_zero3, prepare_teacher
-from distill.model import DistillModel, LossConfig
+from distill.layers import LayerMapError, parse_layer_pairs
+from distill.model import DistillModel, LossConfig, check_pair
 from distill.prune import PRUNED_DIR, check_recipe_search
-from distill.sources import load_pair
-from distill.student import parse_keep
+from distill.sources import load_pair, load_recipe_tokenizer
+from distill.student import KEPT_KEY, parse_keep
 from distill.teacher_cache import TeacherCache, check_meta, fingerprint, read_meta
 from distill.training import (
     Run,
@@ -74,8 +77,9 @@ def check_lengths(cfg: DistillConfig, student_config) -> None:
 def check_before_loading(cfg: DistillConfig) -> None:
     """:func:`distill.config.check_sources`, a teacher cache's ``meta.json`` (:func:`check_cache`), a pruning
     search's settings (:func:`distill.prune.check_recipe_search`), then what the models' config.json files can judge
-    without their weights: the lengths (:func:`check_lengths`) and keep_layers against the teacher's depth. A source
-    whose config cannot be read so (the demo teacher before its one-time conversion) is checked once it loads."""
+    without their weights: the lengths (:func:`check_lengths`), keep_layers against the teacher's depth, and the
+    pairing (:func:`check_pairing`). A source whose config cannot be read so (the demo teacher before its one-time
+    conversion) is checked once it loads."""
     check_sources(cfg)
     check_cache(cfg)
     if not cfg.student and cfg.student_init == "prune" and cfg.resume is None:  # a resume reads its student back
@@ -86,11 +90,36 @@ def check_before_loading(cfg: DistillConfig) -> None:
     student = teacher if derived else peek_config(cfg.student)
     if student is not None:
         check_lengths(cfg, student)
+    kept = None
     if derived and cfg.student_init == "keep_layers" and teacher is not None:
         try:
-            parse_keep(cfg.keep_layers, teacher.num_hidden_layers)
+            kept = parse_keep(cfg.keep_layers, teacher.num_hidden_layers)
         except ValueError as err:
             raise ConfigError(f"{err} (keep_layers)") from None
+    if teacher is not None and not cfg.teacher_cache and (kept is not None or (student is not None and not derived)):
+        check_pairing(cfg, teacher, student, kept)
+
+
+def check_pairing(cfg: DistillConfig, teacher, student, kept: list[int] | None) -> None:
+    """What :class:`~distill.model.DistillModel` judges of a live teacher and its student, from their configs
+    (``kept``: the teacher layers a keep_layers student keeps; None: ``student`` is given): one vocabulary
+    (:func:`~distill.model.check_pair`) and ``hidden_layers`` / ``attn_layers`` pairs within both models."""
+    if kept is None:
+        with warnings.catch_warnings():  # padding rows: warned once, when the models are paired
+            warnings.simplefilter("ignore")
+            size = (len(load_recipe_tokenizer(cfg.teacher, cfg.tokenizer))
+                    if student.vocab_size != teacher.vocab_size else None)
+            check_pair(SimpleNamespace(config=student), SimpleNamespace(config=teacher), size)
+        n_student, kept = student.num_hidden_layers, getattr(student, KEPT_KEY, None)
+    else:
+        n_student = len(kept)
+    for key, weight, spec in (("hidden_layers", cfg.hidden_weight, cfg.hidden_layers),
+                              ("attn_layers", cfg.attn_weight, cfg.attn_layers)):
+        if weight > 0:
+            try:
+                parse_layer_pairs(spec, n_student, teacher.num_hidden_layers, kept)
+            except LayerMapError as err:
+                raise LayerMapError(f"{err} ({key})") from None
 
 
 def check_cache(cfg: DistillConfig) -> None:

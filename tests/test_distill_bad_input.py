@@ -131,3 +131,26 @@ def test_a_pruning_search_that_cannot_run_is_refused_before_the_teacher_loads(di
         distill.main([*TINY, "student_init=prune", *argv, f"output_dir={out}", "overwrite=true"])
     assert "\n" not in str(err.value)
     assert sorted(p.name for p in out.iterdir()) == sorted([MARKER, "summary.json", "final"])
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["hidden_layers=[1-3]"], r"cannot read layer pair '1-3'; use 's:t', 'relative' or 'derived' \(hidden_layers\)"),
+    (["attn_layers=[1:9]"], r"teacher layer 9 is out of range for a 4-layer teacher; use 0..3 .*\(attn_layers\)"),
+    (["keep_layers=0,3", "hidden_layers=[2:3]"], r"student layer 2 is out of range for a 2-layer student"),
+    (["student=OTHER"], "teacher vocab_size 512 != student vocab_size 320"),
+    (["student=DERIVED", "attn_layers=[3:0]"], r"student layer 3 is out of range for a 2-layer student"),
+])
+def test_a_pairing_that_cannot_work_is_refused_before_any_weights_load(distill, tmp_path, argv, match):
+    from core.tiny import tiny_teacher, tiny_teacher_tokenizer
+    from distill.student import derive_student
+
+    derived = derive_student(tiny_teacher(0), "0,3")
+    derived.save_pretrained(tmp_path / "derived")
+    tiny_teacher_tokenizer().save_pretrained(tmp_path / "derived")
+    paths = {"student=OTHER": f"student={save_tiny(tmp_path / 'other')}", "student=DERIVED": f"student={tmp_path / 'derived'}"}
+    argv = [paths.get(a, a) for a in argv]
+    out = _old_run(tmp_path / "run")
+    with pytest.raises(ConfigError, match=match) as err:
+        distill.main([*TINY, *argv, f"output_dir={out}", "overwrite=true"])
+    assert "\n" not in str(err.value)
+    assert sorted(p.name for p in out.iterdir()) == sorted([MARKER, "summary.json", "final"])
