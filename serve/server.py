@@ -153,11 +153,19 @@ class NoDelayH11Protocol(H11Protocol):
         super().connection_lost(exc)
 
 
+def _utf8(text: str) -> str:
+    """``text`` with each lone UTF-16 surrogate (JSON's ``\\ud800`` can carry one) written as its escape: a reply
+    is UTF-8, which cannot hold one."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 class APIError(Exception):
-    """A client-visible error: answered with ``status`` and an OpenAI-style ``{"error": {...}}`` body."""
+    """A client-visible error: answered with ``status`` and an OpenAI-style ``{"error": {...}}`` body. The message
+    and param may quote the client's own text (a field's name, a model's), lone surrogates and all."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        message, param = _utf8(message), None if param is None else _utf8(param)
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers

@@ -65,6 +65,11 @@ CASES = [
     ("deep-nesting", "POST", C, raw("[" * 100_000), None, 400, "invalid_request_error", None, "invalid_json"),
     ("5000-digit-int", "POST", C, raw('{"prompt": "a", "seed": ' + "9" * 5000 + "}"), None,
      400, "invalid_request_error", None, "invalid_json"),
+    # A lone surrogate in text the error quotes: the reply (UTF-8) could not be encoded, 500.
+    ("model-lone-surrogate", "POST", C, raw('{"prompt": "a", "model": "\\ud800"}'), None,
+     404, "invalid_request_error", "model", "model_not_found"),
+    ("field-name-lone-surrogate", "POST", C, raw('{"prompt": "a", "\\ud800x": 1}'), None,
+     400, "invalid_request_error", "\\ud800x", "unsupported"),
     ("prompt-missing", "POST", C, {"max_tokens": 2}, None, 400, "invalid_request_error", "prompt", "missing"),
     ("prompt-int", "POST", C, {"prompt": 42}, None, 400, "invalid_request_error", "prompt", "invalid_type"),
     ("prompt-empty", "POST", C, {"prompt": ""}, None, 400, "invalid_request_error", "prompt", "invalid_value"),
