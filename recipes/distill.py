@@ -66,12 +66,12 @@ NO_FSDP = ("recipes/distill.py does not run under FSDP; launch with launch/gpu_d
 # Pieces of the recipe that read better with a name
 # --------------------------------------------------------------------------------------------
 
-def check_lengths(cfg: DistillConfig, student_config) -> None:
-    """seq_len within the student's positions (``student_config``: its config, read with or without its weights);
-    the config already keeps the on-policy prompt and continuation within seq_len."""
-    limit = getattr(student_config, "max_position_embeddings", None)
+def check_lengths(cfg: DistillConfig, config, role: str = "model") -> None:
+    """seq_len within a model's positions (``config``: its config, read with or without its weights; ``role``: how
+    the error names it); the config already keeps the on-policy prompt and continuation within seq_len."""
+    limit = getattr(config, "max_position_embeddings", None)
     if limit is not None and cfg.seq_len > limit:
-        raise ConfigError(f"seq_len {cfg.seq_len} exceeds the model's maximum of {limit} positions; lower seq_len")
+        raise ConfigError(f"seq_len {cfg.seq_len} exceeds the {role}'s maximum of {limit} positions; lower seq_len")
 
 
 def check_before_loading(cfg: DistillConfig) -> None:
@@ -90,6 +90,8 @@ def check_before_loading(cfg: DistillConfig) -> None:
     student = teacher if derived else peek_config(cfg.student)
     if student is not None:
         check_lengths(cfg, student)
+    if teacher is not None and not derived:  # the live teacher reads the same blocks (its targets past its context
+        check_lengths(cfg, teacher, "teacher")  # would be from positions it never learned)
     kept = None
     if derived and cfg.student_init == "keep_layers" and teacher is not None:
         try:
@@ -136,6 +138,8 @@ def load_models(cfg: DistillConfig):
     check_cache(cfg)  # already checked before the run folder was claimed; cheap, and load_models stands alone
     teacher, student, tokenizer = load_pair(cfg)
     check_lengths(cfg, student.config)  # for a source check_before_loading could not read without loading it
+    if teacher is not None:
+        check_lengths(cfg, teacher.config, "teacher")
     if cfg.gradient_checkpointing:
         enable_checkpointing(student, use_reentrant=False)
     student.config.use_cache = False

@@ -154,3 +154,12 @@ def test_a_pairing_that_cannot_work_is_refused_before_any_weights_load(distill, 
         distill.main([*TINY, *argv, f"output_dir={out}", "overwrite=true"])
     assert "\n" not in str(err.value)
     assert sorted(p.name for p in out.iterdir()) == sorted([MARKER, "summary.json", "final"])
+
+
+def test_a_given_student_does_not_hide_a_teacher_with_a_shorter_context(distill, tmp_path):
+    teacher, student = save_tiny(tmp_path / "teacher", max_pos=48), save_tiny(tmp_path / "student", max_pos=1024)
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match="seq_len 64 exceeds the teacher's maximum of 48 positions; lower seq_len"):
+        distill.main([*TINY, f"teacher={teacher}", f"student={student}", "hidden_layers=[relative]",
+                      "attn_layers=[1:1]", f"output_dir={out}"])
+    assert not out.exists()
