@@ -42,9 +42,10 @@ def allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, spec: HybridAttentionConfi
 
 def hybrid_mask(seq_len: int, spec: HybridAttentionConfig, *, window: int | None = None,
                 device: torch.device | str | None = None) -> torch.Tensor:
-    """``[seq, seq]`` bool mask for a sequence starting at position 0."""
+    """``[seq, seq]`` bool mask for a sequence starting at position 0 (``window`` default: the spec's for
+    ``seq_len``, its ``window_policy``'s when it has one, as :func:`attention.hybrid_attention` picks it)."""
     pos = torch.arange(seq_len, device=device)
-    return allowed(pos, pos, spec, window)
+    return allowed(pos, pos, spec, spec.window_for(seq_len) if window is None else window)
 
 
 def padded_hybrid_mask(attention_mask: torch.Tensor, spec: HybridAttentionConfig, *,
@@ -53,10 +54,12 @@ def padded_hybrid_mask(attention_mask: torch.Tensor, spec: HybridAttentionConfig
 
     Positions count real tokens only, so a left-padded row sees the same pattern as the
     unpadded sequence. ``attention_mask`` is ``[batch, seq]`` (1 = real token). Padded query
-    rows keep their own diagonal so softmax never sees an empty row.
+    rows keep their own diagonal so softmax never sees an empty row. ``window`` default: the spec's
+    for ``seq`` (padding included, as :func:`attention.hybrid_attention` picks it).
     """
     am = attention_mask.bool()
     pos = am.long().cumsum(-1) - 1
+    window = spec.window_for(am.shape[-1]) if window is None else window
     m = allowed(pos, pos, spec, window) & am.unsqueeze(-2) & am.unsqueeze(-1)
     eye = torch.eye(am.shape[-1], dtype=torch.bool, device=am.device)
     m = m | (eye & ~am.unsqueeze(-1))
@@ -72,9 +75,12 @@ def query_key_mask(q_len: int, k_len: int, spec: HybridAttentionConfig, *,
     ``query_start + r`` (default: the last ``q_len`` keys, as in cached decoding). ``attention_mask``
     is ``[batch, k_len]`` (1 = real token); positions count real tokens only, keys that are not real
     are never seen, and a padded query row sees only its own key so softmax never gets an empty row.
-    With ``q_len == k_len`` this equals :func:`padded_hybrid_mask` / :func:`hybrid_mask`.
+    With ``q_len == k_len`` this equals :func:`padded_hybrid_mask` / :func:`hybrid_mask`. ``window`` default:
+    the spec's for the ``query_start + q_len`` key slots up to the last query, as :func:`attention.hybrid_attention`
+    picks it.
     """
     qs = k_len - q_len if query_start is None else query_start
+    window = spec.window_for(qs + q_len) if window is None else window
     if attention_mask is None:
         kpos = torch.arange(k_len, device=device).unsqueeze(0)
         real = torch.ones_like(kpos, dtype=torch.bool)

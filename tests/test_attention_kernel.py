@@ -71,6 +71,21 @@ def test_blocksparse_matches_reference_random_lengths(spec):
             assert (hybrid_attention(q, k, v, spec, backend="blocksparse").double() - ref).abs().max() < 1e-5
 
 
+
+def test_reference_masks_take_the_policys_window_as_the_attention_does():
+    """Without a window argument the reference masks used ``spec.window``, which a spec with a window_policy
+    never serves: hybrid_attention picks the policy's window for the length, and the two disagreed."""
+    spec = HybridAttentionConfig(sink_tokens=1, window=4, global_every=0, window_policy=[[16, 3], [None, 8]])
+    for n in (12, 20):  # one length per policy entry, neither with the spec's own window
+        q, k, v = qkv(1, 2, 1, n, n)
+        out = hybrid_attention(q, k, v, spec)
+        am = torch.ones(1, n, dtype=torch.long)
+        for mask in (hybrid_mask(n, spec), padded_hybrid_mask(am, spec), query_key_mask(n, n, spec)):
+            assert (out.double() - naive(q, k, v, mask)).abs().max().item() < 1e-5
+        q4 = q[:, :, -4:]  # cached decoding: the window follows the key slots up to the last query
+        assert (hybrid_attention(q4, k, v, spec).double() - naive(q4, k, v, query_key_mask(4, n, spec))
+                ).abs().max().item() < 1e-5
+
 @pytest.mark.parametrize("block", [4, 16, 32])
 def test_ragged_blocks_and_window_not_multiple_of_block(block):
     spec = HybridAttentionConfig(sink_tokens=3, window=13, global_every=10)
