@@ -237,6 +237,11 @@ class TeacherCache:
         if tokenizer is not None and self.meta.get("tokenizer_fingerprint") not in (None, tokenizer_fingerprint(tokenizer)):
             raise TeacherCacheError(f"teacher cache {path} was written with another tokenizer; rerun "
                                     "recipes/cache_teacher.py with this run's tokenizer")
+        if self.meta.get("blocks") not in (None, train_blocks.shape[0]):  # before hashing a corpus to say so
+            raise TeacherCacheError(
+                f"teacher cache {path} was made from other data: it holds {self.meta['blocks']} blocks but this run "
+                f"trains on {train_blocks.shape[0]}; set max_train_blocks={self.meta['blocks']} if it was written with "
+                f"max_blocks={self.meta['blocks']}, else rerun recipes/cache_teacher.py with this run's dataset and seq_len")
         if self.meta["fingerprint"] != (data_fingerprint or fingerprint(train_blocks)):
             raise TeacherCacheError(
                 f"teacher cache {path} was made from other data (dataset/seq_len/tokenizer differ); rerun "

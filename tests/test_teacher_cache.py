@@ -127,6 +127,19 @@ def _write_cache(path: Path, blocks: torch.Tensor, tokenizer, *, mode="sampled",
     (path / META).write_text(json.dumps(meta))
 
 
+def test_a_cache_of_fewer_blocks_names_max_train_blocks_before_hashing_the_data(tmp_path, monkeypatch):
+    """cache_teacher max_blocks=N without the run's max_train_blocks=N: the fix is that key, not other data."""
+    import distill.teacher_cache as teacher_cache
+
+    tok = tiny_tokenizer()
+    blocks = torch.randint(0, 320, (5, 8))
+    _write_cache(tmp_path / "c", blocks[:3], tok)
+    monkeypatch.setattr(teacher_cache, "fingerprint", lambda *_: pytest.fail("hashed the whole corpus first"))
+    with pytest.raises(TeacherCacheError, match="other data: it holds 3 blocks but this run trains on 5; set max_train_blocks=3") as err:
+        TeacherCache(tmp_path / "c", blocks, vocab_size=320, tokenizer=tok, temperature=1.0)
+    assert "\n" not in str(err.value)
+
+
 def test_cache_lookup_and_loss_dispatch(tmp_path):
     tok = tiny_tokenizer()
     blocks = torch.randint(0, 320, (3, 8))
