@@ -226,7 +226,11 @@ class RetrofitConfig:
         if self.longctx_lengths and not self.longctx_depths:  # else the closing check fails after training
             raise ConfigError("longctx_depths is empty; give at least one needle depth in [0, 1] (e.g. [0.5]), or "
                               "set longctx_lengths=[] to skip the pass-key check")
-        self.spec()  # validates the attention keys
+        spec = self.spec()  # validates the attention keys
+        policy_windows = sorted({w for _, w in spec.window_policy or []})
+        if policy_windows and self.window not in policy_windows:  # else window would pass as the one trained
+            raise ConfigError(f"window={self.window} is never used: window_policy sets the window at every length "
+                              f"({policy_windows}); set window to one of those, or window_policy=null for one window")
         try:
             self.losses()
         except ValueError as err:
