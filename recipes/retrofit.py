@@ -227,6 +227,9 @@ class RetrofitConfig:
             raise ConfigError("longctx_depths is empty; give at least one needle depth in [0, 1] (e.g. [0.5]), or "
                               "set longctx_lengths=[] to skip the pass-key check")
         spec = self.spec()  # validates the attention keys
+        if spec.window_policy and spec.window_policy[0][0] == 1:  # training_window would crop steps to 1 token
+            raise ConfigError(f"window_policy {[list(p) for p in spec.window_policy]} starts with bound 1: its steps "
+                              "train on 1-token crops, with no next token to learn from; start the bounds at 2 or more")
         policy_windows = sorted({w for _, w in spec.window_policy or []})
         if policy_windows and self.window not in policy_windows:  # else window would pass as the one trained
             raise ConfigError(f"window={self.window} is never used: window_policy sets the window at every length "

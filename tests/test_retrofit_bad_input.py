@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from attention import HybridAttentionConfig
 from core.config import ConfigError, parse_config
 from recipes.retrofit import RetrofitConfig
 
@@ -21,3 +22,17 @@ def test_a_window_the_policy_never_serves_is_refused():
         parse_config(RetrofitConfig, ["window=1024"])  # the built-in default policy
     parse_config(RetrofitConfig, [*TINY, "window=8", "window_policy=[[64, 8], [null, 16]]"])
     parse_config(RetrofitConfig, [*TINY, "window=32", "window_policy=null"])
+
+
+def test_a_policy_entry_for_one_token_inputs_is_refused():
+    """A step that draws the bound-1 entry trains on a 1-token crop of each block: no target, loss 0, and the
+    optimizer still stepped (on Adam's momentum) and the schedule went on."""
+    from recipes.retrofit import training_window
+
+    argv = [*TINY, "window=8", "window_policy=[[1, 8], [null, 16]]"]
+    with pytest.raises(ConfigError, match=r"starts with bound 1: its steps train on 1-token crops.*bounds at 2") as err:
+        parse_config(RetrofitConfig, argv)
+    assert "\n" not in str(err.value)
+    spec = HybridAttentionConfig(sink_tokens=4, window=8, global_every=32, window_policy=[[1, 8], [None, 16]])
+    assert (8, 1) in {training_window(spec, 128, 0, step) for step in range(20)}  # what it would have trained on
+    parse_config(RetrofitConfig, [*TINY, "window=8", "window_policy=[[2, 8], [null, 16]]"])
