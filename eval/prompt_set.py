@@ -53,7 +53,7 @@ def _read_jsonl(path: Path, what: str) -> list[tuple[int, dict]]:
     if not path.is_file():
         raise GateInputError(f"{what} file {path} does not exist; check the path")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors) is no part of line 1
     except UnicodeDecodeError:
         raise GateInputError(f"{path.name}: not UTF-8 text; save it as UTF-8 JSON Lines") from None
     rows = []

@@ -108,3 +108,14 @@ def test_longctx_refuses_a_bad_retrofit_spec_or_length_before_the_model_loads(tm
     assert longctx.main(["--model", str(tmp_path / "m"), "--lengths", "64", *flags]) == 3
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("error: ") and says in err, err
+
+
+def test_prompt_and_reference_files_saved_with_a_byte_order_mark_load(tmp_path):
+    """Windows editors start UTF-8 files with a BOM: line 1 was 'not valid JSON' though it was."""
+    from eval.prompt_set import load_prompts, load_references
+
+    prompts, refs = tmp_path / "prompts.jsonl", tmp_path / "refs.jsonl"
+    prompts.write_text('\ufeff{"id": "a", "prompt": "hi"}\n{"id": "b", "prompt": "yo"}\n', encoding="utf-8")
+    refs.write_text('\ufeff{"id": "a", "reference": "x"}\n{"id": "b", "reference": "y"}\n', encoding="utf-8")
+    loaded = load_prompts(prompts)
+    assert [p.id for p in loaded] == ["a", "b"] and load_references(refs, loaded) == ["x", "y"]
