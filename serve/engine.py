@@ -483,6 +483,11 @@ class Engine:
         params = params or SamplingParams()
         prompt_ids = [int(t) for t in prompt_ids]
         self.check_request(len(prompt_ids), params)
+        vocab = self.model.config.vocab_size
+        # An id outside the embedding fails the model's lookup: on CUDA a device-side assert, every request after it too.
+        if not 0 <= min(prompt_ids) <= max(prompt_ids) < vocab:
+            bad = next(t for t in prompt_ids if not 0 <= t < vocab)
+            raise ValueError(f"prompt token {bad} is not in the model's vocabulary (ids 0 to {vocab - 1}); drop it")
         req = Request(prompt_ids, params, on_event, self.tokenizer, self.stop_ids)
         if params.grammar is not None:
             req.constraint = self.grammars.constraint(params.grammar)

@@ -359,6 +359,17 @@ def test_too_long_requests_are_refused_not_truncated():
         SamplingParams(max_new_tokens=0)
 
 
+@pytest.mark.parametrize("bad", [-1, 320, 2**40])
+def test_a_prompt_token_outside_the_vocabulary_is_refused_at_submit(bad):
+    """It used to reach the model's embedding lookup (an IndexError on CPU; on CUDA a device-side assert, after which
+    every request fails)."""
+    engine = Engine(model=tiny_model("llama"), tokenizer=tiny_tokenizer(), max_batch=2, max_seq_len=64)
+    assert engine.model.config.vocab_size == 320
+    with pytest.raises(ValueError, match=f"prompt token {bad} is not in the model's vocabulary \\(ids 0 to 319\\)"):
+        engine.generate([[5, 6, 7], [5, bad, 6]], SamplingParams(max_new_tokens=3))
+    assert engine.generate([[5, 319, 0]], SamplingParams(max_new_tokens=3, ignore_eos=True))[0].finish_reason == "length"
+
+
 def test_a_refused_generate_call_leaves_nothing_queued():
     """generate() with a prompt refused after others were queued (or on an engine looping in its thread) used to
     leave those queued: they ran for no one, ahead of the next requests."""
