@@ -163,3 +163,28 @@ def test_a_given_student_does_not_hide_a_teacher_with_a_shorter_context(distill,
         distill.main([*TINY, f"teacher={teacher}", f"student={student}", "hidden_layers=[relative]",
                       "attn_layers=[1:1]", f"output_dir={out}"])
     assert not out.exists()
+
+
+def _chat(path, records: int, reply: bool):
+    path.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"question {i} " * 12}]
+                                          + ([{"role": "assistant", "content": f"answer {i} " * 12}] if reply else [])})
+                              for i in range(records)) + "\n")
+    return str(path)
+
+
+def test_chat_data_without_an_assistant_reply_is_refused_not_trained_on(tmp_path):
+    """completion_only scores assistant tokens only: without any, a run trained on nothing (loss 0, perplexity NaN)
+    and then failed drawing loss.png."""
+    from core.tiny import tiny_teacher_tokenizer
+    from distill.data import DataError, build_data
+
+    tok = tiny_teacher_tokenizer()
+    args = dict(seq_len=32, eval_blocks=4, data_cache=str(tmp_path / "cache"), progress=False)
+    with pytest.raises(DataError, match="has no assistant reply to train on.*set completion_only=false") as err:
+        build_data(tok, dataset=_chat(tmp_path / "users.jsonl", 60, reply=False), **args)
+    assert "\n" not in str(err.value)
+    good = _chat(tmp_path / "chat.jsonl", 60, reply=True)
+    with pytest.raises(DataError, match="the held-out text .* has no assistant reply to score"):
+        build_data(tok, dataset=good, eval_dataset=_chat(tmp_path / "held.jsonl", 20, reply=False), **args)
+    assert build_data(tok, dataset=good, **args).train.shape[0] > 0
+    build_data(tok, dataset=str(tmp_path / "users.jsonl"), completion_only=False, **args)  # every token a target

@@ -265,8 +265,13 @@ def build_data(tokenizer, *, dataset: str | None = BUILTIN, seq_len: int, eval_b
         if n == 0:
             raise DataError(f"dataset {spec.source} gives 0 training blocks of {seq_len} tokens; add data, lower "
                             "seq_len, or drop the source")
+        mask = None if p.train_mask is None else p.train_mask[:n]
+        if mask is not None and not _has_target(mask):  # a run would train on nothing: loss 0, perplexity NaN
+            raise DataError(f"dataset {spec.source} has no assistant reply to train on in its {n} training blocks "
+                            "(completion_only: only assistant tokens are targets); add assistant turns or set "
+                            "completion_only=false")
         parts.append(p.train[:n])
-        masks.append(None if p.train_mask is None else p.train_mask[:n])
+        masks.append(mask)
         r.train_blocks, r.tokens = n, n * seq_len
     train = Blocks(parts, masks, seq_len)
     if train.shape[0] < min_train_blocks:
@@ -291,8 +296,18 @@ def build_data(tokenizer, *, dataset: str | None = BUILTIN, seq_len: int, eval_b
     if eval_ids.shape[0] == 0:
         raise DataError(f"dataset {dataset if not datasets else 'mixture'} leaves no held-out block of {seq_len} "
                         "tokens; add data or set eval_dataset=")
+    if any_mask and not _has_target(torch.cat(held_masks).numpy()):
+        raise DataError(f"the held-out text ({eval_dataset or 'a split of the training data'}) has no assistant reply "
+                        "to score (completion_only: only assistant tokens are targets); add assistant turns, raise "
+                        "eval_blocks or set completion_only=false")
     return PackedData(train=train, eval=eval_ids, eval_mask=torch.cat(held_masks) if any_mask else None,
                       weights=[s.weight for s in specs], sources=reports)
+
+
+def _has_target(mask: np.ndarray, rows: int = 4096) -> bool:
+    """Whether a ``[blocks, seq]`` completion mask holds a target (a marked token after a block's first), read
+    ``rows`` blocks at a time and stopping at the first: a chat corpus has one in its first rows."""
+    return any(np.asarray(mask[lo: lo + rows, 1:]).any() for lo in range(0, mask.shape[0], rows))
 
 
 def _open_or_prepare(spec: SourceSpec, tokenizer, settings: PackSettings, data_cache: str | None,
