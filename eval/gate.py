@@ -88,7 +88,7 @@ import numpy as np
 from core.config import ConfigError, check_fields, check_output_dir, field
 from core.fsio import atomic_write_text
 from core.models import DTYPES, resolve_device
-from eval.bertscore import MAX_TOKENS, BertScore, ScorerMissingError
+from eval.bertscore import MAX_TOKENS, BertScore, ScorerMissingError, distinct_texts
 from eval.fingerprint import DigestMemo, json_hash
 from eval.generation import (
     GenerationRun,
@@ -238,9 +238,9 @@ def _load_inputs(cfg: GateConfig) -> tuple[Path, list[Prompt], list[str] | None,
                 raise GateInputError(f"heldout file {hp} is empty; give it some text or drop --heldout")
         except UnicodeDecodeError:
             raise GateInputError(f"heldout file {hp} is not UTF-8 text; convert it") from None
-    if cfg.rescale == "prompts" and len({p.prompt.strip() for p in prompts}) < 2:  # else a zero denominator
+    if cfg.rescale == "prompts" and len(distinct_texts([p.prompt for p in prompts])) < 2:  # else a zero denominator
         raise GateInputError(f"rescale=prompts needs at least two different prompt texts to build its baseline, and "
-                             f"{prompts_path.name} has one; use rescale=none or a text file")
+                             f"{prompts_path.name} has one (case and spacing aside); use rescale=none or a text file")
     elif cfg.rescale not in ("none", "prompts"):
         _check_rescale_text(Path(cfg.rescale))
     _check_longctx(cfg, models)
@@ -268,12 +268,12 @@ def _check_rescale_text(path: Path) -> None:
     if not path.is_file():
         raise GateInputError(f"rescale text {path} does not exist; use none, prompts or a text file")
     try:
-        lines = {line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()}
+        lines = distinct_texts(path.read_text(encoding="utf-8").splitlines())
     except UnicodeDecodeError:
         raise GateInputError(f"rescale text {path} is not UTF-8 text; convert it") from None
     if len(lines) < 2:
         raise GateInputError(f"rescale text {path} has {len(lines)} distinct non-empty line(s); a baseline needs "
-                             "at least two different texts (use more lines, or rescale=prompts)")
+                             "at least two different texts, case and spacing aside (use more lines, or rescale=prompts)")
 
 
 def _check_longctx(cfg: GateConfig, models: dict[str, Path]) -> None:

@@ -32,7 +32,7 @@ def test_rescale_prompts_with_one_distinct_prompt_text_exits_3_before_any_genera
     """The prompts are the rescale baseline's texts: copies of one text give it no unrelated pair (it raised a
     ValueError after every generation, exit 5 with a traceback)."""
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"id": i, "prompt": t}) + "\n" for i, t in enumerate(["same", " same "])))
+    prompts.write_text("".join(json.dumps({"id": i, "prompt": t}) + "\n" for i, t in enumerate(["Same", " same "])))
     out = tmp_path / "out"
     code = main([*_model_dirs(tmp_path), "--prompts", str(prompts), "--out", str(out), "--rescale", "prompts"])
     err = capsys.readouterr().err
@@ -40,6 +40,18 @@ def test_rescale_prompts_with_one_distinct_prompt_text_exits_3_before_any_genera
     assert err.count("\n") == 1 and "rescale=prompts needs at least two different prompt texts" in err
     assert not out.exists()
 
+
+
+def test_rescale_text_whose_lines_differ_only_in_case_exits_3_before_any_generation(tmp_path, capsys):
+    """The scorer is uncased: such lines are one text to it, and a baseline of them rescaled every score into the
+    millions (a garbage verdict) instead of being refused."""
+    text = tmp_path / "rescale.txt"
+    text.write_text("Hello world.\nhello  world.\n")
+    out = tmp_path / "out"
+    code = main([*_model_dirs(tmp_path), "--out", str(out), "--rescale", str(text)])
+    err = capsys.readouterr().err
+    assert code == 3, err
+    assert err.count("\n") == 1 and "has 1 distinct non-empty line(s)" in err and not out.exists()
 
 def test_a_prompt_past_a_models_positions_exits_3_before_any_generation(tmp_path, capsys, monkeypatch):
     """A hybrid model refuses a sequence past max_position_embeddings in the middle of generate: that was exit 5

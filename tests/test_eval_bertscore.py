@@ -65,3 +65,12 @@ def test_rescale_baseline_pairs_unrelated_texts(scorer):
     for texts in (["only one"], ["the same text", " the same text ", "the same text"]):
         with pytest.raises(ValueError, match="two distinct texts"):
             build_rescale_baseline(scorer, texts)
+
+
+def test_rescale_texts_that_differ_only_in_case_or_spacing_are_one_text(scorer):
+    """The encoder is uncased: "Hello world." and "hello  world." are copies to it, so a baseline of them alone was
+    1.0000001 and rescaled scores came out in the millions instead of an error."""
+    with pytest.raises(ValueError, match="two distinct texts"):
+        build_rescale_baseline(scorer, ["Hello world.", "hello  world.", " HELLO world. "])
+    b = build_rescale_baseline(scorer, ["Hello world.", "hello world.", "plants need light to grow"], pairs=20)
+    assert all(0 < v < 1 for v in b)
