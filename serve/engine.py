@@ -891,7 +891,27 @@ class Engine:
         if self._thread is not None:
             raise RuntimeError("the engine runs in a background thread; use submit() with on_event instead")
         while not all(r.done for r in reqs):
+            self._step_or_fail()
+
+    def _step_or_fail(self) -> None:
+        """:meth:`step` for the synchronous API: when it raises (the shared forward: a bug, OOM), every request in
+        flight ends with "error", as in the background loop, before the exception reaches the caller; none is left
+        in its row to run on with the caller's next requests."""
+        try:
             self.step()
+        except Exception as e:
+            self._fail_in_flight(e)
+            raise
+
+    def _fail_in_flight(self, exc: BaseException) -> None:
+        """Finish every request admitted or waiting with "error" (``exc`` its cause)."""
+        with self._lock:
+            reqs = [r for r in self._rows if r is not None] + list(self._waiting)
+            self._waiting.clear()
+        for r in reqs:
+            if not r.done:
+                r.error = exc
+                self._finish(r, "error")
 
     def generate(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
                  | None = None, *, chat: bool = False) -> list[Completion]:
@@ -923,7 +943,7 @@ class Engine:
         req = self.submit(self.encode(prompt, chat), params, lambda d, _t, _f: out.append(d) if d else None)
         try:
             while not req.done:
-                self.step()
+                self._step_or_fail()
                 while out:
                     yield out.popleft()
             while out:
@@ -1050,10 +1070,4 @@ class Engine:
                 self.step()
             except Exception as e:  # a bug or OOM must not leave clients waiting forever
                 logger.exception("engine step failed; failing the requests in flight")
-                with self._lock:
-                    reqs = [r for r in self._rows if r is not None] + list(self._waiting)
-                    self._waiting.clear()
-                for r in reqs:
-                    if not r.done:
-                        r.error = e
-                        self._finish(r, "error")
+                self._fail_in_flight(e)

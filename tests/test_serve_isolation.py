@@ -181,3 +181,31 @@ def test_a_streamed_request_that_fails_raises_after_its_text_and_the_cli_says_so
                         "--seed", str(POISON_SEED), "--max-new-tokens", "6"])
     assert rc == 1
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: generation failed after 1 tokens")
+
+
+def test_a_failed_forward_in_the_synchronous_api_leaves_no_request_in_flight():
+    """As in the background loop, every request in flight ends with "error"; they used to stay in their rows and
+    decode on with the caller's next requests."""
+    engine = Engine(model=tiny_model("qwen2", seed=5), tokenizer=tiny_tokenizer(), max_batch=4)
+    solo = engine.generate([PROMPTS[2]], greedy())[0].token_ids
+    real, calls = engine._decode, [0]
+
+    def flaky(*a, **kw):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("injected decode failure")
+        return real(*a, **kw)
+
+    engine._decode = flaky
+    reqs = [engine.submit(p, greedy()) for p in PROMPTS[:2]]
+    with pytest.raises(RuntimeError, match="injected decode failure"):
+        engine._run_until(reqs)
+    assert [r.finish_reason for r in reqs] == ["error", "error"] and all(r.error is not None for r in reqs)
+    assert engine.num_active == engine.num_waiting == 0
+    forwards: list[int] = []
+    engine.on_forward = lambda _kind, _t0, _t1, _n, ids: forwards.extend(ids)
+    assert engine.generate([PROMPTS[2]], greedy())[0].token_ids == solo and len(set(forwards)) == 1
+    calls[0] = 0
+    with pytest.raises(RuntimeError, match="injected decode failure"):
+        list(engine.stream(PROMPTS[0], greedy()))
+    assert engine.num_active == engine.num_waiting == 0
