@@ -92,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
         base = HybridAttentionConfig().to_dict()
         if a.model:
             path = Path(a.model) / "config.json"
+            if not path.is_file():
+                raise HybridAttentionError(f"{a.model} has no config.json; point --model at a saved model directory "
+                                           "or pass --sink/--window")
             try:
                 cfg = json.loads(path.read_text())
             except json.JSONDecodeError as err:

@@ -22,3 +22,14 @@ def test_bad_model_config_or_block_is_one_line(tmp_path, capsys, config, args, s
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and says in err and "\n" not in err
     assert not (tmp_path / "mask.png").exists()
+
+
+@pytest.mark.parametrize("model", ["missing", "empty"])
+def test_a_model_without_config_json_names_the_fix(tmp_path, capsys, model):
+    """It printed the bare OSError ("[Errno 2] No such file or directory: .../config.json")."""
+    (tmp_path / "empty").mkdir()
+    assert main(["--model", str(tmp_path / model), "--out", str(tmp_path / "mask.png")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: {tmp_path / model} has no config.json; point --model at a saved model directory or pass " \
+                  "--sink/--window"
+    assert not (tmp_path / "mask.png").exists()
