@@ -83,6 +83,7 @@ from distill.training import (
 )
 from eval.fingerprint import json_hash
 from eval.longctx import INTERIOR_DEPTHS, LongCtxError, check_prompt_fits, plot_heatmap, run_longctx
+from eval.prompt_set import default_prompts_path
 
 logger = get_logger(__name__)
 
@@ -223,6 +224,10 @@ class RetrofitConfig:
             parse_sources(self.datasets)
         if self.resume is not None and self.overwrite:
             raise ConfigError("resume= and overwrite=true contradict each other; pick one")
+        bundled = sum(1 for line in default_prompts_path().read_text().splitlines() if line.strip())
+        if self.gate_prompts > bundled:  # the gate would run on the bundled set's, silently fewer
+            raise ConfigError(f"gate_prompts={self.gate_prompts} exceeds the {bundled} prompts of the bundled set; use "
+                              f"at most {bundled}")
         if self.longctx_lengths and not self.longctx_depths:  # else the closing check fails after training
             raise ConfigError("longctx_depths is empty; give at least one needle depth in [0, 1] (e.g. [0.5]), or "
                               "set longctx_lengths=[] to skip the pass-key check")

@@ -36,3 +36,15 @@ def test_a_policy_entry_for_one_token_inputs_is_refused():
     spec = HybridAttentionConfig(sink_tokens=4, window=8, global_every=32, window_policy=[[1, 8], [None, 16]])
     assert (8, 1) in {training_window(spec, 128, 0, step) for step in range(20)}  # what it would have trained on
     parse_config(RetrofitConfig, [*TINY, "window=8", "window_policy=[[2, 8], [null, 16]]"])
+
+
+def test_more_gate_prompts_than_the_bundled_set_holds_is_refused():
+    """The gate takes the first gate_prompts of the bundled set: asking for more ran on all of them, silently fewer."""
+    from eval.prompt_set import default_prompts_path, load_prompts
+
+    n = len(load_prompts(default_prompts_path()))
+    with pytest.raises(ConfigError, match=f"gate_prompts={n + 1} exceeds the {n} prompts of the bundled set; use at "
+                                          f"most {n}") as err:
+        parse_config(RetrofitConfig, [*TINY, "gate=true", f"gate_prompts={n + 1}"])
+    assert "\n" not in str(err.value)
+    parse_config(RetrofitConfig, [*TINY, "gate=true", f"gate_prompts={n}"])
