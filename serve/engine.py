@@ -904,14 +904,18 @@ class Engine:
             raise
 
     def _fail_in_flight(self, exc: BaseException) -> None:
-        """Finish every request admitted or waiting with "error" (``exc`` its cause)."""
+        """Finish every request admitted or waiting with "error" (``exc`` its cause); one whose text tail or callback
+        raises is still finished, and the others too."""
         with self._lock:
             reqs = [r for r in self._rows if r is not None] + list(self._waiting)
             self._waiting.clear()
         for r in reqs:
             if not r.done:
                 r.error = exc
-                self._finish(r, "error")
+                try:
+                    self._finish(r, "error")
+                except Exception as e:
+                    self._fail(r, e)
 
     def generate(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
                  | None = None, *, chat: bool = False) -> list[Completion]:

@@ -209,3 +209,40 @@ def test_a_failed_forward_in_the_synchronous_api_leaves_no_request_in_flight():
     with pytest.raises(RuntimeError, match="injected decode failure"):
         list(engine.stream(PROMPTS[0], greedy()))
     assert engine.num_active == engine.num_waiting == 0
+
+
+def test_a_callback_that_raises_on_the_error_event_neither_stops_the_loop_nor_the_others_errors():
+    """When the shared forward failed, one request's callback raising on its error event used to escape the loop's
+    handler: the engine thread died, the requests after it never got their final event, and no later one ran."""
+    engine = Engine(model=tiny_model("qwen2", seed=5), tokenizer=tiny_tokenizer(), max_batch=4)
+    real, calls = engine._decode, [0]
+
+    def flaky(*a, **kw):
+        calls[0] += 1
+        if calls[0] == 1:
+            raise RuntimeError("injected decode failure")
+        return real(*a, **kw)
+
+    engine._decode = flaky
+    finals: list[str] = []
+    done = threading.Event()
+
+    def gone(_d, _t, finish):
+        if finish is not None:
+            raise ConnectionError("injected: the client is gone")
+
+    def on_event(_d, _t, finish):
+        if finish is not None:
+            finals.append(finish)
+            done.set()
+
+    first = engine.submit(PROMPTS[0], greedy(), gone)  # both in the first step's decode, this one first
+    engine.submit(PROMPTS[1], greedy(), on_event)
+    engine.start()
+    try:
+        assert done.wait(30) and finals == ["error"] and first.finish_reason == "error"
+        done.clear()
+        engine.submit(PROMPTS[2], greedy(), on_event)
+        assert done.wait(30) and finals == ["error", "length"]
+    finally:
+        engine.stop()
