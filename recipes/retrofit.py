@@ -82,6 +82,7 @@ from distill.training import (
     warmup_cosine,
 )
 from eval.fingerprint import json_hash
+from eval.gate import GateConfig
 from eval.longctx import INTERIOR_DEPTHS, LongCtxError, check_prompt_fits, plot_heatmap, run_longctx
 from eval.prompt_set import default_prompts_path
 
@@ -228,6 +229,10 @@ class RetrofitConfig:
         if self.gate_prompts > bundled:  # the gate would run on the bundled set's, silently fewer
             raise ConfigError(f"gate_prompts={self.gate_prompts} exceeds the {bundled} prompts of the bundled set; use "
                               f"at most {bundled}")
+        least = GateConfig.__dataclass_fields__["min_prompts"].default
+        if self.gate and self.gate_prompts < least:  # else the run trains, then its gate can only say inconclusive
+            raise ConfigError(f"gate_prompts={self.gate_prompts} is below the gate's min_prompts={least}: its verdict "
+                              f"would be inconclusive whatever the model; use at least {least}")
         if self.longctx_lengths and not self.longctx_depths:  # else the closing check fails after training
             raise ConfigError("longctx_depths is empty; give at least one needle depth in [0, 1] (e.g. [0.5]), or "
                               "set longctx_lengths=[] to skip the pass-key check")

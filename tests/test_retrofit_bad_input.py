@@ -48,3 +48,15 @@ def test_more_gate_prompts_than_the_bundled_set_holds_is_refused():
         parse_config(RetrofitConfig, [*TINY, "gate=true", f"gate_prompts={n + 1}"])
     assert "\n" not in str(err.value)
     parse_config(RetrofitConfig, [*TINY, "gate=true", f"gate_prompts={n}"])
+
+
+def test_fewer_gate_prompts_than_the_gate_decides_on_is_refused():
+    """Below the gate's min_prompts its verdict is inconclusive whatever the model: the run trained to the end and
+    then exited 1."""
+    from eval.gate import GateConfig
+
+    least = GateConfig.__dataclass_fields__["min_prompts"].default
+    with pytest.raises(ConfigError, match=f"gate_prompts={least - 1} is below the gate's min_prompts={least}"):
+        parse_config(RetrofitConfig, [*TINY, "gate=true", f"gate_prompts={least - 1}"])
+    parse_config(RetrofitConfig, [*TINY, "gate=true", f"gate_prompts={least}"])
+    parse_config(RetrofitConfig, [*TINY, f"gate_prompts={least - 1}"])  # no gate: nothing decides on them
