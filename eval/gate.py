@@ -282,10 +282,7 @@ def _check_longctx(cfg: GateConfig, models: dict[str, Path]) -> None:
     if not lengths:
         return
     for role in ("candidate", "baseline"):
-        try:
-            limit = json.loads((models[role] / "config.json").read_text()).get("max_position_embeddings")
-        except (OSError, ValueError):  # no readable config here: run_longctx checks the loaded model
-            limit = None
+        limit = max_positions(models[role])  # None: no readable config here, run_longctx checks the loaded model
         if limit is not None and max(lengths) > limit:
             raise GateInputError(f"longctx length {max(lengths)} exceeds the {role}'s max_position_embeddings="
                                  f"{limit}; drop it from --longctx")

@@ -131,3 +131,14 @@ def test_prompt_and_reference_files_saved_with_a_byte_order_mark_load(tmp_path):
     refs.write_text('\ufeff{"id": "a", "reference": "x"}\n{"id": "b", "reference": "y"}\n', encoding="utf-8")
     loaded = load_prompts(prompts)
     assert [p.id for p in loaded] == ["a", "b"] and load_references(refs, loaded) == ["x", "y"]
+
+
+def test_a_config_json_that_is_no_object_is_a_load_error_not_a_traceback(tmp_path, capsys):
+    """--longctx read max_position_embeddings with dict.get from whatever config.json held: a list raised
+    AttributeError, exit 5 with a traceback."""
+    argv = _model_dirs(tmp_path)
+    (tmp_path / "cand" / "config.json").write_text("[]")
+    code = main([*argv, "--out", str(tmp_path / "out"), "--longctx", "2048"])
+    err = capsys.readouterr().err
+    assert code == 4, err
+    assert err.count("\n") == 1 and "cannot load the tokenizer" in err
