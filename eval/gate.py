@@ -360,10 +360,12 @@ def _longctx_check(cfg: GateConfig, models: dict[str, Path], measured: dict | No
         result.update({k: measured[k] for k in ("candidate", "baseline", "depths", "trials") if k in measured})
         result["measured_by"] = measured.get("measured_by", "the caller")
     else:
+        device = cfg.generation_settings().resolved().device  # --device, as for the generations
         for role in ("candidate", "baseline"):
             model, tok, how = load_for_eval(str(models[role]))
+            model.to(device)
             run = run_longctx(model, tok, lengths=lengths, depths=list(INTERIOR_DEPTHS), trials=cfg.longctx_trials,
-                              kinds=("passkey",), seed=cfg.seed, progress=True)
+                              kinds=("passkey",), seed=cfg.seed, progress=True, device=device)
             result[role] = {"attention": how, "accuracy": run["accuracy"]["passkey"]}
             del model
     failing = [f"long-context retrieval at {n}: candidate {result['candidate']['accuracy'][str(n)]:.2f} < "

@@ -142,3 +142,25 @@ def test_a_config_json_that_is_no_object_is_a_load_error_not_a_traceback(tmp_pat
     err = capsys.readouterr().err
     assert code == 4, err
     assert err.count("\n") == 1 and "cannot load the tokenizer" in err
+
+
+def test_the_long_context_check_runs_on_the_gates_device(tmp_path, monkeypatch):
+    """--device placed the generations only: the pass-key check loaded each model on the CPU and ran there."""
+    import eval.gate as gate
+    import eval.generation as generation
+
+    moved, ran = [], []
+
+    class Model:
+        def to(self, device):
+            moved.append(device)
+            return self
+
+    monkeypatch.setattr(gate, "load_for_eval", lambda path: (Model(), None, "dense"))
+    monkeypatch.setattr(gate, "run_longctx", lambda model, tok, *, lengths, device="cpu", **kw: ran.append(device) or
+                        {"accuracy": {"passkey": {str(n): 1.0 for n in lengths}}})
+    cfg = gate.GateConfig(candidate="c", baseline="b", out=str(tmp_path / "out"), longctx="256", device="cpu")
+    monkeypatch.setattr(generation, "resolve_device", lambda name: name)  # a GPU this machine lacks
+    cfg.device = "cuda:1"
+    gate._longctx_check(cfg, {"candidate": tmp_path, "baseline": tmp_path})
+    assert moved == ran == ["cuda:1", "cuda:1"]
