@@ -11,6 +11,7 @@ import pytest
 from core.config import ConfigError
 from core.rundir import MARKER
 from core.tiny import save_tiny
+from distill.data import parse_sources
 from tests.helpers import forbid, write_text_corpus
 
 TINY = ["--config", "recipes/configs/tiny.yaml"]
@@ -188,3 +189,20 @@ def test_chat_data_without_an_assistant_reply_is_refused_not_trained_on(tmp_path
         build_data(tok, dataset=good, eval_dataset=_chat(tmp_path / "held.jsonl", 20, reply=False), **args)
     assert build_data(tok, dataset=good, **args).train.shape[0] > 0
     build_data(tok, dataset=str(tmp_path / "users.jsonl"), completion_only=False, **args)  # every token a target
+
+
+@pytest.mark.parametrize("value, match", [
+    ("{source: a.txt}", r"datasets must be a list of entries, got \{'source': 'a.txt'\}"),  # was a source 'source'
+    ('[{source: a.txt, streaming: "false"}]', "streaming of 'a.txt' must be true or false, got 'false'"),  # streamed
+    ("[{source: a.txt, weight: .inf}, b.txt]", "weight of 'a.txt' is inf; weights must be finite"),
+    ("[{source: a.txt, split: 3}]", "split of 'a.txt' must be text, got 3"),
+])
+def test_a_datasets_entry_of_the_wrong_type_is_refused_not_misread(value, match):
+    from core.config import parse_config
+    from distill.config import DistillConfig
+
+    with pytest.raises(ConfigError, match=match) as err:
+        parse_config(DistillConfig, [f"datasets={value}"])
+    assert "\n" not in str(err.value)
+    cfg = parse_config(DistillConfig, ["datasets=[{source: a.txt, streaming: true, split: train}, b.txt]"])
+    assert [s.streaming for s in parse_sources(cfg.datasets)] == [True, False]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import sys
 import sysconfig
@@ -208,6 +209,9 @@ def parse_sources(datasets: list | None, dataset: str | None = None, *, text_fie
         if not dataset:
             raise DataError("no training data: set dataset= or datasets=[{source: ..., weight: ...}]")
         return [SourceSpec(dataset, 1.0, text_field, None, streaming)]
+    if not isinstance(datasets, (list, tuple)):  # a mapping would be read as its keys: a source named 'source'
+        raise DataError(f"datasets must be a list of entries, got {datasets!r}; write [{{source: PATH_OR_NAME, "
+                        "weight: 1.0}, ...]")
     specs = []
     for entry in datasets:
         if isinstance(entry, str):
@@ -225,8 +229,15 @@ def parse_sources(datasets: list | None, dataset: str | None = None, *, text_fie
         if not weight > 0:
             raise DataError(f"weight of {entry['source']!r} is {weight}; weights must be > 0 (remove the source "
                             "to leave it out)")
-        specs.append(SourceSpec(str(entry["source"]), weight, str(entry.get("text_field", text_field)),
-                                entry.get("split"), bool(entry.get("streaming", streaming))))
+        if not math.isfinite(weight):  # one infinite weight makes every share inf / inf = NaN
+            raise DataError(f"weight of {entry['source']!r} is {weight}; weights must be finite: give each source "
+                            "its share, e.g. 0.7 and 0.3")
+        for key, kind in (("streaming", bool), ("split", str), ("text_field", str)):
+            if entry.get(key) is not None and not isinstance(entry[key], kind):  # bool("false") would be True
+                raise DataError(f"{key} of {entry['source']!r} must be {'true or false' if kind is bool else 'text'}, "
+                                f"got {entry[key]!r}")
+        specs.append(SourceSpec(str(entry["source"]), weight, entry.get("text_field", text_field),
+                                entry.get("split"), entry.get("streaming", streaming)))
     return specs
 
 
