@@ -229,6 +229,10 @@ class RetrofitConfig:
         if self.gate_prompts > bundled:  # the gate would run on the bundled set's, silently fewer
             raise ConfigError(f"gate_prompts={self.gate_prompts} exceeds the {bundled} prompts of the bundled set; use "
                               f"at most {bundled}")
+        if self.gate_window is not None and (self.head_score != "gates" or self.full_head_share == 0):
+            raise ConfigError(f"gate_window={self.gate_window} is never used: gates train only with head_score=gates "
+                              f"and full_head_share > 0 (here {self.head_score}, {self.full_head_share:g}); drop it "
+                              "(gate_window=null)")
         least = GateConfig.__dataclass_fields__["min_prompts"].default
         if self.gate and self.gate_prompts < least:  # else the run trains, then its gate can only say inconclusive
             raise ConfigError(f"gate_prompts={self.gate_prompts} is below the gate's min_prompts={least}: its verdict "

@@ -60,3 +60,13 @@ def test_fewer_gate_prompts_than_the_gate_decides_on_is_refused():
         parse_config(RetrofitConfig, [*TINY, "gate=true", f"gate_prompts={least - 1}"])
     parse_config(RetrofitConfig, [*TINY, "gate=true", f"gate_prompts={least}"])
     parse_config(RetrofitConfig, [*TINY, f"gate_prompts={least - 1}"])  # no gate: nothing decides on them
+
+
+@pytest.mark.parametrize("argv", [["head_score=retrieval"], ["full_head_share=0"]])
+def test_a_gate_window_no_gates_train_under_is_refused(argv):
+    """gate_window is the window the learned gates train under: without gate training it was silently ignored."""
+    with pytest.raises(ConfigError, match=r"gate_window=8 is never used: gates train only with head_score=gates and "
+                                          r"full_head_share > 0 .*drop it \(gate_window=null\)") as err:
+        parse_config(RetrofitConfig, [*TINY, "gate_window=8", *argv])
+    assert "\n" not in str(err.value)
+    parse_config(RetrofitConfig, [*TINY, "gate_window=8"])  # the tiny config learns gates
