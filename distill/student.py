@@ -39,13 +39,15 @@ def parse_keep(keep: int | str | Sequence[int], n_teacher: int) -> list[int]:
         for part in keep.replace(" ", "").split(","):
             if not part:
                 continue
-            if "-" in part[1:]:
-                a, b = part.split("-", 1)
-                if int(b) < int(a):
-                    raise ValueError(f"keep_layers range '{part}' is empty; write ranges low-high, e.g. '{b}-{a}'")
-                out.extend(range(int(a), int(b) + 1))
-            else:
-                out.append(int(part))
+            ends = part.split("-", 1) if "-" in part[1:] else [part]
+            try:
+                a, b = int(ends[0]), int(ends[-1])
+            except ValueError:
+                raise ValueError(f"keep_layers '{keep}': cannot read '{part}'; write a count ('10') or indices and "
+                                 "ranges ('0-3,24-29')") from None
+            if b < a:
+                raise ValueError(f"keep_layers range '{part}' is empty; write ranges low-high, e.g. '{b}-{a}'")
+            out.extend(range(a, b + 1))
         keep = out
     bad = [int(i) for i in keep if not -n_teacher <= int(i) < n_teacher]
     idx = sorted({int(i) % n_teacher for i in keep})

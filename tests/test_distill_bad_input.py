@@ -206,3 +206,10 @@ def test_a_datasets_entry_of_the_wrong_type_is_refused_not_misread(value, match)
     assert "\n" not in str(err.value)
     cfg = parse_config(DistillConfig, ["datasets=[{source: a.txt, streaming: true, split: train}, b.txt]"])
     assert [s.streaming for s in parse_sources(cfg.datasets)] == [True, False]
+
+
+@pytest.mark.parametrize("keep", ["3-", "0,a", "[0, 3]"])
+def test_an_unreadable_keep_layers_names_its_format(distill, tmp_path, keep):
+    with pytest.raises(ConfigError, match=r"cannot read .*; write a count \('10'\) or indices and ranges") as err:
+        distill.main([*TINY, f"keep_layers={keep}", f"output_dir={tmp_path / 'run'}"])
+    assert "\n" not in str(err.value) and "invalid literal" not in str(err.value)
