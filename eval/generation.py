@@ -105,12 +105,16 @@ def check_prompts_fit(model_dir: Path, prompts: list[Prompt], max_new_tokens: in
     ``max_position_embeddings`` (a hybrid model refuses such a sequence in the middle of generating, a dense one
     runs past the positions it was trained for). A ``config.json`` without the key is left to the model."""
     limit = max_positions(model_dir)
-    if limit is None:
-        return
-    tok = load_tokenizer(model_dir)
+    if limit is not None:
+        prompts_fit(load_tokenizer(model_dir), limit, prompts, max_new_tokens, default_chat, role)
+
+
+def prompts_fit(tok, limit: int | None, prompts: list[Prompt], max_new_tokens: int, default_chat: bool,
+                role: str) -> None:
+    """:func:`check_prompts_fit` for a loaded tokenizer and a model's ``limit`` (None: every prompt renders)."""
     for prompt in prompts:
         n = len(render(tok, prompt, default_chat)[1])
-        if n + max_new_tokens - 1 > limit:  # the last new token is never fed back
+        if limit is not None and n + max_new_tokens - 1 > limit:  # the last new token is never fed back
             raise GateInputError(f"prompt '{prompt.id}' is {n} tokens: with max_new_tokens={max_new_tokens} the {role} "
                                  f"would run to position {n + max_new_tokens - 1}, past its max_position_embeddings="
                                  f"{limit}; shorten the prompt or lower max_new_tokens")

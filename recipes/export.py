@@ -47,8 +47,8 @@ import torch
 from core.config import ConfigError, check_fields, check_output_dir, field, parse_config, run_cli
 from core.environment import environment
 from core.rundir import check_replaceable
-from eval.generation import Generator, TransformersGenerator, check_model_dir
-from eval.prompt_set import GateInputError, load_prompts
+from eval.generation import Generator, TransformersGenerator, check_model_dir, prompts_fit
+from eval.prompt_set import GateInputError, default_prompts_path, load_prompts
 from serve import export as ex
 from serve import quantize as qz
 from serve.offline import EngineGenerator
@@ -213,6 +213,13 @@ def _export(cfg: ExportConfig, out: Path) -> ExportResult:
     dtype = student.model.dtype
     if cfg.quantize != "none":  # refuse before anything is written
         qz.check_quantizable(student.model, cfg.quantize)
+    if cfg.quantize != "none" and cfg.quant_gate:  # the gate's prompts as it renders them (chat form): not after the
+        try:                                       # quantization and the unquantized model's generations
+            prompts_fit(student.tokenizer, getattr(student.model.config, "max_position_embeddings", None),
+                        load_prompts(cfg.quant_gate_prompts or default_prompts_path()), cfg.quant_gate_max_new_tokens,
+                        True, "model")
+        except GateInputError as err:
+            raise ConfigError(f"the quantization gate cannot run: {err}; or pass quant_gate=false") from None
     if not getattr(student.tokenizer, "chat_template", None):
         print("warning: the tokenizer has no chat template; chat clients will need one", flush=True)
 
