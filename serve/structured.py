@@ -67,8 +67,9 @@ class Grammar:
         schema = self.value if self.kind == "json_schema" else '{"type": "object"}'
         try:
             return LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
-        except ValueError as e:  # not a JSON object at all
-            raise GrammarError(f"the JSON schema is not a JSON object ({e})") from None
+        except ValueError as e:  # not a JSON object, or an object its reader refuses (a lone surrogate, deep nesting)
+            what = "cannot be read" if schema.lstrip().startswith("{") else "is not a JSON object"
+            raise GrammarError(f"the JSON schema {what} ({e})") from None
 
     def validate(self) -> None:
         """Raise :class:`GrammarError` (one line) if the grammar does not compile, without a tokenizer (so before a

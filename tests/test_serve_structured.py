@@ -135,6 +135,10 @@ def test_any_json_object_and_a_cut_output(engine):
     (Grammar.json_schema({"type": "objecto"}), "the JSON schema cannot be used: .*objecto"),
     (Grammar.json_schema({"type": "string", "minLength": 5, "maxLength": 2}), "the JSON schema cannot be used"),
     (Grammar.regex("[0-9"), "the regular expression cannot be used"),
+    (Grammar.json_schema('["a list"]'), r"the JSON schema is not a JSON object \(Expecting object schema"),
+    # Objects its reader refuses: they were called "not a JSON object" too.
+    (Grammar.json_schema({"enum": ["\ud800"]}), r"the JSON schema cannot be read \(unexpected end of hex escape"),
+    (Grammar.json_schema('{"items": ' * 300 + "{}" + "}" * 300), r"the JSON schema cannot be read \(recursion limit"),
 ])
 def test_a_grammar_that_does_not_compile_is_refused_at_submit_in_one_line(engine, grammar, match):
     with pytest.raises(GrammarError, match=match) as err:
