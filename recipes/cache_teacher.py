@@ -53,6 +53,7 @@ from core.fsio import replace_dir, restore_aside
 from core.models import ModelSourceError, load_causal_lm, peek_config
 from core.rundir import check_replaceable
 from core.tiny import TINY, tiny_teacher
+from distill.config import check_data_source, check_model_source
 from distill.data import BUILTIN, build_data, eval_batches
 from distill.sources import load_recipe_tokenizer
 from distill.teacher_cache import (
@@ -268,8 +269,16 @@ def load_teacher(cfg: CacheTeacherConfig, device: torch.device):
 
 
 def check_before_loading(cfg: CacheTeacherConfig) -> None:
-    """seq_len within the teacher's positions and topk within its vocabulary, from its config.json and the
-    tokenizer, before its weights load (a teacher whose config cannot be read so is checked once it loads)."""
+    """Local model and data paths that do not exist (:mod:`distill.config`'s checks), then seq_len within the
+    teacher's positions and topk within its vocabulary, from its config.json and the tokenizer, before its weights
+    load and before the unfinished folder is claimed (a teacher whose config cannot be read so is checked once it
+    loads)."""
+    for key in ("teacher", "tokenizer"):
+        if getattr(cfg, key):
+            check_model_source(getattr(cfg, key), key)
+    for key in ("dataset", "eval_dataset"):
+        if getattr(cfg, key):
+            check_data_source(getattr(cfg, key), key)
     config = peek_config(cfg.teacher)
     if config is not None:
         check_teacher(cfg, config, load_recipe_tokenizer(cfg.teacher, cfg.tokenizer))

@@ -4,6 +4,7 @@ before an existing run or cache is touched."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import pytest
@@ -213,3 +214,21 @@ def test_an_unreadable_keep_layers_names_its_format(distill, tmp_path, keep):
     with pytest.raises(ConfigError, match=r"cannot read .*; write a count \('10'\) or indices and ranges") as err:
         distill.main([*TINY, f"keep_layers={keep}", f"output_dir={tmp_path / 'run'}"])
     assert "\n" not in str(err.value) and "invalid literal" not in str(err.value)
+
+
+@pytest.mark.parametrize("arg, match", [
+    ("dataset={tmp}/no.jsonl", "dataset {tmp}/no.jsonl does not exist; check the path"),
+    ("eval_dataset=./no-such-held-out.txt", "eval_dataset ./no-such-held-out.txt does not exist; check the path"),
+    ("teacher={tmp}/no-teacher", "teacher: model path {tmp}/no-teacher does not exist; check the path"),
+    ("tokenizer={tmp}/no-tok", "tokenizer: model path {tmp}/no-tok does not exist; check the path"),
+])
+def test_cache_teacher_refuses_a_missing_source_before_claiming_its_unfinished_folder(cache_teacher, tmp_path,
+                                                                                      monkeypatch, arg, match):
+    """It claimed .NAME.partial first, and the corrected rerun was refused: 'holds an unfinished cache with other
+    settings'."""
+    monkeypatch.setattr(sys, "argv", ["cache_teacher.py", "teacher=tiny-random", arg.format(tmp=tmp_path),
+                                      f"output_dir={tmp_path / 'cache'}"])
+    with pytest.raises(ConfigError, match=re.escape(match.format(tmp=tmp_path))) as err:
+        cache_teacher.main()
+    assert "\n" not in str(err.value)
+    assert list(tmp_path.iterdir()) == []
