@@ -47,7 +47,14 @@ import torch
 from core.config import ConfigError, check_fields, check_output_dir, field, parse_config, run_cli
 from core.environment import environment
 from core.rundir import check_replaceable
-from eval.generation import Generator, TransformersGenerator, check_model_dir, prompts_fit
+from eval.generation import (
+    Generator,
+    TransformersGenerator,
+    check_model_dir,
+    load_tokenizer,
+    max_positions,
+    prompts_fit,
+)
 from eval.prompt_set import GateInputError, default_prompts_path, load_prompts
 from serve import export as ex
 from serve import quantize as qz
@@ -213,11 +220,15 @@ def _export(cfg: ExportConfig, out: Path) -> ExportResult:
     dtype = student.model.dtype
     if cfg.quantize != "none":  # refuse before anything is written
         qz.check_quantizable(student.model, cfg.quantize)
-    if cfg.quantize != "none" and cfg.quant_gate:  # the gate's prompts as it renders them (chat form): not after the
-        try:                                       # quantization and the unquantized model's generations
-            prompts_fit(student.tokenizer, getattr(student.model.config, "max_position_embeddings", None),
-                        load_prompts(cfg.quant_gate_prompts or default_prompts_path()), cfg.quant_gate_max_new_tokens,
-                        True, "model")
+    if cfg.quantize != "none" and cfg.quant_gate:  # the gate's prompts as it renders them (chat form), for each model
+        try:                                       # that generates: not after the quantization and the generations
+            prompts = load_prompts(cfg.quant_gate_prompts or default_prompts_path())
+            prompts_fit(student.tokenizer, getattr(student.model.config, "max_position_embeddings", None), prompts,
+                        cfg.quant_gate_max_new_tokens, True, "model")
+            if teacher is not None:
+                path = check_model_dir(teacher)
+                prompts_fit(load_tokenizer(path), max_positions(path), prompts, cfg.quant_gate_max_new_tokens, True,
+                            "teacher")
         except GateInputError as err:
             raise ConfigError(f"the quantization gate cannot run: {err}; or pass quant_gate=false") from None
     if not getattr(student.tokenizer, "chat_template", None):

@@ -387,28 +387,31 @@ def test_a_rerun_after_a_failed_quantized_export_reuses_its_gate_generations(tmp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "int8", "prompts.jsonl"]  # cache gone
 
 
-@pytest.mark.parametrize("case", ["no chat template", "prompt too long"])
+@pytest.mark.parametrize("case", ["no chat template", "prompt too long", "teacher without a chat template"])
 def test_gate_prompts_the_model_cannot_take_are_refused_before_the_quantization(tmp_path: Path, monkeypatch,
                                                                                 case) -> None:
-    """The gate renders its prompts in chat form: a tokenizer without a chat template (or a prompt past the
-    model's positions) failed inside the gate, after the quantization, with a GateInputError traceback."""
+    """The gate renders its prompts in chat form for every model that generates: a tokenizer without a chat template
+    (or a prompt past the model's positions) failed inside the gate, after the quantization, with a GateInputError
+    traceback."""
     import serve.quantize as qz
 
     model = tiny_model("llama", hidden=64, layers=1, max_pos=64)
-    model.save_pretrained(tmp_path / "src")
-    tok = tiny_tokenizer()
-    if case == "no chat template":
-        tok.chat_template = None
-    tok.save_pretrained(tmp_path / "src")
+    for name in ("src", "teacher"):  # the teacher's outputs are the gate's references: it generates too
+        model.save_pretrained(tmp_path / name)
+        tok = tiny_tokenizer()
+        if case == {"src": "no chat template", "teacher": "teacher without a chat template"}[name]:
+            tok.chat_template = None
+        tok.save_pretrained(tmp_path / name)
     prompts = tmp_path / "prompts.jsonl"
     word = "fox " * (60 if case == "prompt too long" else 1)
     prompts.write_text("".join(f'{{"id": "p{i}", "prompt": "the quick brown {word}"}}\n' for i in range(10)))
     monkeypatch.setattr(qz, "export_quantized", lambda *a, **k: pytest.fail("quantized before the refusal"))
     with pytest.raises(ConfigError) as err:
         export(ExportConfig(source=str(tmp_path / "src"), output_dir=str(tmp_path / "out"), quantize="int8",
-                            quant_gate_prompts=str(prompts), quant_gate_teacher="none"))
+                            quant_gate_prompts=str(prompts), quant_gate_teacher=str(tmp_path / "teacher"),
+                            quant_gate_max_new_tokens=8))
     msg = str(err.value)
-    says = "asks for a chat template but the tokenizer has none" if case == "no chat template" else \
-        "past its max_position_embeddings=64"
+    says = "past its max_position_embeddings=64" if case == "prompt too long" else \
+        "asks for a chat template but the tokenizer has none"
     assert msg.startswith("the quantization gate cannot run: ") and says in msg and msg.endswith("quant_gate=false")
     assert "\n" not in msg and not (tmp_path / "out").exists()
