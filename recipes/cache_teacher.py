@@ -121,8 +121,9 @@ def claim_work(cfg: CacheTeacherConfig, work: Path) -> int:
     """The folder shards are written into until the cache is whole (main process); returns shards already in it.
 
     An unfinished folder from a killed run with the same settings is resumed (its finished shards are
-    kept if their blocks still match, see :func:`shards_to_write`); one with other settings is refused;
-    ``overwrite=true`` starts it over either way.
+    kept if their blocks still match, see :func:`shards_to_write`); one with other settings is refused, unless it
+    holds no shard yet (a run that failed before its first, whose rerun fixes a setting); ``overwrite=true`` starts
+    it over either way.
     """
     saved = work / "config.yaml"
     if work.exists() and not saved.is_file():
@@ -133,7 +134,11 @@ def claim_work(cfg: CacheTeacherConfig, work: Path) -> int:
         shutil.rmtree(work)
     if work.exists():
         changes = config_changes(load_yaml(saved), to_dict(cfg), RESUME_SAFE)
-        if changes and not cfg.overwrite:
+        if changes and not any(work.glob("shard-*.safetensors")):
+            # A run that failed before its first shard (a bad text_field, too little data): nothing to keep, and
+            # its settings are the ones that failed, so the fixed rerun starts it over.
+            print(f"starting {work} over: it holds no shard yet, and its settings differ", flush=True)
+        elif changes and not cfg.overwrite:
             listed = ", ".join(f"{k}: {o!r} → {n!r}" for k, (o, n) in changes.items())
             raise ConfigError(f"{work} holds an unfinished cache with other settings ({listed}); rerun with its "
                               "settings to finish it, or overwrite=true to start over")

@@ -232,3 +232,18 @@ def test_cache_teacher_refuses_a_missing_source_before_claiming_its_unfinished_f
         cache_teacher.main()
     assert "\n" not in str(err.value)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_cache_teacher_starts_over_an_unfinished_folder_that_holds_no_shard(tmp_path):
+    """A run that failed before its first shard (text_field=body on records without it) left its settings there:
+    the rerun with text_field fixed was refused until overwrite=true. One that holds a shard still refuses."""
+    from recipes.cache_teacher import CacheTeacherConfig, claim_work, shard_name
+
+    work = tmp_path / ".cache.partial"
+    claim_work(CacheTeacherConfig(text_field="body"), work)
+    assert claim_work(CacheTeacherConfig(text_field="text"), work) == 0
+    assert "text_field: text" in (work / "config.yaml").read_text()
+    (work / shard_name(0)).write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"holds an unfinished cache with other settings \(topk: 32 → 8\)"):
+        claim_work(CacheTeacherConfig(topk=8), work)
+    assert (work / shard_name(0)).is_file()
