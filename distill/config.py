@@ -236,6 +236,8 @@ def check_sources(cfg: Any) -> None:
     models = []
     if not (getattr(cfg, "teacher_cache", None) and getattr(cfg, "student", None)):  # else the teacher never loads
         models.append(("teacher", cfg.teacher))
+    elif getattr(cfg, "gate", False):  # ... until the gate compares the final student with it, after the run
+        models.append(("teacher (gate=true compares the student with it)", cfg.teacher))
     models += [(key, getattr(cfg, key, None)) for key in ("student", "tokenizer")]
     for key, name in models:
         if name:

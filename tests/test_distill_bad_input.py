@@ -247,3 +247,17 @@ def test_cache_teacher_starts_over_an_unfinished_folder_that_holds_no_shard(tmp_
     with pytest.raises(ConfigError, match=r"holds an unfinished cache with other settings \(topk: 32 → 8\)"):
         claim_work(CacheTeacherConfig(topk=8), work)
     assert (work / shard_name(0)).is_file()
+
+
+def test_gate_true_needs_the_teacher_that_a_cached_run_never_loads(distill, tmp_path):
+    """With a cache and a student the teacher never loads, so its path went unchecked, and gate=true failed on it
+    after the whole run, before summary.json had the verdict."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "meta.json").write_text(json.dumps({"mode": "topk", "seq_len": 64}))
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match=r"teacher \(gate=true compares the student with it\): model path "
+                                          r".*no-teacher does not exist") as err:
+        distill.main([*TINY, *CACHED, f"teacher={tmp_path / 'no-teacher'}", f"student={save_tiny(tmp_path / 's')}",
+                      f"teacher_cache={cache}", "gate=true", f"output_dir={out}"])
+    assert "\n" not in str(err.value) and not out.exists()
