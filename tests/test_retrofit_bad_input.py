@@ -70,3 +70,23 @@ def test_a_gate_window_no_gates_train_under_is_refused(argv):
         parse_config(RetrofitConfig, [*TINY, "gate_window=8", *argv])
     assert "\n" not in str(err.value)
     parse_config(RetrofitConfig, [*TINY, "gate_window=8"])  # the tiny config learns gates
+
+
+def test_a_gate_whose_metric_windows_outrun_the_model_is_refused_before_any_weights_load(tmp_path, monkeypatch):
+    """The closing gate scores the final model on 512-token windows: past a smaller model's positions it raised after
+    the whole training, before summary.json was written."""
+    import core.models
+    from core.tiny import save_tiny
+    from recipes import retrofit
+    from tests.helpers import forbid
+
+    forbid(monkeypatch, "weights were loaded before the bad input was refused", (retrofit, "load_models"),
+           (retrofit, "load_causal_lm"), (core.models, "load_causal_lm"))
+    model = save_tiny(tmp_path / "model", max_pos=384)
+    argv = [*TINY, f"teacher={model}", "eval_seq_lens=[]", "longctx_lengths=[]", "full_head_share=0"]
+    with pytest.raises(ConfigError, match="gate=true scores the final model on 512-token windows, past the model's "
+                                          "maximum of 384 positions; set gate=false and run python -m eval.gate "
+                                          "--lm-seq-len 384 on final/") as err:
+        retrofit.main([*argv, "gate=true", f"output_dir={tmp_path / 'o'}"])
+    assert "\n" not in str(err.value) and not (tmp_path / "o").exists()
+    retrofit.check_before_loading(parse_config(RetrofitConfig, [*argv, f"output_dir={tmp_path / 'o'}"]))  # no gate
