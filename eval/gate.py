@@ -286,10 +286,11 @@ def _check_longctx(cfg: GateConfig, models: dict[str, Path]) -> None:
         if limit is not None and max(lengths) > limit:
             raise GateInputError(f"longctx length {max(lengths)} exceeds the {role}'s max_position_embeddings="
                                  f"{limit}; drop it from --longctx")
-    try:
-        check_prompt_fits(load_tokenizer(models["candidate"]), lengths)
-    except LongCtxError as err:
-        raise GateInputError(f"longctx: {err}") from None
+    for role in ("candidate", "baseline"):  # each model reads the prompts in its own tokens
+        try:
+            check_prompt_fits(load_tokenizer(models[role]), lengths)
+        except LongCtxError as err:
+            raise GateInputError(f"longctx ({role}'s tokenizer): {err}") from None
 
 
 def _verdict(cfg: GateConfig, diff: Interval, threshold: float, n: int, new_below: int) -> tuple[str, list[str]]:

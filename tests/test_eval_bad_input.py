@@ -164,3 +164,21 @@ def test_the_long_context_check_runs_on_the_gates_device(tmp_path, monkeypatch):
     cfg.device = "cuda:1"
     gate._longctx_check(cfg, {"candidate": tmp_path, "baseline": tmp_path})
     assert moved == ran == ["cuda:1", "cuda:1"]
+
+
+def test_a_longctx_length_too_short_for_the_baselines_tokens_exits_3_before_any_generation(tmp_path, capsys):
+    """A pass-key prompt's size depends on the tokenizer: only the candidate's was checked, so a length the
+    baseline's tokens cannot hold failed in the check itself, after every generation and the scoring."""
+    from core.tiny import tiny_tokenizer
+    from eval.longctx import FILLER, INTRO
+
+    argv = _model_dirs(tmp_path)
+    needle = " The pass key is 71432. Remember it. 71432 is the pass key. What is the pass key?"
+    tiny_tokenizer([INTRO, *FILLER, needle] * 5, vocab_size=400).save_pretrained(tmp_path / "cand")  # few tokens
+    tiny_tokenizer(vocab_size=260).save_pretrained(tmp_path / "base")  # about one token per byte
+    out = tmp_path / "out"
+    code = main([*argv, "--out", str(out), "--longctx", "128"])
+    err = capsys.readouterr().err
+    assert code == 3, err
+    assert err.count("\n") == 1 and "longctx (baseline's tokenizer): length 128 is too short" in err
+    assert not out.exists()
