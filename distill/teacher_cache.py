@@ -290,7 +290,14 @@ def read_meta(path: str | Path) -> dict:
     path = Path(path)
     if not (path / META).is_file():
         raise TeacherCacheError(f"{path} is not a teacher cache (no {META}); write one with recipes/cache_teacher.py")
-    return json.loads((path / META).read_text())
+    try:
+        meta = json.loads((path / META).read_text())
+    except (ValueError, OSError) as err:
+        meta = err
+    if not isinstance(meta, dict) or "fingerprint" not in meta:
+        raise TeacherCacheError(f"{path / META} is not a teacher cache's metadata (unreadable, or without its data "
+                                "fingerprint); rewrite the cache with recipes/cache_teacher.py")
+    return meta
 
 
 def check_meta(meta: dict, path: str | Path, *, temperature: float | None = None, kd_kind: str | None = None,

@@ -40,15 +40,18 @@ def _old_run(path):
 
 @pytest.mark.parametrize("meta, argv, match", [
     (None, [], "is not a teacher cache"),
-    ({"mode": "topk", "seq_len": 128}, [], "holds blocks of 128 tokens but the run uses seq_len=64; set seq_len=128"),
-    ({"mode": "sampled", "seq_len": 64, "temperature": 1.0}, [], "set temperature=1.0"),
-    ({"mode": "topk", "seq_len": 64}, ["kd_kind=reverse_kl"], "set kd_kind=forward_kl"),
+    ({"mode": "topk", "seq_len": 128, "fingerprint": "0"}, [],
+     "holds blocks of 128 tokens but the run uses seq_len=64; set seq_len=128"),
+    ({"mode": "sampled", "seq_len": 64, "temperature": 1.0, "fingerprint": "0"}, [], "set temperature=1.0"),
+    ({"mode": "topk", "seq_len": 64, "fingerprint": "0"}, ["kd_kind=reverse_kl"], "set kd_kind=forward_kl"),
+    ('{"mode": "topk", "seq_len": 6', [], "meta.json is not a teacher cache's metadata .*; rewrite the cache"),
+    ([], [], "meta.json is not a teacher cache's metadata .*; rewrite the cache"),
 ])
 def test_a_bad_teacher_cache_is_refused_before_an_old_run_is_replaced(distill, tmp_path, meta, argv, match):
     cache = tmp_path / "cache"
     cache.mkdir()
-    if meta is not None:
-        (cache / "meta.json").write_text(json.dumps(meta))
+    if meta is not None:  # text: a torn meta.json
+        (cache / "meta.json").write_text(meta if isinstance(meta, str) else json.dumps(meta))
     out = _old_run(tmp_path / "run")
     with pytest.raises(ConfigError, match=match) as err:
         distill.main([*TINY, *CACHED, *argv, f"teacher_cache={cache}", f"output_dir={out}", "overwrite=true"])
@@ -86,7 +89,7 @@ def test_overwrite_refuses_to_remove_an_input_that_lies_inside_the_old_run(disti
     out = _old_run(tmp_path / "run")
     inputs = {"student": save_tiny(out / "final"), "teacher_cache": out / "cache", "dataset": out / "train.txt"}
     (out / "cache").mkdir()
-    (out / "cache" / "meta.json").write_text(json.dumps({"mode": "topk", "seq_len": 64}))
+    (out / "cache" / "meta.json").write_text(json.dumps({"mode": "topk", "seq_len": 64, "fingerprint": "0"}))
     write_text_corpus(out / "train.txt")
     keep = sorted(p.relative_to(out) for p in out.rglob("*"))
     argv = [f"{key}={inputs[key]}", *(CACHED if key == "teacher_cache" else [])]
@@ -108,7 +111,7 @@ def test_the_ce_only_ablation_of_a_cached_run_never_loads_the_teacher(tmp_path, 
 
     cache = tmp_path / "cache"
     cache.mkdir()
-    (cache / "meta.json").write_text(json.dumps({"mode": "topk", "seq_len": 64}))
+    (cache / "meta.json").write_text(json.dumps({"mode": "topk", "seq_len": 64, "fingerprint": "0"}))
 
     def training_function(cfg, accelerator, known_init=None):
         if known_init is None:  # the distilled run
@@ -254,7 +257,7 @@ def test_gate_true_needs_the_teacher_that_a_cached_run_never_loads(distill, tmp_
     after the whole run, before summary.json had the verdict."""
     cache = tmp_path / "cache"
     cache.mkdir()
-    (cache / "meta.json").write_text(json.dumps({"mode": "topk", "seq_len": 64}))
+    (cache / "meta.json").write_text(json.dumps({"mode": "topk", "seq_len": 64, "fingerprint": "0"}))
     out = tmp_path / "run"
     with pytest.raises(ConfigError, match=r"teacher \(gate=true compares the student with it\): model path "
                                           r".*no-teacher does not exist") as err:
