@@ -100,6 +100,20 @@ def check_before_loading(cfg: DistillConfig) -> None:
             raise ConfigError(f"{err} (keep_layers)") from None
     if teacher is not None and not cfg.teacher_cache and (kept is not None or (student is not None and not derived)):
         check_pairing(cfg, teacher, student, kept)
+    if cfg.tokenizer and (teacher is not None or student is not None):  # another model's tokenizer
+        tokenizer = load_recipe_tokenizer(cfg.student if cfg.teacher_cache and cfg.student else cfg.teacher,
+                                          cfg.tokenizer)
+        check_vocab(len(tokenizer), {"teacher": teacher, "student": student})
+
+
+def check_vocab(tokenizer_size: int, configs: dict) -> None:
+    """Token ids index each model's embedding (``configs``: role → config, or None where not known): a tokenizer of
+    more tokens than a vocabulary fails at the first forward (IndexError; a device-side assert on a GPU)."""
+    for role, config in configs.items():
+        vocab = getattr(config, "vocab_size", None)
+        if vocab is not None and tokenizer_size > vocab:
+            raise ConfigError(f"the tokenizer has {tokenizer_size} tokens but the {role}'s vocabulary has {vocab}; "
+                              f"set tokenizer= to one of the {role}'s size (or leave it empty for the teacher's own)")
 
 
 def check_pairing(cfg: DistillConfig, teacher, student, kept: list[int] | None) -> None:
@@ -140,6 +154,7 @@ def load_models(cfg: DistillConfig):
     check_lengths(cfg, student.config)  # for a source check_before_loading could not read without loading it
     if teacher is not None:
         check_lengths(cfg, teacher.config, "teacher")
+    check_vocab(len(tokenizer), {"teacher": getattr(teacher, "config", None), "student": student.config})
     if cfg.gradient_checkpointing:
         enable_checkpointing(student, use_reentrant=False)
     student.config.use_cache = False

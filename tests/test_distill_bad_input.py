@@ -264,3 +264,14 @@ def test_gate_true_needs_the_teacher_that_a_cached_run_never_loads(distill, tmp_
         distill.main([*TINY, *CACHED, f"teacher={tmp_path / 'no-teacher'}", f"student={save_tiny(tmp_path / 's')}",
                       f"teacher_cache={cache}", "gate=true", f"output_dir={out}"])
     assert "\n" not in str(err.value) and not out.exists()
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_before_loading(distill, tmp_path):
+    """Its ids past the vocabulary failed the first forward: IndexError (a device-side assert on a GPU)."""
+    teacher = save_tiny(tmp_path / "teacher")  # 320 rows; the tiny-random tokenizer has 512 tokens
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match="the tokenizer has 512 tokens but the teacher's vocabulary has 320; set "
+                                          "tokenizer=") as err:
+        distill.main([*TINY, f"teacher={teacher}", "keep_layers=0,1", "hidden_layers=[relative]", "attn_layers=[1:1]",
+                      "tokenizer=tiny-random", f"output_dir={out}"])
+    assert "\n" not in str(err.value) and not out.exists()
