@@ -685,6 +685,11 @@ def check_lengths(cfg: RetrofitConfig, spec: HybridAttentionConfig, model_config
     if limit is not None and longest > limit:
         raise ConfigError(f"seq_len/eval_seq_lens up to {longest} exceed the model's maximum of {limit} "
                           "positions; lower them")
+    if limit is not None and all(spec.sink_tokens + w >= min(limit, b or limit) for b, w in spec.window_policy or
+                                 [(None, spec.window)]):  # every input up to the limit sees every earlier key
+        raise ConfigError(f"sink_tokens + window cover the model's whole context of {limit} positions at every length: "
+                          "the hybrid pattern would be dense attention and the retrofit change nothing; lower window "
+                          "(and window_policy) or sink_tokens")
     try:
         spec.check_model(model_config.num_hidden_layers,
                          getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads)

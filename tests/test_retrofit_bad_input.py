@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from attention import HybridAttentionConfig
 from core.config import ConfigError, parse_config
@@ -90,3 +91,29 @@ def test_a_gate_whose_metric_windows_outrun_the_model_is_refused_before_any_weig
         retrofit.main([*argv, "gate=true", f"output_dir={tmp_path / 'o'}"])
     assert "\n" not in str(err.value) and not (tmp_path / "o").exists()
     retrofit.check_before_loading(parse_config(RetrofitConfig, [*argv, f"output_dir={tmp_path / 'o'}"]))  # no gate
+
+
+@pytest.mark.parametrize("argv, dense", [
+    (["window=1020"], True), (["window=1019"], False),  # sinks 4: key 4 leaves query 1023's window at 1019
+    (["sink_tokens=1000", "window=24"], True),
+    (["window=600", "window_policy=[[512, 600], [null, 1024]]"], True),
+    (["window=16", "window_policy=[[512, 16], [null, 1024]]"], False),
+])
+def test_a_pattern_dense_at_every_length_the_model_takes_is_refused(tmp_path, argv, dense):
+    """sink_tokens + window covering the model's whole context makes the hybrid model the dense one at every length:
+    the retrofit trained and shipped it as hybrid, changing nothing."""
+    from attention.masks import hybrid_mask
+    from recipes.retrofit import check_before_loading
+
+    cfg = parse_config(RetrofitConfig, [*TINY, *argv, "full_head_share=0", f"output_dir={tmp_path / 'o'}"])
+    spec = cfg.spec()
+    # the naive reference at every policy bound and at the model's 1024 positions
+    lengths = [min(1024, b or 1024) for b, _ in spec.window_policy or [(None, 0)]]
+    assert all(hybrid_mask(n, spec).equal(torch.ones(n, n, dtype=torch.bool).tril()) for n in lengths) == dense
+    if dense:
+        with pytest.raises(ConfigError, match="cover the model's whole context of 1024 positions at every length: "
+                                              "the hybrid pattern would be dense attention") as err:
+            check_before_loading(cfg)
+        assert "\n" not in str(err.value)
+    else:
+        check_before_loading(cfg)
