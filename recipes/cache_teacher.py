@@ -291,10 +291,14 @@ def check_before_loading(cfg: CacheTeacherConfig) -> None:
 
 def check_teacher(cfg: CacheTeacherConfig, config, tokenizer) -> None:
     """What the teacher's ``config`` and ``tokenizer`` decide about the settings: a block longer than the
-    teacher's context would cache targets from positions it never learned, and top-k needs k tokens."""
+    teacher's context would cache targets from positions it never learned, a tokenizer larger than its vocabulary
+    gives ids it has no row for, and top-k needs k tokens."""
     limit = getattr(config, "max_position_embeddings", None)
     if limit is not None and cfg.seq_len > limit:
         raise ConfigError(f"seq_len {cfg.seq_len} exceeds the teacher's maximum of {limit} positions; lower seq_len")
+    if len(tokenizer) > config.vocab_size:  # its ids past the vocabulary would fail the teacher's first forward
+        raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the teacher's vocabulary has "
+                          f"{config.vocab_size}; set tokenizer= to one of the teacher's size (or leave it empty)")
     vocab = min(config.vocab_size, len(tokenizer))  # the head's rows that are tokens
     if cfg.mode == "topk" and cfg.topk > vocab:
         raise ConfigError(f"topk {cfg.topk} exceeds the vocabulary ({vocab}); lower topk")

@@ -275,3 +275,12 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_before_loading
         distill.main([*TINY, f"teacher={teacher}", "keep_layers=0,1", "hidden_layers=[relative]", "attn_layers=[1:1]",
                       "tokenizer=tiny-random", f"output_dir={out}"])
     assert "\n" not in str(err.value) and not out.exists()
+
+
+def test_cache_teacher_refuses_a_tokenizer_larger_than_the_teachers_vocabulary(cache_teacher, tmp_path, monkeypatch):
+    teacher = save_tiny(tmp_path / "teacher")  # 320 rows; the tiny-random tokenizer has 512 tokens
+    monkeypatch.setattr(sys, "argv", ["cache_teacher.py", f"teacher={teacher}", "tokenizer=tiny-random",
+                                      f"output_dir={tmp_path / 'cache'}"])
+    with pytest.raises(ConfigError, match="the tokenizer has 512 tokens but the teacher's vocabulary has 320"):
+        cache_teacher.main()
+    assert not (tmp_path / "cache").exists() and not (tmp_path / ".cache.partial").exists()
