@@ -321,9 +321,11 @@ def retrofit_spec(retrofit: str) -> attention.HybridAttentionConfig:
                            f"({str(err).splitlines()[0]})") from None
 
 
-def check_model_config(model: str, lengths: list[int], spec: attention.HybridAttentionConfig | None) -> None:
-    """The lengths (and a ``--retrofit`` spec's head roles) against the model's ``config.json``, read without its
-    weights; a model whose config cannot be read so is checked once it loads (:func:`run_longctx`)."""
+def check_model_config(model: str, lengths: list[int], spec: attention.HybridAttentionConfig | None, *,
+                       dense: bool = False) -> None:
+    """The lengths and the spec the model will run (``--retrofit``'s, else unless ``dense`` the one its config
+    carries) against the model's ``config.json``, read without its weights; a model whose config cannot be read
+    so is checked once it loads (:func:`run_longctx`)."""
     config = peek_config(model)
     if config is None:
         return
@@ -331,12 +333,19 @@ def check_model_config(model: str, lengths: list[int], spec: attention.HybridAtt
     if limit is not None and max(lengths) > limit:
         raise LongCtxError(f"length {max(lengths)} exceeds the model's max_position_embeddings={limit}; "
                            "drop it from --lengths")
-    if spec is not None:
-        try:
+    where, stored = "--retrofit", getattr(config, attention.CONFIG_KEY, None)
+    try:
+        if spec is None and not dense and stored is not None:  # the model loads hybrid: its spec must run
+            where = f"{model}/config.json (or pass --dense)"
+            if not isinstance(stored, dict):
+                raise attention.HybridAttentionError(f"{attention.CONFIG_KEY!r} must be an object of hybrid attention "
+                                                     f"keys, got {stored!r}")
+            spec = attention.HybridAttentionConfig.from_dict(stored)
+        if spec is not None:
             spec.check_model(config.num_hidden_layers,
                              getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
-        except attention.HybridAttentionError as err:
-            raise LongCtxError(f"--retrofit: {str(err).splitlines()[0]}") from None
+    except attention.HybridAttentionError as err:
+        raise LongCtxError(f"{where}: {str(err).splitlines()[0]}") from None
 
 
 def _ints(text: str) -> list[int]:
@@ -391,7 +400,8 @@ def main(argv: list[str] | None = None) -> int:
             raise LongCtxError(f"unknown --scoring {args.scoring!r}; use one of {', '.join(SCORINGS)}")
         if args.out:
             check_output_dir(args.out, "--out")
-        check_model_config(args.model, lengths, None if args.retrofit is None else retrofit_spec(args.retrofit))
+        check_model_config(args.model, lengths, None if args.retrofit is None else retrofit_spec(args.retrofit),
+                           dense=args.dense)
         try:
             model, tok, attn = load_for_eval(args.model, dense=args.dense, retrofit=args.retrofit)
         except HybridAttentionError as err:

@@ -182,3 +182,20 @@ def test_a_longctx_length_too_short_for_the_baselines_tokens_exits_3_before_any_
     assert code == 3, err
     assert err.count("\n") == 1 and "longctx (baseline's tokenizer): length 128 is too short" in err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("stored, says", [({"sink_tokens": 1, "window": 0, "global_every": 0}, "window must be > 0"),
+                                          ({"full_layers": [5]}, "name layer(s) [5] but the model has 2 layers")])
+def test_longctx_refuses_a_broken_stored_spec_before_the_model_loads(tmp_path, monkeypatch, capsys, stored, says):
+    """A model loads hybrid when its config.json carries a spec: one that cannot run failed after the weights loaded."""
+    import eval.longctx as longctx
+    from core.tiny import save_tiny
+
+    save_tiny(tmp_path / "m", max_pos=256)
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "hybrid_attention": stored}))
+    monkeypatch.setattr(longctx, "load_for_eval", lambda *a, **k: pytest.fail("the model was loaded"))
+    capsys.readouterr()
+    assert longctx.main(["--model", str(tmp_path / "m"), "--lengths", "256"]) == 3
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{tmp_path / 'm'}/config.json (or pass --dense): " in err and says in err
