@@ -75,7 +75,7 @@ from attention.integration import SUPPORTED_MODEL_TYPES as SUPPORTED
 from core import checkpoint as ckpt
 from core.config import ConfigError
 from core.fsio import is_saved_model, replace_dir, restore_aside
-from core.models import load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
+from core.models import load_causal_lm, load_tokenizer, peek_config, resolve_device, resolve_dtype
 from distill.config import DistillConfig
 from distill.data import BlockOrder, build_data, parse_sources
 from distill.model import DistillModel, LossConfig
@@ -1177,6 +1177,9 @@ def main(argv: list[str] | None = None) -> int:
         if out.resolve() == Path(args.model).resolve():
             raise PruneError(f"--out {out} is the --model folder; choose another --out")
         axes = parse_axes(args.axes)
+        limit = getattr(peek_config(args.model), "max_position_embeddings", None)  # None: judged by no config.json
+        if limit is not None and args.seq_len > limit:  # it would rank and distill on positions it never learned
+            raise PruneError(f"--seq-len {args.seq_len} exceeds the model's maximum of {limit} positions; lower --seq-len")
 
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, device)

@@ -284,3 +284,16 @@ def test_cache_teacher_refuses_a_tokenizer_larger_than_the_teachers_vocabulary(c
     with pytest.raises(ConfigError, match="the tokenizer has 512 tokens but the teacher's vocabulary has 320"):
         cache_teacher.main()
     assert not (tmp_path / "cache").exists() and not (tmp_path / ".cache.partial").exists()
+
+
+def test_prune_cli_refuses_a_seq_len_beyond_the_models_context(tmp_path, monkeypatch, capsys):
+    from distill import prune
+
+    forbid(monkeypatch, "the model was loaded before the bad input was refused", (prune, "load_causal_lm"),
+           (prune, "calibration_data"))
+    model = save_tiny(tmp_path / "model", max_pos=48)
+    assert prune.main(["--model", str(model), "--target-ratio", "0.5", "--seq-len", "64",
+                       "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == "error: --seq-len 64 exceeds the model's maximum of 48 positions; lower --seq-len"
+    assert not (tmp_path / "out").exists()
