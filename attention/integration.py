@@ -95,7 +95,7 @@ def _check_stored(raw: Any, where: str = "the model config") -> None:
                                    f"{raw!r}; fix or remove it")
 
 
-def _stored_spec(saved: dict[str, Any], where: str) -> HybridAttentionConfig:
+def stored_spec(saved: dict[str, Any], where: str) -> HybridAttentionConfig:
     """The spec a saved ``config.json`` (``saved``, read at ``where``) carries, checked against the layers and KV
     heads it records, without any weights: one :class:`HybridAttentionError` line naming the file otherwise."""
     raw = saved.get(CONFIG_KEY)
@@ -310,7 +310,7 @@ def load(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> Any:
             raise HybridAttentionError(f"{local} is not valid JSON ({err}); fix or rewrite it") from None
         if not isinstance(saved, dict) or saved.get(CONFIG_KEY) is None:
             raise missing
-        _stored_spec(saved, str(local))  # a broken spec: before the weights load
+        stored_spec(saved, str(local))  # a broken spec: before the weights load
     model = AutoModelForCausalLM.from_pretrained(path, **from_pretrained_kwargs)
     if getattr(model.config, CONFIG_KEY, None) is None:
         raise missing

@@ -97,6 +97,7 @@ from eval.generation import (
     TransformersGenerator,
     check_model_dir,
     check_prompts_fit,
+    check_stored_spec,
     generate_outputs,
     load_model,
     load_tokenizer,
@@ -227,7 +228,8 @@ def _load_inputs(cfg: GateConfig) -> tuple[Path, list[Prompt], list[str] | None,
     if cfg.teacher:
         models["teacher"] = check_model_dir(cfg.teacher)
     for role in ("candidate", "baseline", *(("teacher",) if refs is None and cfg.teacher else ())):
-        # a prompt past the positions of a model that generates: now, not after the other models' generations
+        # a model that cannot load, or a prompt past its positions: now, not after the other models' generations
+        check_stored_spec(models[role], role)
         check_prompts_fit(models[role], prompts, cfg.max_new_tokens, cfg.chat, role)
     if cfg.heldout:
         hp = Path(cfg.heldout)

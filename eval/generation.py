@@ -99,6 +99,23 @@ def max_positions(model_dir: Path) -> int | None:
     return limit if isinstance(limit, int) and not isinstance(limit, bool) else None
 
 
+def check_stored_spec(model_dir: Path, role: str) -> None:
+    """One :class:`ModelLoadError` line when the hybrid spec in the model's ``config.json`` (it loads hybrid with it)
+    cannot run on the model, before any weights load; a config that cannot be read here is left to the loader."""
+    from attention import CONFIG_KEY, HybridAttentionError
+    from attention.integration import stored_spec
+
+    try:
+        saved = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return
+    if isinstance(saved, dict) and saved.get(CONFIG_KEY) is not None:
+        try:
+            stored_spec(saved, str(Path(model_dir) / "config.json"))
+        except HybridAttentionError as err:
+            raise ModelLoadError(f"the {role} cannot load hybrid: {err}") from None
+
+
 def check_prompts_fit(model_dir: Path, prompts: list[Prompt], max_new_tokens: int, default_chat: bool,
                       role: str) -> None:
     """One :class:`GateInputError` line when a rendered prompt and ``max_new_tokens`` outrun the model's

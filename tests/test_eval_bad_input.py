@@ -199,3 +199,25 @@ def test_longctx_refuses_a_broken_stored_spec_before_the_model_loads(tmp_path, m
     assert longctx.main(["--model", str(tmp_path / "m"), "--lengths", "256"]) == 3
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"{tmp_path / 'm'}/config.json (or pass --dense): " in err and says in err
+
+
+def test_a_baseline_whose_stored_spec_cannot_run_exits_4_before_any_generation(tmp_path, capsys, monkeypatch):
+    """A model loads hybrid with the spec its config.json carries: a broken one failed when the baseline loaded,
+    after the candidate's generations."""
+    import eval.generation as generation
+    from core.tiny import save_tiny
+
+    for role in ("cand", "base"):
+        save_tiny(tmp_path / role, max_pos=256)
+    config = json.loads((tmp_path / "base" / "config.json").read_text())
+    (tmp_path / "base" / "config.json").write_text(json.dumps({**config, "hybrid_attention": {"full_layers": [9]}}))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "prompt": "the quick brown fox"}) + "\n")
+    monkeypatch.setattr(generation, "load_causal_lm", lambda *a, **k: pytest.fail("a model was loaded"))
+    capsys.readouterr()
+    code = main(["--candidate", str(tmp_path / "cand"), "--baseline", str(tmp_path / "base"), "--prompts",
+                 str(prompts), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 4, err
+    assert err.count("\n") == 1 and "the baseline cannot load hybrid: " in err and "layer(s) [9]" in err
+    assert not (tmp_path / "out").exists()
