@@ -165,6 +165,10 @@ class DistillConfig:
         if self.teacher_cache and (self.streaming or any(s.streaming for s in specs)):
             raise ConfigError("teacher_cache indexes prepared blocks, and a streamed source has none: set "
                               "streaming=false (prepare the data: python -m distill.data prepare)")
+        if self.max_train_blocks is not None and (all(s.streaming or self.streaming for s in specs) if specs
+                                                  else self.streaming):
+            raise ConfigError("max_train_blocks caps prepared data, and a stream has no blocks to cap (it is read "
+                              "until it runs out, then again): drop max_train_blocks, or set streaming=false")
         if self.resume is not None and self.overwrite:
             raise ConfigError("resume= and overwrite=true contradict each other; pick one")
         if self.teacher_cache and (self.hidden_weight > 0 or self.attn_weight > 0):

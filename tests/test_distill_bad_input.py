@@ -297,3 +297,16 @@ def test_prune_cli_refuses_a_seq_len_beyond_the_models_context(tmp_path, monkeyp
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err == "error: --seq-len 64 exceeds the model's maximum of 48 positions; lower --seq-len"
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv", [["streaming=true"], ["datasets=[{source: a.txt, streaming: true}, b.txt]",
+                                                          "streaming=true"]])
+def test_max_train_blocks_is_refused_where_every_source_is_streamed(argv):
+    """A stream ignored the cap: the run read past it, and nothing said so."""
+    from core.config import parse_config
+    from distill.config import DistillConfig
+
+    with pytest.raises(ConfigError, match="max_train_blocks caps prepared data, and a stream has no blocks to cap"):
+        parse_config(DistillConfig, [*argv, "max_train_blocks=4"])
+    parse_config(DistillConfig, ["datasets=[{source: a.txt, streaming: true}, b.txt]", "max_train_blocks=4"])
+    parse_config(DistillConfig, ["streaming=true"])
