@@ -161,6 +161,30 @@ def chat_prompts(dataset: str | list[SourceSpec], tokenizer, prompt_tokens: int,
     return out
 
 
+def has_chat(spec: SourceSpec) -> bool | None:
+    """Whether a source holds chat records, where that is known without reading it through ``datasets``: the
+    built-in corpus and ``.txt`` files never do, a local ``.jsonl``'s first record says; None: not known here."""
+    from distill.data.parallel import first_record
+    from distill.data.text import BUILTIN, local_files
+
+    if spec.source == BUILTIN:
+        return False
+    local = local_files(spec.source)
+    if local is None:  # a hub name
+        return None
+    kind, files = local
+    if kind == "text":
+        return False
+    return "messages" in first_record(files) if all(p.suffix == ".jsonl" for p in files) else None
+
+
+def check_prompt_sources(specs: list[SourceSpec]) -> None:
+    """:func:`chat_prompts`' "no chat records" refusal, before any model loads, where :func:`has_chat` can tell."""
+    if not any(has_chat(s) is not False for s in specs):
+        raise OnPolicyError(f"{', '.join(s.source for s in specs)} has no chat records ('messages'); use "
+                            "gen_prompts=prefix")
+
+
 def rollout_seed(seed: int, step: int, micro: int, rank: int, row: int) -> int:
     """A distinct, reproducible sampling seed for every rollout row of the run."""
     x = seed

@@ -33,7 +33,7 @@ from core.config import ConfigError, run_cli
 from core.models import enable_checkpointing, peek_config
 from distill import on_policy
 from distill.config import RESUME_SAFE, DistillConfig, check_sources
-from distill.data import build_data, steps_for_tokens
+from distill.data import build_data, parse_sources, steps_for_tokens
 from distill.distributed import configure_deepspeed, deepspeed_settings, is_fsdp, is_zero3, prepare_teacher
 from distill.layers import LayerMapError, parse_layer_pairs
 from distill.model import DistillModel, LossConfig, check_pair
@@ -84,6 +84,9 @@ def check_before_loading(cfg: DistillConfig) -> None:
     check_cache(cfg)
     if not cfg.student and cfg.student_init == "prune" and cfg.resume is None:  # a resume reads its student back
         check_recipe_search(cfg)
+    if cfg.on_policy_fraction > 0 and cfg.gen_prompts == "chat":  # prompts from data that has no chat
+        on_policy.check_prompt_sources(parse_sources(cfg.datasets, cfg.dataset, text_field=cfg.text_field,
+                                                     streaming=cfg.streaming))
 
     teacher = None if cfg.teacher_cache and cfg.student else peek_config(cfg.teacher)
     derived = not cfg.student  # a derived student keeps the teacher's positions

@@ -310,3 +310,24 @@ def test_max_train_blocks_is_refused_where_every_source_is_streamed(argv):
         parse_config(DistillConfig, [*argv, "max_train_blocks=4"])
     parse_config(DistillConfig, ["datasets=[{source: a.txt, streaming: true}, b.txt]", "max_train_blocks=4"])
     parse_config(DistillConfig, ["streaming=true"])
+
+
+@pytest.mark.parametrize("dataset", ["builtin:stdlib-docs", "TEXT"])
+def test_chat_prompts_from_data_without_chat_are_refused_before_any_model_loads(distill, tmp_path, dataset):
+    """The refusal came after both models loaded and the run folder was claimed."""
+    text = tmp_path / "text.jsonl"
+    text.write_text('{"text": "the fox jumps over the lazy dog"}\n')
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match=r"has no chat records \('messages'\); use gen_prompts=prefix") as err:
+        distill.main([*TINY, "on_policy_fraction=0.5", "gen_prompts=chat", "gen_prompt_tokens=16",
+                      "gen_max_new_tokens=16", f"dataset={text if dataset == 'TEXT' else dataset}", f"output_dir={out}"])
+    assert "\n" not in str(err.value) and not out.exists()
+
+
+def test_the_early_chat_check_passes_what_may_hold_chat(tmp_path):
+    from distill.data.text import SourceSpec
+    from distill.on_policy import check_prompt_sources
+
+    chat = _chat(tmp_path / "chat.jsonl", 2, reply=True)
+    check_prompt_sources([SourceSpec("builtin:stdlib-docs"), SourceSpec(chat)])
+    check_prompt_sources([SourceSpec("org/some-hub-chat-set")])  # judged once read, after the models load
