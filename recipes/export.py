@@ -149,8 +149,10 @@ class ExportResult:
         attn = "dense attention"
         if self.hybrid:
             h = self.hybrid
-            attn = (f"hybrid attention (sinks {h.get('sink_tokens')}, window {h.get('window')}, "
-                    f"global every {h.get('global_every')})")
+            policy = h.get("window_policy")  # it picks the window at every length: spec.window is not served then
+            window = ", ".join(f"{w} up to {b}" if b is not None else f"{w} beyond" for b, w in policy) if policy \
+                else h.get("window")
+            attn = f"hybrid attention (sinks {h.get('sink_tokens')}, window {window}, global every {h.get('global_every')})"
         return "\n".join([
             f"exported {self.source.describe()}",
             f"  -> {self.output_dir}",

@@ -244,6 +244,17 @@ def test_hybrid_spec_preserved_and_plain_load_works(tmp_path: Path) -> None:
     assert "Hybrid sparse attention" in (out / "README.md").read_text()
 
 
+
+def test_the_summary_names_the_windows_a_window_policy_serves(tmp_path: Path) -> None:
+    """With a window_policy the spec's own window is never served: the summary printed it as the window."""
+    from recipes.export import ExportResult
+
+    hybrid = {**HYBRID, "window": 512, "window_policy": [[4096, 512], [None, 2048]]}
+    res = ExportResult(tmp_path, 0, torch.float32, 0, hybrid, 1, ex.Source("hf", tmp_path, tmp_path))
+    assert "window 512 up to 4096, 2048 beyond," in res.summary()
+    res.hybrid = {**HYBRID, "window": 64}
+    assert "window 64," in res.summary()
+
 def test_sharding_writes_an_index(tmp_path: Path) -> None:
     src = save_tiny(tmp_path / "final", seed=8)
     out = tmp_path / "sharded"
