@@ -226,17 +226,7 @@ class TeacherCache:
         self.path = path
         self.meta = read_meta(path)
         check_meta(self.meta, path, temperature=temperature)
-        cached_vocab = self.meta.get("vocab_size")
-        # Sizes that differ only in padding rows beyond the shared tokenizer are one vocabulary (as for a live
-        # teacher, distill.model.check_pair); the tokenizer's own fingerprint is checked below.
-        padding_only = (tokenizer is not None and vocab_size is not None and cached_vocab is not None
-                        and len(tokenizer) <= min(vocab_size, cached_vocab))
-        if vocab_size is not None and cached_vocab not in (None, vocab_size) and not padding_only:
-            raise TeacherCacheError(f"teacher cache {path} was written for a vocabulary of {self.meta['vocab_size']} "
-                                    f"tokens but the student has {vocab_size}; cache with the student's tokenizer")
-        if tokenizer is not None and self.meta.get("tokenizer_fingerprint") not in (None, tokenizer_fingerprint(tokenizer)):
-            raise TeacherCacheError(f"teacher cache {path} was written with another tokenizer; rerun "
-                                    "recipes/cache_teacher.py with this run's tokenizer")
+        check_vocabulary(self.meta, path, vocab_size=vocab_size, tokenizer=tokenizer)
         if self.meta.get("blocks") not in (None, train_blocks.shape[0]):  # before hashing a corpus to say so
             raise TeacherCacheError(
                 f"teacher cache {path} was made from other data: it holds {self.meta['blocks']} blocks but this run "
@@ -298,6 +288,21 @@ def read_meta(path: str | Path) -> dict:
         raise TeacherCacheError(f"{path / META} is not a teacher cache's metadata (unreadable, or without its data "
                                 "fingerprint); rewrite the cache with recipes/cache_teacher.py")
     return meta
+
+
+def check_vocabulary(meta: dict, path: str | Path, *, vocab_size: int | None = None, tokenizer=None) -> None:
+    """A cache written under another vocabulary (``vocab_size``: the student's) or tokenizer is refused: its ids
+    would name other tokens. Sizes that differ only in padding rows beyond the shared tokenizer are one vocabulary
+    (as for a live teacher, :func:`distill.model.check_pair`)."""
+    cached_vocab = meta.get("vocab_size")
+    padding_only = (tokenizer is not None and vocab_size is not None and cached_vocab is not None
+                    and len(tokenizer) <= min(vocab_size, cached_vocab))
+    if vocab_size is not None and cached_vocab not in (None, vocab_size) and not padding_only:
+        raise TeacherCacheError(f"teacher cache {path} was written for a vocabulary of {cached_vocab} tokens but the "
+                                f"student has {vocab_size}; cache with the student's tokenizer")
+    if tokenizer is not None and meta.get("tokenizer_fingerprint") not in (None, tokenizer_fingerprint(tokenizer)):
+        raise TeacherCacheError(f"teacher cache {path} was written with another tokenizer; rerun "
+                                "recipes/cache_teacher.py with this run's tokenizer")
 
 
 def check_meta(meta: dict, path: str | Path, *, temperature: float | None = None, kd_kind: str | None = None,

@@ -40,7 +40,7 @@ from distill.model import DistillModel, LossConfig, check_pair
 from distill.prune import PRUNED_DIR, check_recipe_search
 from distill.sources import load_pair, load_recipe_tokenizer
 from distill.student import KEPT_KEY, parse_keep
-from distill.teacher_cache import TeacherCache, check_meta, fingerprint, read_meta
+from distill.teacher_cache import TeacherCache, check_meta, check_vocabulary, fingerprint, read_meta
 from distill.training import (
     Run,
     check_resume,
@@ -103,10 +103,15 @@ def check_before_loading(cfg: DistillConfig) -> None:
             raise ConfigError(f"{err} (keep_layers)") from None
     if teacher is not None and not cfg.teacher_cache and (kept is not None or (student is not None and not derived)):
         check_pairing(cfg, teacher, student, kept)
+    tokenizer = None
     if cfg.tokenizer and (teacher is not None or student is not None):  # another model's tokenizer
         tokenizer = load_recipe_tokenizer(cfg.student if cfg.teacher_cache and cfg.student else cfg.teacher,
                                           cfg.tokenizer)
         check_vocab(len(tokenizer), {"teacher": teacher, "student": student})
+    if cfg.teacher_cache and student is not None:  # the cache's vocabulary and tokenizer: the run's?
+        tokenizer = tokenizer or load_recipe_tokenizer(cfg.student or cfg.teacher, cfg.tokenizer)
+        check_vocabulary(read_meta(cfg.teacher_cache), cfg.teacher_cache, vocab_size=student.vocab_size,
+                         tokenizer=tokenizer)
 
 
 def check_vocab(tokenizer_size: int, configs: dict) -> None:

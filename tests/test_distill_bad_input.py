@@ -331,3 +331,19 @@ def test_the_early_chat_check_passes_what_may_hold_chat(tmp_path):
     chat = _chat(tmp_path / "chat.jsonl", 2, reply=True)
     check_prompt_sources([SourceSpec("builtin:stdlib-docs"), SourceSpec(chat)])
     check_prompt_sources([SourceSpec("org/some-hub-chat-set")])  # judged once read, after the models load
+
+
+@pytest.mark.parametrize("meta, match", [
+    ({"vocab_size": 320}, "was written for a vocabulary of 320 tokens but the student has 512"),
+    ({"vocab_size": 512, "tokenizer_fingerprint": "0123"}, "was written with another tokenizer"),
+])
+def test_a_cache_of_another_vocabulary_or_tokenizer_is_refused_before_any_model_loads(distill, tmp_path, meta, match):
+    """Refused only once both models had loaded and the data was built (and hashed)."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "meta.json").write_text(json.dumps({"mode": "topk", "seq_len": 64, "fingerprint": "0", **meta}))
+    out = _old_run(tmp_path / "run")
+    with pytest.raises(ConfigError, match=match) as err:
+        distill.main([*TINY, *CACHED, f"teacher_cache={cache}", f"output_dir={out}", "overwrite=true"])
+    assert "\n" not in str(err.value)
+    assert sorted(p.name for p in out.iterdir()) == sorted([MARKER, "summary.json", "final"])
