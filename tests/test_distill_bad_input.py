@@ -347,3 +347,13 @@ def test_a_cache_of_another_vocabulary_or_tokenizer_is_refused_before_any_model_
         distill.main([*TINY, *CACHED, f"teacher_cache={cache}", f"output_dir={out}", "overwrite=true"])
     assert "\n" not in str(err.value)
     assert sorted(p.name for p in out.iterdir()) == sorted([MARKER, "summary.json", "final"])
+
+
+@pytest.mark.parametrize("where, match", [("afile", "is a file, not a folder"), ("afile/data", "lies under .*afile, "
+                                                                                                 "which is a file")])
+def test_a_data_cache_that_is_or_lies_under_a_file_is_refused_before_any_model_loads(distill, tmp_path, where, match):
+    """It failed after both models loaded, preparing the data: a FileExistsError or NotADirectoryError traceback."""
+    (tmp_path / "afile").write_text("mine")
+    with pytest.raises(ConfigError, match=f"data_cache .* {match}; choose another data_cache") as err:
+        distill.main([*TINY, f"data_cache={tmp_path / where}", f"output_dir={tmp_path / 'run'}"])
+    assert "\n" not in str(err.value) and not (tmp_path / "run").exists()
