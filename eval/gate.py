@@ -179,6 +179,10 @@ class GateConfig:
         self.longctx_lengths()
         if self.do_sample and (self.temperature <= 0 or not 0 < self.top_p <= 1):
             raise ConfigError("with do_sample, temperature must be > 0 and top_p in (0, 1]")
+        unread = [f"{k}={v:g}" for k, v in (("temperature", self.temperature), ("top_p", self.top_p)) if v != 1.0]
+        if unread and not self.do_sample:  # greedy decoding reads neither: it would pass as sampled
+            raise ConfigError(f"{' and '.join(unread)} only apply with do_sample (greedy decoding by default); add "
+                              "--do-sample or drop them")
         resolve_device(self.device)  # an unknown device, or a GPU this machine lacks: one line, before any load
 
     def generation_settings(self) -> GenerationSettings:

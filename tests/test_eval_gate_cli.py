@@ -58,3 +58,19 @@ def test_an_out_that_cannot_be_a_folder_exits_3_with_one_line_before_any_load(tm
     assert code == 3, err
     assert len(err.splitlines()) == 1 and f"--out {out}" in err and says in err and "choose another --out" in err
     assert afile.read_text() == "x"
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--temperature", "0.7"], "temperature=0.7 only apply with do_sample (greedy decoding by default); add --do-sample"),
+    (["--top-p", "0.9", "--temperature", "0.5"], "temperature=0.5 and top_p=0.9 only apply with do_sample"),
+])
+def test_sampling_settings_without_sampling_exit_3_before_any_work(tmp_path, capsys, flags, says):
+    """Greedy decoding reads neither: they were accepted and silently ignored (the report still said greedy)."""
+    out = tmp_path / "o"
+    code = main(["--candidate", str(tmp_path / "c"), "--baseline", str(tmp_path / "b"), "--out", str(out), *flags])
+    err = capsys.readouterr().err.strip()
+    assert code == 3 and len(err.splitlines()) == 1 and says in err, err
+    assert not out.exists()
+    main(["--candidate", str(tmp_path / "c"), "--baseline", str(tmp_path / "b"), "--out", str(out), *flags,
+          "--do-sample"])
+    assert "do_sample" not in capsys.readouterr().err  # accepted: the missing models are what fails now
