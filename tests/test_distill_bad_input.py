@@ -357,3 +357,12 @@ def test_a_data_cache_that_is_or_lies_under_a_file_is_refused_before_any_model_l
     with pytest.raises(ConfigError, match=f"data_cache .* {match}; choose another data_cache") as err:
         distill.main([*TINY, f"data_cache={tmp_path / where}", f"output_dir={tmp_path / 'run'}"])
     assert "\n" not in str(err.value) and not (tmp_path / "run").exists()
+
+
+def test_data_prepare_refuses_a_data_cache_that_is_a_file(tmp_path):
+    from distill.data.__main__ import main
+
+    (tmp_path / "afile").write_text("mine")
+    with pytest.raises(ConfigError, match="data_cache .*afile is a file, not a folder; choose another data_cache"):
+        main(["prepare", "teacher=tiny-random", f"data_cache={tmp_path / 'afile'}"])
+    assert (tmp_path / "afile").read_text() == "mine"

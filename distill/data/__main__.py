@@ -14,7 +14,7 @@ import sys
 import time
 
 from core.config import ConfigError, parse_config, run_cli
-from distill.config import DistillConfig
+from distill.config import DistillConfig, check_cache_folder
 from distill.data.corpus import build_data
 from distill.data.prepare import open_prepared
 from distill.sources import load_recipe_tokenizer
@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or argv[0] != "prepare":
         raise ConfigError("usage: python -m distill.data prepare --config FILE [key=value ...]")
     cfg, num_proc = _parse(argv[1:])
+    if cfg.data_cache:
+        check_cache_folder(cfg.data_cache, "data_cache")
     tokenizer = load_recipe_tokenizer(cfg.teacher, cfg.tokenizer)
     t0 = time.time()
     data = build_data(tokenizer, dataset=cfg.dataset, datasets=cfg.datasets, eval_dataset=cfg.eval_dataset,
