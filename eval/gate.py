@@ -183,6 +183,11 @@ class GateConfig:
         if unread and not self.do_sample:  # greedy decoding reads neither: it would pass as sampled
             raise ConfigError(f"{' and '.join(unread)} only apply with do_sample (greedy decoding by default); add "
                               "--do-sample or drop them")
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        unread = [k for k in ("heldout", "lm_seq_len") if getattr(self, k) != defaults[k]]
+        if unread and self.skip_lm_metrics:  # else the held-out perplexity asked for would silently be missing
+            raise ConfigError(f"{' and '.join(unread)} only apply to the language-model metrics, which "
+                              "skip_lm_metrics turns off; drop one or the other")
         resolve_device(self.device)  # an unknown device, or a GPU this machine lacks: one line, before any load
 
     def generation_settings(self) -> GenerationSettings:

@@ -92,7 +92,7 @@ def test_lm_seq_len_past_a_models_positions_exits_3_before_any_generation(tmp_pa
     assert code == 3, err
     assert err.count("\n") == 1 and "lm_seq_len=128 exceeds the candidate's max_position_embeddings=64" in err
     assert not out.exists()
-    assert main([*argv, "--skip-lm-metrics", "--out", str(tmp_path / "o2")]) == 4  # past the check: the load
+    assert main([*argv[:-2], "--lm-seq-len", "64", "--out", str(tmp_path / "o2")]) == 4  # past the check: the load
 
 
 @pytest.mark.parametrize("flags, says", [

@@ -74,3 +74,18 @@ def test_sampling_settings_without_sampling_exit_3_before_any_work(tmp_path, cap
     main(["--candidate", str(tmp_path / "c"), "--baseline", str(tmp_path / "b"), "--out", str(out), *flags,
           "--do-sample"])
     assert "do_sample" not in capsys.readouterr().err  # accepted: the missing models are what fails now
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--heldout", "text.txt"], "heldout only apply to the language-model metrics, which skip_lm_metrics turns off"),
+    (["--lm-seq-len", "256"], "lm_seq_len only apply to the language-model metrics"),
+])
+def test_lm_metric_settings_with_the_metrics_skipped_exit_3_before_any_work(tmp_path, capsys, flags, says):
+    """--skip-lm-metrics turns off what --heldout and --lm-seq-len set: the perplexity asked for was silently
+    missing from the report."""
+    out = tmp_path / "o"
+    code = main(["--candidate", str(tmp_path / "c"), "--baseline", str(tmp_path / "b"), "--out", str(out), *flags,
+                 "--skip-lm-metrics"])
+    err = capsys.readouterr().err.strip()
+    assert code == 3 and len(err.splitlines()) == 1 and says in err, err
+    assert not out.exists()
