@@ -657,6 +657,21 @@ def run_gate(cfg: GateConfig, scorer: BertScore | None = None, generator: Genera
     return GateResult(verdict, EXIT[verdict], report, out)
 
 
+def _check_threshold(cfg: GateConfig) -> None:
+    """Command line: the threshold the gate's mode does not read, set away from its default, is refused (the
+    Python API keeps both, for callers such as the quantized export that pass both)."""
+    refs = cfg.references or load_prompts(cfg.prompts or default_prompts_path())[0].reference is not None
+    unused = "max_drift" if refs or cfg.teacher else "max_drop"
+    value = getattr(cfg, unused)
+    if value != {f.name: f.default for f in dataclasses.fields(cfg)}[unused]:
+        mode = "drift mode (no references, no teacher)" if unused == "max_drop" else \
+            f"{'references' if refs else 'teacher'} mode"
+        used = "max_drop" if unused == "max_drift" else "max_drift"
+        raise GateInputError(f"{unused}={value:g} is not read in {mode}, whose threshold is {used}; pass "
+                             f"--{used.replace('_', '-')} instead"
+                             + (", or give --teacher / --references" if unused == "max_drop" else ""))
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse exits 2 on a bad option, which would read as 'inconclusive': use 3 and one line."""
 
@@ -690,6 +705,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(stop.code or 0)
     try:
         cfg = GateConfig(**vars(args))
+        _check_threshold(cfg)
         result = run_gate(cfg)
     except (GateInputError, ConfigError, ScorerMissingError, LongCtxError) as err:
         # The gate owns exit codes 0-2, so other libraries' user errors (ConfigError.exit_code = 2) map to 3.

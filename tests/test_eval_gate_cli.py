@@ -89,3 +89,23 @@ def test_lm_metric_settings_with_the_metrics_skipped_exit_3_before_any_work(tmp_
     err = capsys.readouterr().err.strip()
     assert code == 3 and len(err.splitlines()) == 1 and says in err, err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--max-drop", "0.05"], "max_drop=0.05 is not read in drift mode (no references, no teacher), whose threshold is "
+                             "max_drift; pass --max-drift instead, or give --teacher / --references"),
+    (["--max-drift", "0.2", "--teacher", "t"], "max_drift=0.2 is not read in teacher mode, whose threshold is "
+                                               "max_drop; pass --max-drop instead"),
+])
+def test_the_threshold_the_mode_does_not_read_exits_3_before_any_work(tmp_path, capsys, flags, says):
+    """Drift mode judges by max_drift, the others by max_drop: the other one, given, was silently ignored (a gate
+    the caller meant to hold to 0.05 ran at 0.10)."""
+    out = tmp_path / "o"
+    code = main(["--candidate", str(tmp_path / "c"), "--baseline", str(tmp_path / "b"), "--out", str(out), *flags])
+    err = capsys.readouterr().err.strip()
+    assert code == 3 and len(err.splitlines()) == 1 and says in err, err
+    assert not out.exists()
+    # the threshold of the mode is accepted: what fails next is the missing model
+    main(["--candidate", str(tmp_path / "c"), "--baseline", str(tmp_path / "b"), "--out", str(out), "--teacher", "t",
+          "--max-drop", "0.05"])
+    assert "is not read" not in capsys.readouterr().err
