@@ -184,6 +184,10 @@ class GateConfig:
             raise ConfigError(f"{' and '.join(unread)} only apply with do_sample (greedy decoding by default); add "
                               "--do-sample or drop them")
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        unread = [k for k in ("longctx_trials", "longctx_min_ratio") if getattr(self, k) != defaults[k]]
+        if unread and not self.longctx:  # the check they set does not run
+            raise ConfigError(f"{' and '.join(unread)} only apply to the long-context check, which runs with "
+                              "longctx=LENGTHS (e.g. 2048,4096); give it or drop them")
         unread = [k for k in ("heldout", "lm_seq_len") if getattr(self, k) != defaults[k]]
         if unread and self.skip_lm_metrics:  # else the held-out perplexity asked for would silently be missing
             raise ConfigError(f"{' and '.join(unread)} only apply to the language-model metrics, which "

@@ -77,15 +77,16 @@ def test_sampling_settings_without_sampling_exit_3_before_any_work(tmp_path, cap
 
 
 @pytest.mark.parametrize("flags, says", [
-    (["--heldout", "text.txt"], "heldout only apply to the language-model metrics, which skip_lm_metrics turns off"),
-    (["--lm-seq-len", "256"], "lm_seq_len only apply to the language-model metrics"),
+    (["--longctx-trials", "5"], "longctx_trials only apply to the long-context check, which runs with longctx=LENGTHS"),
+    (["--longctx-min-ratio", "0.5"], "longctx_min_ratio only apply to the long-context check"),
+    (["--heldout", "text.txt", "--skip-lm-metrics"], "heldout only apply to the language-model metrics, which skip_lm_metrics turns off"),
+    (["--lm-seq-len", "256", "--skip-lm-metrics"], "lm_seq_len only apply to the language-model metrics"),
 ])
-def test_lm_metric_settings_with_the_metrics_skipped_exit_3_before_any_work(tmp_path, capsys, flags, says):
-    """--skip-lm-metrics turns off what --heldout and --lm-seq-len set: the perplexity asked for was silently
-    missing from the report."""
+def test_settings_of_a_check_that_does_not_run_exit_3_before_any_work(tmp_path, capsys, flags, says):
+    """--skip-lm-metrics turns off what --heldout and --lm-seq-len set, and without --longctx there is no check for
+    --longctx-trials / --longctx-min-ratio: what they asked for was silently missing from the report."""
     out = tmp_path / "o"
-    code = main(["--candidate", str(tmp_path / "c"), "--baseline", str(tmp_path / "b"), "--out", str(out), *flags,
-                 "--skip-lm-metrics"])
+    code = main(["--candidate", str(tmp_path / "c"), "--baseline", str(tmp_path / "b"), "--out", str(out), *flags])
     err = capsys.readouterr().err.strip()
     assert code == 3 and len(err.splitlines()) == 1 and says in err, err
     assert not out.exists()
