@@ -366,3 +366,14 @@ def test_data_prepare_refuses_a_data_cache_that_is_a_file(tmp_path):
     with pytest.raises(ConfigError, match="data_cache .*afile is a file, not a folder; choose another data_cache"):
         main(["prepare", "teacher=tiny-random", f"data_cache={tmp_path / 'afile'}"])
     assert (tmp_path / "afile").read_text() == "mine"
+
+
+def test_a_token_budget_below_one_step_is_refused(distill, tmp_path):
+    """max_tokens=100 with 128 tokens per step trained a whole step; at scale, far past the budget."""
+    with pytest.raises(ConfigError, match=r"max_tokens 100 is less than one optimizer step of 128 tokens "
+                                          r"\(micro_batch_size × grad_accum × 1 process\(es\) × seq_len\)") as err:
+        distill.main([*TINY, "max_tokens=100", f"output_dir={tmp_path / 'run'}"])
+    assert "\n" not in str(err.value) and not (tmp_path / "run").exists()
+    from core.config import parse_config
+
+    distill.check_before_loading(parse_config(distill.DistillConfig, [*TINY, "max_tokens=128"]))
