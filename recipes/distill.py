@@ -83,13 +83,18 @@ def check_before_loading(cfg: DistillConfig) -> None:
     conversion) is checked once it loads."""
     check_sources(cfg)
     check_cache(cfg)
-    if cfg.max_tokens is not None:  # rounded up to whole steps: below one step, the run would train past it by far
-        processes = int(os.environ.get("WORLD_SIZE", "1"))  # every process of `accelerate launch` has it
-        step = cfg.micro_batch_size * cfg.grad_accum * processes * cfg.seq_len
-        if cfg.max_tokens < step:
-            raise ConfigError(f"max_tokens {cfg.max_tokens} is less than one optimizer step of {step} tokens "
-                              f"(micro_batch_size × grad_accum × {processes} process(es) × seq_len); raise max_tokens "
-                              "or lower micro_batch_size/grad_accum")
+    processes = int(os.environ.get("WORLD_SIZE", "1"))  # every process of `accelerate launch` has it
+    blocks = cfg.micro_batch_size * cfg.grad_accum * processes  # per optimizer step
+    if cfg.max_tokens is not None and cfg.max_tokens < blocks * cfg.seq_len:  # rounded up to whole steps: below one
+        raise ConfigError(f"max_tokens {cfg.max_tokens} is less than one optimizer step of {blocks * cfg.seq_len} "
+                          f"tokens (micro_batch_size × grad_accum × {processes} process(es) × seq_len); raise "
+                          "max_tokens or lower micro_batch_size/grad_accum")
+    specs = parse_sources(cfg.datasets, cfg.dataset, streaming=cfg.streaming)
+    if cfg.max_train_blocks is not None and not any(s.streaming for s in specs) and (
+            len(specs) * cfg.max_train_blocks < blocks):  # each source capped: the data would fail after the models load
+        raise ConfigError(f"max_train_blocks {cfg.max_train_blocks} leaves at most {len(specs) * cfg.max_train_blocks} "
+                          f"training blocks but one step takes {blocks} (micro_batch_size × grad_accum × {processes} "
+                          "process(es)); raise max_train_blocks or lower micro_batch_size/grad_accum")
     if not cfg.student and cfg.student_init == "prune" and cfg.resume is None:  # a resume reads its student back
         check_recipe_search(cfg)
     if cfg.on_policy_fraction > 0 and cfg.gen_prompts == "chat":  # prompts from data that has no chat

@@ -377,3 +377,10 @@ def test_a_token_budget_below_one_step_is_refused(distill, tmp_path):
     from core.config import parse_config
 
     distill.check_before_loading(parse_config(distill.DistillConfig, [*TINY, "max_tokens=128"]))
+
+
+def test_max_train_blocks_below_one_step_is_refused_before_any_model_loads(distill, tmp_path):
+    """The data refused it only after both models loaded ("gives 1 training blocks ... but the run needs 2")."""
+    with pytest.raises(ConfigError, match=r"max_train_blocks 1 leaves at most 1 training blocks but one step takes 2 "):
+        distill.main([*TINY, "max_train_blocks=1", f"output_dir={tmp_path / 'run'}"])
+    assert not (tmp_path / "run").exists()
