@@ -115,9 +115,11 @@ class ExportConfig:
         self.quantize = str(self.quantize).lower()
         if self.quantize != "none":
             qz.check_scheme(self.quantize)  # before the (slow) load
-        # A quantization setting nothing reads (no quantize=, or no gate) must not pass as applied.
+        # A quantization setting nothing reads (no quantize=, or no gate) must not pass as applied; one that asks
+        # for nothing (quant_gate_teacher=none: no teacher) agrees with no gate.
         unread = [f.name for f in dataclasses.fields(self) if f.name.startswith("quant_") and f.name != "quant_gate"
-                  and getattr(self, f.name) != f.default] if self.quantize == "none" or not self.quant_gate else []
+                  and getattr(self, f.name) != f.default and str(getattr(self, f.name)).lower() != "none"
+                  ] if self.quantize == "none" or not self.quant_gate else []
         if unread:
             raise ConfigError(f"{', '.join(unread)} only appl{'ies' if len(unread) == 1 else 'y'} to a quantized export's "
                               f"gate, which {'quantize=none' if self.quantize == 'none' else 'quant_gate=false'} does "

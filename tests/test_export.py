@@ -393,8 +393,8 @@ def test_base_for_a_source_that_is_no_lora_adapter_is_refused_before_the_load(ru
     (["quant_gate_prompts=mine.jsonl"], "quant_gate_prompts only applies to a quantized export's gate, which "
                                         "quantize=none does not run; drop it or pass quantize=int8 (or w8a8)"),
     (["quant_max_drop=0.05", "quant_gate_backend=transformers"], "quant_max_drop, quant_gate_backend only apply"),
-    (["quantize=int8", "quant_gate=false", "quant_gate_teacher=none"], "which quant_gate=false does not run; drop "
-                                                                      "it or pass quant_gate=true"),
+    (["quantize=int8", "quant_gate=false", "quant_gate_teacher=teacher/"], "which quant_gate=false does not run; "
+                                                                          "drop it or pass quant_gate=true"),
 ])
 def test_quantization_settings_nothing_reads_are_refused(argv, says) -> None:
     """A gate setting without the gate (no quantize=, or quant_gate=false) was accepted and silently ignored."""
@@ -402,6 +402,7 @@ def test_quantization_settings_nothing_reads_are_refused(argv, says) -> None:
         parse_config(ExportConfig, ["source=a", "output_dir=b", *argv])
     assert says in str(err.value) and "\n" not in str(err.value)
     parse_config(ExportConfig, ["source=a", "output_dir=b", "quant_gate=false"])  # turning off what is off: fine
+    parse_config(ExportConfig, ["source=a", "output_dir=b", "quant_gate_teacher=none"])  # asks for no teacher
 
 def test_deepspeed_checkpoint_goes_through_zero_to_fp32(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("deepspeed")
