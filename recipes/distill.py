@@ -76,11 +76,13 @@ def check_lengths(cfg: DistillConfig, config, role: str = "model") -> None:
 
 
 def check_before_loading(cfg: DistillConfig) -> None:
-    """:func:`distill.config.check_sources`, a teacher cache's ``meta.json`` (:func:`check_cache`), a pruning
-    search's settings (:func:`distill.prune.check_recipe_search`), then what the models' config.json files can judge
-    without their weights: the lengths (:func:`check_lengths`), keep_layers against the teacher's depth, and the
-    pairing (:func:`check_pairing`). A source whose config cannot be read so (the demo teacher before its one-time
-    conversion) is checked once it loads."""
+    """:func:`distill.config.check_sources`, a teacher cache's ``meta.json`` (:func:`check_cache`), a max_tokens or
+    max_train_blocks that cannot fill one step, a pruning search's settings (:func:`distill.prune.check_recipe_search`),
+    chat prompts from data without chat, then what the models' config.json files and the tokenizer can judge without
+    the weights: the lengths (:func:`check_lengths`), keep_layers against the teacher's depth, the pairing
+    (:func:`check_pairing`), the tokenizer against the vocabularies (:func:`check_vocab`) and a cache's vocabulary and
+    tokenizer. A source whose config cannot be read so (the demo teacher before its one-time conversion) is checked
+    once it loads."""
     check_sources(cfg)
     check_cache(cfg)
     processes = int(os.environ.get("WORLD_SIZE", "1"))  # every process of `accelerate launch` has it
