@@ -282,8 +282,8 @@ def read_meta(path: str | Path) -> dict:
         raise TeacherCacheError(f"{path} is not a teacher cache (no {META}); write one with recipes/cache_teacher.py")
     try:
         meta = json.loads((path / META).read_text())
-    except (ValueError, OSError) as err:
-        meta = err
+    except (ValueError, OSError):  # torn or unreadable
+        meta = None
     if not isinstance(meta, dict) or "fingerprint" not in meta:
         raise TeacherCacheError(f"{path / META} is not a teacher cache's metadata (unreadable, or without its data "
                                 "fingerprint); rewrite the cache with recipes/cache_teacher.py")
