@@ -567,7 +567,7 @@ def resumed_head_roles(cfg: RetrofitConfig, model, spec: HybridAttentionConfig, 
     raw = (ckpt.model_config(path) or {}).get(CONFIG_KEY)
     try:
         saved = HybridAttentionConfig.from_dict(dict(raw)) if raw else None
-    except (HybridAttentionError, TypeError):
+    except (ValueError, TypeError):  # a spec that is no object (dict("...") is a ValueError) or not a valid one
         saved = None
     if saved is None or saved.head_scores is None or saved.streaming() != spec.streaming():
         if main:

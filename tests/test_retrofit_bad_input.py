@@ -117,3 +117,16 @@ def test_a_pattern_dense_at_every_length_the_model_takes_is_refused(tmp_path, ar
         assert "\n" not in str(err.value)
     else:
         check_before_loading(cfg)
+
+
+@pytest.mark.parametrize("stored", ["sinks and a window", ["sink", 4], {"window": 0}])
+def test_a_checkpoint_spec_that_is_no_valid_object_chooses_the_roles_again(tmp_path, monkeypatch, capsys, stored):
+    """Resume reads the head roles from the checkpoint's student/config.json: a spec there that is a string raised
+    dict()'s ValueError (a traceback) where any other unreadable spec chose the roles again, with a warning."""
+    from recipes import retrofit
+
+    monkeypatch.setattr(retrofit.ckpt, "resolve_resume", lambda resume, out: tmp_path / "step-2")
+    monkeypatch.setattr(retrofit.ckpt, "model_config", lambda path: {"hybrid_attention": stored})
+    cfg = parse_config(RetrofitConfig, [*TINY, "resume=latest", f"output_dir={tmp_path}"])
+    assert retrofit.resumed_head_roles(cfg, None, cfg.spec(), True) is None
+    assert "holds no head roles for this spec" in capsys.readouterr().out
