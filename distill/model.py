@@ -81,6 +81,9 @@ class LossConfig:
             raise DistillSetupError("every loss weight is 0; set at least one of kd/ce/focal/hidden/attn_weight")
         if self.attn_weight > 0 and not self.attn_layers:
             raise DistillSetupError("attn_weight > 0 needs attn_layers, e.g. attn_layers=[-1:-1]")
+        if self.hidden_weight > 0 and not self.hidden_layers:  # no pair: the term would be 0, silently
+            raise DistillSetupError("hidden_weight > 0 needs hidden_layers, e.g. hidden_layers=[relative]; or set "
+                                    "hidden_weight=0")
 
     @property
     def needs_teacher(self) -> bool:

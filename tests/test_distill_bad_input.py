@@ -384,3 +384,12 @@ def test_max_train_blocks_below_one_step_is_refused_before_any_model_loads(disti
     with pytest.raises(ConfigError, match=r"max_train_blocks 1 leaves at most 1 training blocks but one step takes 2 "):
         distill.main([*TINY, "max_train_blocks=1", f"output_dir={tmp_path / 'run'}"])
     assert not (tmp_path / "run").exists()
+
+
+def test_hidden_weight_without_hidden_layers_is_refused_not_a_silent_zero():
+    from core.config import parse_config
+    from distill.config import DistillConfig
+
+    with pytest.raises(ConfigError, match=r"hidden_weight > 0 needs hidden_layers, e.g. hidden_layers=\[relative\]"):
+        parse_config(DistillConfig, ["hidden_layers=[]"])
+    assert parse_config(DistillConfig, ["hidden_layers=[]", "hidden_weight=0"]).hidden_layers == []
