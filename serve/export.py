@@ -809,6 +809,16 @@ def _is_path(key: str, value: Any) -> bool:
     return key.endswith(("_dir", "_path", "_file")) or (isinstance(value, str) and os.path.isabs(value))
 
 
+def _window_words(spec: HybridAttentionConfig) -> str:
+    """The sliding window a spec serves, in words: a policy picks it by length, and its own ``window`` is then
+    never used."""
+    if not spec.window_policy:
+        return f"a {spec.window}-token sliding window"
+    steps = ", ".join(f"{w} tokens up to a length of {b}" if b is not None else f"{w} beyond"
+                      for b, w in spec.window_policy)
+    return f"a sliding window set by the input's length ({steps})"
+
+
 def _table(rows: list[tuple[str, Any]], head: tuple[str, str] = ("", "")) -> list[str]:
     out = [f"| {head[0]} | {head[1]} |", "|---|---|"]
     out += [f"| {k} | {_fmt(v)} |" for k, v in rows]
@@ -871,7 +881,7 @@ def model_card(name: str, student: LoadedStudent, records: RunRecords, dtype: to
     if hybrid:
         spec = HybridAttentionConfig.from_dict(hybrid)
         lines.append(f"Hybrid sparse attention, stored in `config.json` under `{CONFIG_KEY}`: "
-                     f"{spec.sink_tokens} sink tokens, a {spec.window}-token sliding window"
+                     f"{spec.sink_tokens} sink tokens, " + _window_words(spec)
                      + (f", a global token every {spec.global_every} positions" if spec.global_every else "")
                      + (f" (at most {spec.max_globals})" if spec.max_globals is not None else "")
                      + f". Bounded KV cache: {'yes' if spec.bounded else 'no'}.")

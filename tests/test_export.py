@@ -242,6 +242,19 @@ def test_hybrid_spec_preserved_and_plain_load_works(tmp_path: Path) -> None:
     assert exported.config.hybrid_attention == HYBRID
     torch.testing.assert_close(logits(exported), logits(tiny_model(seed=6)), atol=1e-5, rtol=0)
     assert "Hybrid sparse attention" in (out / "README.md").read_text()
+    assert "4 sink tokens, a 8-token sliding window, a global token every 16" in (out / "README.md").read_text()
+
+
+def test_the_model_card_names_the_windows_a_window_policy_serves(tmp_path: Path) -> None:
+    """With a window_policy the spec's own window is never served: the card named it as the window."""
+    src = save_tiny(tmp_path / "final", seed=6)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["hybrid_attention"] = {**HYBRID, "window_policy": [[32, 8], [None, 16]]}
+    (src / "config.json").write_text(json.dumps(cfg))
+    run_export(src, tmp_path / "out")
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "a sliding window set by the input's length (8 tokens up to a length of 32, 16 beyond)" in card
+    assert "8-token sliding window" not in card
 
 
 
