@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import json
 import os
 import re
 import shutil
@@ -28,6 +29,7 @@ from pathlib import Path
 import torch
 
 import attention
+from attention.integration import stored_spec
 from attention.spec import CONFIG_KEY
 from core.config import ConfigError
 from core.fsio import fsync_dir, fsync_tree
@@ -168,7 +170,16 @@ def load_causal_lm(name_or_path: str, dtype: torch.dtype = torch.float32, *, den
     spec stays in the config, for callers that run it with their own kernels, as the engine does)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(name_or_path), dtype=dtype, **kwargs)
+    path = resolve_model_path(name_or_path)
+    config = Path(path) / "config.json"
+    if not dense and config.is_file():  # a broken stored spec: one line naming the file, before the weights load
+        try:
+            saved = json.loads(config.read_text())
+        except (OSError, ValueError):
+            saved = None  # transformers says what is wrong with it
+        if isinstance(saved, dict) and saved.get(CONFIG_KEY) is not None:
+            stored_spec(saved, str(config))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
     if not dense and getattr(model.config, CONFIG_KEY, None) is not None:
         attention.retrofit(model)
     return model

@@ -149,14 +149,18 @@ def test_load_names_a_broken_config_json(tmp_path):
     ("sinks+window", "'hybrid_attention' must be an object of hybrid attention keys, got 'sinks+window'"),
     (5, "'hybrid_attention' must be an object of hybrid attention keys, got 5"),
 ])
-def test_load_refuses_a_broken_stored_spec_before_its_weights_load(tmp_path, stored, says):
+@pytest.mark.parametrize("loader", ["attention.load", "core.models.load_causal_lm"])
+def test_load_refuses_a_broken_stored_spec_before_its_weights_load(tmp_path, stored, says, loader):
     """A spec config.json holds but no model can run is one line naming the file, from the config alone: it was
-    found only after the weights loaded, and a spec that is no object raised a bare ValueError or TypeError."""
+    found only after the weights loaded, and a spec that is no object raised a bare ValueError or TypeError. The
+    loader the engine, the gate and the recipes use (``core.models.load_causal_lm``) checks it the same way."""
+    from core.models import load_causal_lm
+
     cfg = mistral().config
     setattr(cfg, CONFIG_KEY, stored)
     cfg.save_pretrained(tmp_path)  # config only, no weights: reading them would fail another way
     with pytest.raises(attention.HybridAttentionError) as err:
-        attention.load(tmp_path)
+        (attention.load if loader == "attention.load" else load_causal_lm)(str(tmp_path))
     msg = str(err.value)
     assert "\n" not in msg and says in msg and str(tmp_path / "config.json") in msg, msg
 
