@@ -198,8 +198,12 @@ def losses_for(cfg: DistillConfig, accelerator: Accelerator) -> LossConfig:
 # The training function
 # --------------------------------------------------------------------------------------------
 
-def cached_teacher(cfg: DistillConfig, accelerator: Accelerator, data, student, tokenizer) -> TeacherCache:
-    """The teacher's cached targets for ``data.train``, checked against the student and the training blocks."""
+def cached_teacher(cfg: DistillConfig, accelerator: Accelerator, data, student, tokenizer) -> TeacherCache | None:
+    """The teacher's cached targets for ``data.train``, checked against the student and the training blocks; None
+    without a cache, or at ``kd_weight=0`` (the CE-only ablation of a cached run reads nothing from it, and needs
+    no teacher either)."""
+    if not (cfg.teacher_cache and cfg.kd_weight):
+        return None
     return TeacherCache(cfg.teacher_cache, data.train, vocab_size=student.config.vocab_size, tokenizer=tokenizer,
                         temperature=cfg.temperature, data_fingerprint=shared_fingerprint(accelerator, data.train))
 
@@ -241,8 +245,7 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: 
 
     # ---- teacher–student module, optimizer, schedule -------------------------------------
     loss_cfg = losses_for(cfg, accelerator)
-    # kd_weight=0 (the CE-only ablation of a cached run) reads nothing from the cache, and needs no teacher either
-    cache = cached_teacher(cfg, accelerator, data, student, tokenizer) if cfg.teacher_cache and cfg.kd_weight else None
+    cache = cached_teacher(cfg, accelerator, data, student, tokenizer)
     model = DistillModel(student, None if cache else teacher, loss_cfg, tokenizer_size=len(tokenizer),
                          cached_teacher=cache is not None)
     configure_deepspeed(accelerator, cfg.micro_batch_size, cfg.max_grad_norm)  # micro batch, clipping; no-op without
