@@ -115,6 +115,7 @@ WORST_K = 10
 # What a gate writes in ``out``: removed when a run starts (and nothing else there), so a run that dies leaves no
 # earlier run's verdict behind; ``report.json`` is written last, so its presence means a whole report.
 REPORT_FILES = ("report.json", "report.md", "samples.jsonl", "scores_hist.png")
+OUT_MARKER = ".hybrid-distill-gate"  # in --out: the report files there are a gate run's, a rerun replaces them
 
 
 @dataclass
@@ -200,13 +201,28 @@ class GateConfig:
 
 
 def fresh_report_dir(out: str | Path) -> Path:
-    """``out``, made if missing, without the :data:`REPORT_FILES` an earlier run left (nothing else is removed):
-    a previous run's verdict must not outlive a rerun that fails."""
+    """``out``, made if missing, without the :data:`REPORT_FILES` an earlier gate run left (nothing else is
+    removed): a previous run's verdict must not outlive a rerun that fails. Files of those names that no gate run
+    wrote (no :data:`OUT_MARKER`, no report.json of ours) are refused in one line, never removed."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    for name in REPORT_FILES:
+    present = [name for name in REPORT_FILES if (out / name).exists()]
+    if present and not ((out / OUT_MARKER).exists() or _our_report(out / "report.json")):
+        raise GateInputError(f"--out {out} holds {', '.join(present)}, which no gate run wrote; choose another "
+                             "--out, or move them away")
+    (out / OUT_MARKER).touch()  # from now on the report files here are the gate's, even if this run dies early
+    for name in present:
         (out / name).unlink(missing_ok=True)
     return out
+
+
+def _our_report(path: Path) -> bool:
+    """Whether ``path`` is a gate report (written before :data:`OUT_MARKER` existed, or the marker was lost)."""
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(report, dict) and report.get("schema") == SCHEMA
 
 
 @dataclass

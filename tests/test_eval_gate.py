@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from core.tiny import save_tiny
 from eval.bertscore import BertScore
-from eval.gate import GateConfig, main, run_gate
+from eval.gate import SCHEMA, GateConfig, main, run_gate
 from eval.prompt_set import GateInputError, default_prompts_path
 
 N_PROMPTS = 32
@@ -373,7 +373,7 @@ def test_a_rerun_that_dies_leaves_no_earlier_report_and_nothing_else_is_touched(
     gate_files = ("report.json", "report.md", "samples.jsonl", "scores_hist.png")  # what the gate writes
     out.mkdir()
     for name in gate_files:
-        (out / name).write_text(json.dumps({"verdict": "pass"}) if name == "report.json" else "old")
+        (out / name).write_text(json.dumps({"schema": SCHEMA, "verdict": "pass"}) if name == "report.json" else "old")
     (out / "notes.txt").write_text("mine")
     (out / "keep").mkdir()
     (out / "keep" / "report.json").write_text("not the gate's")
@@ -390,6 +390,18 @@ def test_a_rerun_that_dies_leaves_no_earlier_report_and_nothing_else_is_touched(
     res = run_gate(_cfg(env, "rerun-dies", candidate=str(env["orig"]), skip_lm_metrics=True), scorer=env["scorer"])
     assert json.loads(res.report_json.read_text())["verdict"] == res.verdict == "pass"
     assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]  # written through temp files, none left
+
+
+@pytest.mark.parametrize("theirs", [{"report.md": "my notes"}, {"report.json": '{"verdict": "mine"}', "x.txt": "x"}])
+def test_report_files_no_gate_run_wrote_are_refused_not_removed(env, capsys, theirs):
+    """A report.md (or report.json, samples.jsonl, scores_hist.png) of the user's own in --out was deleted."""
+    out = env["root"] / f"theirs-{len(theirs)}"
+    out.mkdir()
+    for name, text in theirs.items():
+        (out / name).write_text(text)
+    with pytest.raises(GateInputError, match=r"holds report\.\w+, which no gate run wrote; choose another --out"):
+        run_gate(_cfg(env, out.name, candidate=str(env["orig"]), skip_lm_metrics=True), scorer=env["scorer"])
+    assert {p.name: p.read_text() for p in out.iterdir()} == theirs
 
 
 def test_generation_cache_keeps_outputs_with_unicode_line_separators(tmp_path):
