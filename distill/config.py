@@ -18,7 +18,7 @@ from distill import on_policy
 from distill.data import BUILTIN, DataError, parse_sources
 from distill.data.text import local_files
 from distill.model import HIDDEN_KINDS, KD_KINDS, LossConfig
-from distill.training import PRECISIONS, TRACKERS
+from distill.training import PRECISIONS, TRACKERS, check_gate_prompts
 
 # Keys a resume may change (core.config.check_resume_config): cadence, logging and where outputs go;
 # max_steps may only grow. Anything else would make the finished model match neither config.
@@ -171,6 +171,7 @@ class DistillConfig:
                               "until it runs out, then again): drop max_train_blocks, or set streaming=false")
         if self.resume is not None and self.overwrite:
             raise ConfigError("resume= and overwrite=true contradict each other; pick one")
+        check_gate_prompts(self.gate, self.gate_prompts)  # else fewer silently, or a run whose gate cannot decide
         if self.teacher_cache and (self.hidden_weight > 0 or self.attn_weight > 0):
             raise ConfigError("teacher_cache holds logits only: set hidden_weight=0 and attn_weight=0 "
                               "(hidden/attention terms need the live teacher)")

@@ -290,6 +290,25 @@ def finish_run(cfg: Any, accelerator: Accelerator, out: Path, summary: dict[str,
         raise SystemExit(1)
 
 
+def bundled_prompt_count() -> int:
+    """How many prompts the bundled set holds: the most ``gate_prompts`` can take (:func:`gate_against_teacher`)."""
+    return sum(1 for line in default_prompts_path().read_text().splitlines() if line.strip())
+
+
+def check_gate_prompts(gate: bool, gate_prompts: int) -> None:
+    """A recipe's ``gate_prompts`` the closing gate can use as asked, in one :class:`ConfigError` line naming the fix:
+    at most the bundled set's count (the gate silently ran on fewer) and, with ``gate``, at least the gate's
+    ``min_prompts`` (the run trained to the end, then its gate could only say inconclusive)."""
+    bundled = bundled_prompt_count()
+    if gate_prompts > bundled:
+        raise ConfigError(f"gate_prompts={gate_prompts} exceeds the {bundled} prompts of the bundled set; use "
+                          f"at most {bundled}")
+    least = GateConfig.__dataclass_fields__["min_prompts"].default
+    if gate and gate_prompts < least:
+        raise ConfigError(f"gate_prompts={gate_prompts} is below the gate's min_prompts={least}: its verdict "
+                          f"would be inconclusive whatever the model; use at least {least}")
+
+
 def teacher_dir(cfg: Any, out: Path) -> Path:
     """An HF directory of the teacher (the demo cache, a local dir, or a saved copy for tiny runs)."""
     if cfg.teacher == TINY:

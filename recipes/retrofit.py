@@ -72,6 +72,7 @@ from distill.training import (
     PRECISIONS,
     TRACKERS,
     Run,
+    check_gate_prompts,
     evaluate,
     finish_run,
     save_hf_dir,
@@ -84,7 +85,6 @@ from distill.training import (
 from eval.fingerprint import json_hash
 from eval.gate import GateConfig
 from eval.longctx import INTERIOR_DEPTHS, LongCtxError, check_prompt_fits, plot_heatmap, run_longctx
-from eval.prompt_set import default_prompts_path
 
 logger = get_logger(__name__)
 
@@ -225,18 +225,11 @@ class RetrofitConfig:
             parse_sources(self.datasets)
         if self.resume is not None and self.overwrite:
             raise ConfigError("resume= and overwrite=true contradict each other; pick one")
-        bundled = sum(1 for line in default_prompts_path().read_text().splitlines() if line.strip())
-        if self.gate_prompts > bundled:  # the gate would run on the bundled set's, silently fewer
-            raise ConfigError(f"gate_prompts={self.gate_prompts} exceeds the {bundled} prompts of the bundled set; use "
-                              f"at most {bundled}")
+        check_gate_prompts(self.gate, self.gate_prompts)  # else fewer silently, or a run whose gate cannot decide
         if self.gate_window is not None and (self.head_score != "gates" or self.full_head_share == 0):
             raise ConfigError(f"gate_window={self.gate_window} is never used: gates train only with head_score=gates "
                               f"and full_head_share > 0 (here {self.head_score}, {self.full_head_share:g}); drop it "
                               "(gate_window=null)")
-        least = GateConfig.__dataclass_fields__["min_prompts"].default
-        if self.gate and self.gate_prompts < least:  # else the run trains, then its gate can only say inconclusive
-            raise ConfigError(f"gate_prompts={self.gate_prompts} is below the gate's min_prompts={least}: its verdict "
-                              f"would be inconclusive whatever the model; use at least {least}")
         if self.longctx_lengths and not self.longctx_depths:  # else the closing check fails after training
             raise ConfigError("longctx_depths is empty; give at least one needle depth in [0, 1] (e.g. [0.5]), or "
                               "set longctx_lengths=[] to skip the pass-key check")

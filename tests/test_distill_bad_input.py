@@ -393,3 +393,23 @@ def test_hidden_weight_without_hidden_layers_is_refused_not_a_silent_zero():
     with pytest.raises(ConfigError, match=r"hidden_weight > 0 needs hidden_layers, e.g. hidden_layers=\[relative\]"):
         parse_config(DistillConfig, ["hidden_layers=[]"])
     assert parse_config(DistillConfig, ["hidden_layers=[]", "hidden_weight=0"]).hidden_layers == []
+
+
+def test_gate_prompts_the_gate_cannot_use_as_asked_are_refused_at_parse_time():
+    """Past the bundled set the gate silently ran on all of its prompts; below the gate's min_prompts the run trained
+    to the end and then exited 1, its verdict inconclusive whatever the model."""
+    from core.config import parse_config
+    from distill.config import DistillConfig
+    from eval.gate import GateConfig
+    from eval.prompt_set import default_prompts_path, load_prompts
+
+    n, least = len(load_prompts(default_prompts_path())), GateConfig.__dataclass_fields__["min_prompts"].default
+    for argv, match in (([f"gate_prompts={n + 1}"], f"gate_prompts={n + 1} exceeds the {n} prompts of the bundled "
+                                                   f"set; use at most {n}"),
+                        (["gate=true", f"gate_prompts={least - 1}"], f"gate_prompts={least - 1} is below the gate's "
+                                                                     f"min_prompts={least}: .*; use at least {least}")):
+        with pytest.raises(ConfigError, match=match) as err:
+            parse_config(DistillConfig, [*TINY, *argv])
+        assert "\n" not in str(err.value)
+    for argv in (["gate=true", f"gate_prompts={n}"], ["gate=true", f"gate_prompts={least}"], ["gate_prompts=1"]):
+        parse_config(DistillConfig, [*TINY, *argv])  # the bounds, and no gate to decide on too few
