@@ -309,6 +309,17 @@ def check_gate_prompts(gate: bool, gate_prompts: int) -> None:
                           f"would be inconclusive whatever the model; use at least {least}")
 
 
+def check_gate_positions(gate: bool, limit: int | None, role: str = "model") -> None:
+    """With ``gate``, the closing gate's language-model windows (``lm_seq_len``) within a model's ``limit`` positions
+    (``role``: how the error names it; None: not known), in one :class:`ConfigError` line naming the fix: else the
+    gate raised after the whole training, before ``summary.json``."""
+    lm_seq_len = GateConfig.__dataclass_fields__["lm_seq_len"].default
+    if gate and limit is not None and lm_seq_len > limit:
+        raise ConfigError(f"gate=true scores the final model on {lm_seq_len}-token windows, past the {role}'s maximum "
+                          f"of {limit} positions; set gate=false and run python -m eval.gate --lm-seq-len {limit} on "
+                          "final/")
+
+
 def teacher_dir(cfg: Any, out: Path) -> Path:
     """An HF directory of the teacher (the demo cache, a local dir, or a saved copy for tiny runs)."""
     if cfg.teacher == TINY:

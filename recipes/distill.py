@@ -44,6 +44,7 @@ from distill.student import KEPT_KEY, parse_keep
 from distill.teacher_cache import TeacherCache, check_meta, check_vocabulary, fingerprint, read_meta
 from distill.training import (
     Run,
+    check_gate_positions,
     check_resume,
     evaluate,
     finish_run,
@@ -79,9 +80,9 @@ def check_before_loading(cfg: DistillConfig) -> None:
     """:func:`distill.config.check_sources`, a teacher cache's ``meta.json`` (:func:`check_cache`), a max_tokens or
     max_train_blocks that cannot fill one step, a pruning search's settings (:func:`distill.prune.check_recipe_search`),
     chat prompts from data without chat, then what the models' config.json files and the tokenizer can judge without
-    the weights: the lengths (:func:`check_lengths`), keep_layers against the teacher's depth, the pairing
-    (:func:`check_pairing`), the tokenizer against the vocabularies (:func:`check_vocab`) and a cache's vocabulary and
-    tokenizer. A source whose config cannot be read so (the demo teacher before its one-time conversion) is checked
+    the weights: the lengths (:func:`check_lengths`; with gate=true, the gate's windows), keep_layers against the
+    teacher's depth, the pairing (:func:`check_pairing`), the tokenizer against the vocabularies (:func:`check_vocab`)
+    and a cache's vocabulary and tokenizer. A source whose config cannot be read so (the demo teacher before its one-time conversion) is checked
     once it loads."""
     check_sources(cfg)
     check_cache(cfg)
@@ -110,6 +111,10 @@ def check_before_loading(cfg: DistillConfig) -> None:
         check_lengths(cfg, student)
     if teacher is not None and not derived:  # the live teacher reads the same blocks (its targets past its context
         check_lengths(cfg, teacher, "teacher")  # would be from positions it never learned)
+    if cfg.gate:  # the closing gate scores the student and the teacher on its windows (a cached run's teacher too)
+        gate_teacher = peek_config(cfg.teacher) if teacher is None else teacher
+        for role, config in (("teacher", gate_teacher), ("student", student)):  # a derived student: the teacher's
+            check_gate_positions(cfg.gate, getattr(config, "max_position_embeddings", None), role)
     kept = None
     if derived and cfg.student_init == "keep_layers" and teacher is not None:
         try:

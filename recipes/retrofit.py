@@ -72,6 +72,7 @@ from distill.training import (
     PRECISIONS,
     TRACKERS,
     Run,
+    check_gate_positions,
     check_gate_prompts,
     evaluate,
     finish_run,
@@ -83,7 +84,6 @@ from distill.training import (
     warmup_cosine,
 )
 from eval.fingerprint import json_hash
-from eval.gate import GateConfig
 from eval.longctx import INTERIOR_DEPTHS, LongCtxError, check_prompt_fits, plot_heatmap, run_longctx
 
 logger = get_logger(__name__)
@@ -688,10 +688,7 @@ def check_lengths(cfg: RetrofitConfig, spec: HybridAttentionConfig, model_config
                          getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads)
     except HybridAttentionError as err:
         raise ConfigError(str(err).splitlines()[0]) from None
-    lm_seq_len = GateConfig.__dataclass_fields__["lm_seq_len"].default
-    if cfg.gate and limit is not None and lm_seq_len > limit:  # else the gate fails after the training, no summary
-        raise ConfigError(f"gate=true scores the final model on {lm_seq_len}-token windows, past the model's maximum of "
-                          f"{limit} positions; set gate=false and run python -m eval.gate --lm-seq-len {limit} on final/")
+    check_gate_positions(cfg.gate, limit)  # else the gate fails after the training, no summary
     if cfg.longctx_lengths:
         if limit is not None and max(cfg.longctx_lengths) > limit:
             raise ConfigError(f"longctx_lengths up to {max(cfg.longctx_lengths)} exceed the model's maximum of "

@@ -413,3 +413,35 @@ def test_gate_prompts_the_gate_cannot_use_as_asked_are_refused_at_parse_time():
         assert "\n" not in str(err.value)
     for argv in (["gate=true", f"gate_prompts={n}"], ["gate=true", f"gate_prompts={least}"], ["gate_prompts=1"]):
         parse_config(DistillConfig, [*TINY, *argv])  # the bounds, and no gate to decide on too few
+
+
+@pytest.mark.parametrize("short", ["teacher", "cached teacher", "student"])
+def test_a_gate_whose_metric_windows_outrun_the_models_is_refused_before_any_weights_load(distill, tmp_path,
+                                                                                          monkeypatch, short):
+    """The closing gate scores the final student and the teacher on 512-token windows: past a smaller model's
+    positions it raised after the whole training, before summary.json was written. A cached run never loads its
+    teacher, but its gate does."""
+    import core.models
+
+    forbid(monkeypatch, "weights were loaded before the bad input was refused", (core.models, "load_causal_lm"))
+    teacher = save_tiny(tmp_path / "teacher", max_pos=1024 if short == "student" else 384)
+    student = save_tiny(tmp_path / "student", max_pos=384 if short == "student" else 1024)
+    argv = ["keep_layers=0,1", "hidden_layers=[relative]", "attn_layers=[1:1]"]
+    if short == "student":
+        argv.append(f"student={student}")
+    elif short == "cached teacher":
+        cache = tmp_path / "cache"
+        cache.mkdir()
+        (cache / "meta.json").write_text(json.dumps({"mode": "topk", "seq_len": 64, "fingerprint": "0"}))
+        argv = [*CACHED, f"teacher_cache={cache}", f"student={student}"]
+    argv = [*TINY, f"teacher={teacher}", *argv]
+    out = tmp_path / "run"
+    role = short.split()[-1]
+    with pytest.raises(ConfigError, match=f"gate=true scores the final model on 512-token windows, past the {role}'s "
+                                          "maximum of 384 positions; set gate=false and run python -m eval.gate "
+                                          "--lm-seq-len 384 on final/") as err:
+        distill.main([*argv, "gate=true", f"output_dir={out}"])
+    assert "\n" not in str(err.value) and not out.exists()
+    from core.config import parse_config
+
+    distill.check_before_loading(parse_config(distill.DistillConfig, [*argv, "gate=false"]))  # no gate
