@@ -51,7 +51,7 @@ from distill.distributed import is_deepspeed, is_fsdp, zero_stage
 from distill.threads import PeakRSS, setup_threads
 from eval.gate import GateConfig, run_gate
 from eval.metrics import LMStats, evaluate_lm
-from eval.prompt_set import default_prompts_path
+from eval.prompt_set import GateInputError, default_prompts_path
 
 TRACKERS = ("none", "tensorboard", "wandb")
 TRACKER_AVAILABLE: dict[str, Callable[[], bool]] = {"tensorboard": is_tensorboard_available, "wandb": is_wandb_available}
@@ -273,17 +273,27 @@ def finish_run(cfg: Any, accelerator: Accelerator, out: Path, summary: dict[str,
     """Run the release gate when ``cfg.gate`` asks, then write ``summary.json`` and print the summary.
 
     A gate that does not pass ends the process with exit code 1 (after everything is written), so a CI job
-    that trains with ``gate=true`` fails with it; the verdict and the report are in ``summary.json``.
-    The ranks meet first: what follows is the main process's alone, and the others end without waiting for
-    the gate (a barrier after it would hold them for as long as it runs).
+    that trains with ``gate=true`` fails with it; the verdict and the report are in ``summary.json``. A gate that
+    cannot run on its input (:class:`~eval.prompt_set.GateInputError`) ends it in one line with the gate's own
+    code for broken input (3, or 4 for a model that cannot load), ``summary.json`` written all the same (verdict
+    ``error``): the trained run is kept. The ranks meet first: what follows is the main process's alone, and the
+    others end without waiting for the gate (a barrier after it would hold them for as long as it runs).
     """
     accelerator.wait_for_everyone()
     if not accelerator.is_main_process:
         return
     if cfg.gate:
-        summary["gate"] = gate_against_teacher(cfg, out, summary)
+        try:
+            summary["gate"] = gate_against_teacher(cfg, out, summary)
+        except GateInputError as err:  # after the training: keep what it made, then say why in one line
+            summary["gate"] = {"verdict": "error", "exit_code": err.exit_code, "error": str(err).splitlines()[0],
+                               "report": None}
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=1))
     print_summary(summary, out)
+    if cfg.gate and summary["gate"]["verdict"] == "error":
+        print(f"error: the release gate could not run: {summary['gate']['error']}; the run's outputs are kept "
+              f"(summary.json, final/): fix that and run python -m eval.gate on {out / 'final'}", file=sys.stderr)
+        raise SystemExit(summary["gate"]["exit_code"])
     if cfg.gate and summary["gate"]["verdict"] != "pass":
         print(f"error: the release gate says {summary['gate']['verdict'].upper()} (report: "
               f"{summary['gate']['report']}); the run's outputs are kept", file=sys.stderr)

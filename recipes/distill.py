@@ -395,8 +395,8 @@ def print_summary(summary: dict, out: Path) -> None:
     for name, d in summary.get("data", {}).items():
         print(f"data           {name}: weight {d['weight']:g}, {d['train_blocks']} blocks, "
               f"{'streamed' if d['epochs'] is None else format(d['epochs'], '.2f') + ' epochs'}")
-    if "gate" in summary:
-        print(f"release gate   {summary['gate']['verdict']}   ({summary['gate']['report']})")
+    if (gate := summary.get("gate")) is not None:  # a gate that could not run has its error in place of a report
+        print(f"release gate   {gate['verdict']}   ({gate['report'] or gate.get('error')})")
     print("=" * 72)
 
 
