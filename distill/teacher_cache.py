@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -216,12 +217,15 @@ class TeacherCache:
             tokenizer is refused (its ids would name other tokens).
         temperature: the run's KD temperature; a sampled cache was drawn at one temperature and
             is only unbiased at that one.
-        data_fingerprint: :func:`fingerprint` of ``train_blocks`` when the caller already has it (a
-            multi-process run hashes the corpus once, on the main process); None: hashed here.
+        data_fingerprint: :func:`fingerprint` of ``train_blocks`` when the caller already has it, or a function
+            that gives it, called only once what ``meta.json`` can judge has passed (a multi-process run hashes the
+            corpus once, on the main process, and a wrong block count is named before a corpus is hashed); None:
+            hashed here.
     """
 
     def __init__(self, path: str | Path, train_blocks: torch.Tensor | Blocks, *, vocab_size: int | None = None,
-                 tokenizer=None, temperature: float | None = None, data_fingerprint: str | None = None):
+                 tokenizer=None, temperature: float | None = None,
+                 data_fingerprint: str | Callable[[], str] | None = None):
         path = Path(path)
         self.path = path
         self.meta = read_meta(path)
@@ -232,6 +236,8 @@ class TeacherCache:
                 f"teacher cache {path} was made from other data: it holds {self.meta['blocks']} blocks but this run "
                 f"trains on {train_blocks.shape[0]}; set max_train_blocks={self.meta['blocks']} if it was written with "
                 f"max_blocks={self.meta['blocks']}, else rerun recipes/cache_teacher.py with this run's dataset and seq_len")
+        if callable(data_fingerprint):  # only now: the checks above cost no pass over the corpus
+            data_fingerprint = data_fingerprint()
         if self.meta["fingerprint"] != (data_fingerprint or fingerprint(train_blocks)):
             raise TeacherCacheError(
                 f"teacher cache {path} was made from other data (dataset/seq_len/tokenizer differ); rerun "

@@ -210,7 +210,8 @@ def cached_teacher(cfg: DistillConfig, accelerator: Accelerator, data, student, 
     if not (cfg.teacher_cache and cfg.kd_weight):
         return None
     return TeacherCache(cfg.teacher_cache, data.train, vocab_size=student.config.vocab_size, tokenizer=tokenizer,
-                        temperature=cfg.temperature, data_fingerprint=shared_fingerprint(accelerator, data.train))
+                        temperature=cfg.temperature,  # hashed once meta.json's block count and the rest agree
+                        data_fingerprint=lambda: shared_fingerprint(accelerator, data.train))
 
 
 def shared_fingerprint(accelerator: Accelerator, blocks) -> str:

@@ -140,6 +140,28 @@ def test_a_cache_of_fewer_blocks_names_max_train_blocks_before_hashing_the_data(
     assert "\n" not in str(err.value)
 
 
+
+def test_the_recipe_names_a_cache_of_fewer_blocks_before_hashing_the_data(tmp_path, monkeypatch):
+    """recipes/distill.py hashed the whole training corpus (shared_fingerprint) before the cache compared its block
+    count: a wrong max_train_blocks cost a pass over the corpus before its one-line error."""
+    import distill.teacher_cache as teacher_cache
+    from recipes import distill
+
+    tok = tiny_tokenizer()
+    blocks = torch.randint(0, 320, (5, 8))
+    _write_cache(tmp_path / "c", blocks[:3], tok)
+    for module in (teacher_cache, distill):
+        monkeypatch.setattr(module, "fingerprint", lambda *_: pytest.fail("hashed the whole corpus first"))
+    cfg = SimpleNamespace(teacher_cache=str(tmp_path / "c"), kd_weight=1.0, temperature=1.0)
+    student = SimpleNamespace(config=SimpleNamespace(vocab_size=320))
+    accelerator = SimpleNamespace(is_main_process=True)
+    with pytest.raises(TeacherCacheError, match="it holds 3 blocks but this run trains on 5; set max_train_blocks=3"):
+        distill.cached_teacher(cfg, accelerator, SimpleNamespace(train=blocks), student, tok)
+    hashed = []
+    monkeypatch.setattr(distill, "shared_fingerprint", lambda acc, b: hashed.append(b.shape[0]) or fingerprint(b))
+    cache = distill.cached_teacher(cfg, accelerator, SimpleNamespace(train=blocks[:3]), student, tok)
+    assert hashed == [3] and cache.mode == "sampled"  # the right count: hashed and compared, as before
+
 def test_cache_lookup_and_loss_dispatch(tmp_path):
     tok = tiny_tokenizer()
     blocks = torch.randint(0, 320, (3, 8))
