@@ -49,9 +49,9 @@ from core.tiny import TINY, tiny_teacher, tiny_teacher_tokenizer
 from distill.data import eval_batches
 from distill.distributed import is_deepspeed, is_fsdp, zero_stage
 from distill.threads import PeakRSS, setup_threads
-from eval.gate import GateConfig, run_gate
+from eval.gate import INPUT_ERRORS, GateConfig, input_exit_code, run_gate
 from eval.metrics import LMStats, evaluate_lm
-from eval.prompt_set import GateInputError, default_prompts_path
+from eval.prompt_set import default_prompts_path
 
 TRACKERS = ("none", "tensorboard", "wandb")
 TRACKER_AVAILABLE: dict[str, Callable[[], bool]] = {"tensorboard": is_tensorboard_available, "wandb": is_wandb_available}
@@ -274,10 +274,11 @@ def finish_run(cfg: Any, accelerator: Accelerator, out: Path, summary: dict[str,
 
     A gate that does not pass ends the process with exit code 1 (after everything is written), so a CI job
     that trains with ``gate=true`` fails with it; the verdict and the report are in ``summary.json``. A gate that
-    cannot run on its input (:class:`~eval.prompt_set.GateInputError`) ends it in one line with the gate's own
-    code for broken input (3, or 4 for a model that cannot load), ``summary.json`` written all the same (verdict
-    ``error``): the trained run is kept. The ranks meet first: what follows is the main process's alone, and the
-    others end without waiting for the gate (a barrier after it would hold them for as long as it runs).
+    cannot run on its input (:data:`eval.gate.INPUT_ERRORS`: a prompt file, a model, the offline scorer) ends it in
+    one line with the gate's own code for broken input (3, or 4 for a model that cannot load or a missing scorer),
+    ``summary.json`` written all the same (verdict ``error``): the trained run is kept. The ranks meet first: what
+    follows is the main process's alone, and the others end without waiting for the gate (a barrier after it would
+    hold them for as long as it runs).
     """
     accelerator.wait_for_everyone()
     if not accelerator.is_main_process:
@@ -285,9 +286,9 @@ def finish_run(cfg: Any, accelerator: Accelerator, out: Path, summary: dict[str,
     if cfg.gate:
         try:
             summary["gate"] = gate_against_teacher(cfg, out, summary)
-        except GateInputError as err:  # after the training: keep what it made, then say why in one line
-            summary["gate"] = {"verdict": "error", "exit_code": err.exit_code, "error": str(err).splitlines()[0],
-                               "report": None}
+        except INPUT_ERRORS as err:  # after the training: keep what it made, then say why in one line
+            summary["gate"] = {"verdict": "error", "exit_code": input_exit_code(err),
+                               "error": (str(err).splitlines() or [type(err).__name__])[0], "report": None}
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=1))
     print_summary(summary, out)
     if cfg.gate and summary["gate"]["verdict"] == "error":

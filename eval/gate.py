@@ -200,6 +200,16 @@ class GateConfig:
                                   self.batch_size, self.dtype, self.device)
 
 
+# What a gate that cannot run on its input raises (a prompt file, an option, a model, the scorer): never a verdict.
+INPUT_ERRORS = (GateInputError, ConfigError, ScorerMissingError, LongCtxError)
+
+
+def input_exit_code(err: BaseException) -> int:
+    """The exit code of an :data:`INPUT_ERRORS` error: the gate owns 0-2 (its verdicts), so broken input is 3, a
+    model that cannot load or a missing scorer 4 (a ConfigError's own code, 2, would read as inconclusive)."""
+    return err.exit_code if isinstance(err, GateInputError) else 4 if isinstance(err, ScorerMissingError) else 3
+
+
 def fresh_report_dir(out: str | Path) -> Path:
     """``out``, made if missing, without the :data:`REPORT_FILES` an earlier gate run left (nothing else is
     removed): a previous run's verdict must not outlive a rerun that fails. Files of those names that no gate run
@@ -727,11 +737,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = GateConfig(**vars(args))
         _check_threshold(cfg)
         result = run_gate(cfg)
-    except (GateInputError, ConfigError, ScorerMissingError, LongCtxError) as err:
-        # The gate owns exit codes 0-2, so other libraries' user errors (ConfigError.exit_code = 2) map to 3.
-        code = err.exit_code if isinstance(err, GateInputError) else 4 if isinstance(err, ScorerMissingError) else 3
+    except INPUT_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
-        return code
+        return input_exit_code(err)
     except KeyboardInterrupt:
         print("error: interrupted; rerun to resume from the generation cache", file=sys.stderr)
         return 130

@@ -873,7 +873,8 @@ def print_summary(summary: dict, out: Path) -> None:
                                             for n in lc["hybrid"])
               + f"   ({len(lc['depths'])} depths x {lc['trials']} per length)")
     if "gate" in summary:
-        print(f"release gate   {summary['gate'].get('verdict')}   ({summary['gate'].get('report')})")
+        print(f"release gate   {summary['gate'].get('verdict')}   "
+              f"({summary['gate'].get('report') or summary['gate'].get('error')})")
     print("=" * 78)
 
 

@@ -447,12 +447,21 @@ def test_a_gate_whose_metric_windows_outrun_the_models_is_refused_before_any_wei
     distill.check_before_loading(parse_config(distill.DistillConfig, [*argv, "gate=false"]))  # no gate
 
 
+@pytest.mark.parametrize("error, code", [
+    ("GateInputError", 3), ("ScorerMissingError", 4), ("LongCtxError", 3)])
 def test_a_gate_that_cannot_run_after_the_training_keeps_the_run_and_says_why_in_one_line(distill, tmp_path,
-                                                                                          monkeypatch, capsys):
-    """A GateInputError from the closing gate escaped as a traceback, and summary.json was never written."""
+                                                                                          monkeypatch, capsys,
+                                                                                          error, code):
+    """A gate input error (a prompt file, the offline scorer, a long-context setting) from the closing gate escaped
+    as a traceback, and summary.json was never written; it ends in one line with the code ``eval.gate`` gives it."""
     import distill.training as training
     from core.config import run_cli
+    from eval.bertscore import ScorerMissingError
+    from eval.longctx import LongCtxError
     from eval.prompt_set import GateInputError
+
+    raised = {"GateInputError": GateInputError, "ScorerMissingError": ScorerMissingError,
+              "LongCtxError": LongCtxError}[error]
 
     out = tmp_path / "run"
 
@@ -463,14 +472,14 @@ def test_a_gate_that_cannot_run_after_the_training_keeps_the_run_and_says_why_in
                 "student_ppl_final": 12.0, "top1_agreement": 0.5, "top1_agreement_init": 0.1, "tokens_per_s": 1.0}
 
     def run_gate(cfg, longctx=None):
-        raise GateInputError("lm_seq_len=512 exceeds the candidate's max_position_embeddings=384; lower --lm-seq-len")
+        raise raised("lm_seq_len=512 exceeds the candidate's max_position_embeddings=384; lower --lm-seq-len")
 
     monkeypatch.setattr(distill, "training_function", training_function)
     monkeypatch.setattr(training, "run_gate", run_gate)
     monkeypatch.setattr(training, "teacher_dir", lambda cfg, out: out / "teacher")  # not the tiny teacher's files
     with pytest.raises(SystemExit) as stop:
         run_cli(lambda: distill.main([*TINY, "gate=true", "gate_prompts=10", f"output_dir={out}"]))
-    assert stop.value.code == GateInputError.exit_code  # broken gate input, as python -m eval.gate exits
+    assert stop.value.code == code  # broken gate input, as python -m eval.gate exits
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and re.match(r"error: the release gate could not run: lm_seq_len=512 exceeds .*; the run's "
                                         r"outputs are kept \(summary.json, final/\)", err)
