@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from core.config import ConfigError
+from core.config import ConfigError, parse_config
 from core.rundir import MARKER
 from core.tiny import save_tiny
 from distill.data import parse_sources
@@ -487,3 +487,26 @@ def test_a_gate_that_cannot_run_after_the_training_keeps_the_run_and_says_why_in
     assert summary["student_ppl_final"] == 12.0 and summary["gate"]["verdict"] == "error"
     assert summary["gate"]["error"].startswith("lm_seq_len=512 exceeds")
     assert (out / "final" / "model.safetensors").read_text() == "weights"
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["seq_len=2048"], "seq_len 2048 exceeds the model's maximum of 1024 positions; lower seq_len"),
+    (["keep_layers=0,7"], r"keep_layers \[0, 7\] out of range for a 4-layer teacher; use 0..3 \(keep_layers\)"),
+])
+def test_bad_lengths_and_layers_are_refused_before_any_weights_load(distill, tmp_path, argv, match):
+    out = tmp_path / "o"
+    with pytest.raises(ConfigError, match=match) as err:
+        distill.main([*TINY, f"output_dir={out}", *argv])
+    assert "\n" not in str(err.value)
+    assert not out.exists()
+
+
+def test_a_given_student_is_judged_from_its_own_config_json(distill, tmp_path):
+    student = save_tiny(tmp_path / "student", max_pos=48)
+    with pytest.raises(ConfigError, match="seq_len 64 exceeds the model's maximum of 48 positions"):
+        distill.main([*TINY, f"student={student}", f"output_dir={tmp_path / 'o'}"])
+    assert not (tmp_path / "o").exists()
+
+
+def test_good_settings_pass_without_loading_weights(distill, tmp_path):
+    distill.check_before_loading(parse_config(distill.DistillConfig, [*TINY, f"output_dir={tmp_path / 'o'}"]))
