@@ -95,6 +95,22 @@ def yaml_load(text: str):
     return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
 
 
+class _Dumper(yaml.SafeDumper):
+    """Quotes a string that either :class:`_Loader` or YAML 1.1 would read as something else (``1e3``, ``0o17``:
+    numbers to :class:`_Loader` only; ``010``, ``15:20``: to YAML 1.1 only), so the file reads back as written."""
+
+
+_Dumper.yaml_implicit_resolvers = {
+    ch: [*yaml.SafeDumper.yaml_implicit_resolvers.get(ch, []), *_Loader.yaml_implicit_resolvers.get(ch, [])]
+    for ch in {*yaml.SafeDumper.yaml_implicit_resolvers, *_Loader.yaml_implicit_resolvers}
+}
+
+
+def yaml_dump(values: Any) -> str:
+    """``values`` as YAML that :func:`yaml_load` reads back equal (keys in their order)."""
+    return yaml.dump(values, Dumper=_Dumper, sort_keys=False)
+
+
 class ConfigError(ValueError):
     """A user-facing problem (config, paths, data, checkpoints); one line that names the fix.
 
@@ -351,7 +367,7 @@ def to_dict(config: Any) -> dict[str, Any]:
 
 def save_config(config: Any, path: str | Path) -> None:
     """Write the resolved config as YAML (loadable again with ``--config``), atomically and durably."""
-    atomic_write_text(path, yaml.safe_dump(to_dict(config), sort_keys=False))
+    atomic_write_text(path, yaml_dump(to_dict(config)))
 
 
 def help_text(cls: type) -> str:
@@ -408,7 +424,7 @@ def config_changes(saved: typing.Mapping[str, Any], new: typing.Mapping[str, Any
 
 
 def _normalize(values: dict[str, Any]) -> dict[str, Any]:
-    return yaml_load(yaml.safe_dump(values, sort_keys=False)) or {}
+    return yaml_load(yaml_dump(values)) or {}
 
 
 def _same(a: Any, b: Any) -> bool:
