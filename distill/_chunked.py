@@ -61,6 +61,7 @@ def divergence_and_grad(zs: Tensor, zt: Tensor, kind: str, beta: float, need_gra
     # A teacher may mask out vocabulary entries with -inf; clamping keeps 0 * log 0 at 0, not NaN.
     log_pt.clamp_(min=torch.finfo(log_pt.dtype).min)
     log_ps = zs.sub_(torch.logsumexp(zs, dim=-1, keepdim=True))
+    log_ps.clamp_(min=torch.finfo(log_ps.dtype).min)  # the same for the student's -inf logits
     grad: Tensor | None = None
 
     if kind == "forward_kl":

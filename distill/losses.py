@@ -96,8 +96,8 @@ def _divergence(zs: Tensor, zt: Tensor, kind: str, beta: float) -> Tensor:
     ``zs``, ``zt``: fp32 ``[tokens, vocab]``. Returns ``[tokens]``. Plain autograd formulas; the
     chunked path uses closed-form gradients instead, and the two are tested against each other.
     """
-    log_ps = torch.log_softmax(zs, dim=-1)
-    # Clamp so that a teacher's -inf (masked vocabulary) gives 0 * log 0 = 0 rather than NaN.
+    # Clamp so that a -inf logit (masked vocabulary) on either side gives 0 * log 0 = 0 rather than NaN.
+    log_ps = torch.log_softmax(zs, dim=-1).clamp(min=torch.finfo(zs.dtype).min)
     log_pt = torch.log_softmax(zt, dim=-1).clamp(min=torch.finfo(zt.dtype).min)
     if kind == "jsd" and beta == 0.0:
         kind = "forward_kl"
