@@ -66,3 +66,57 @@ def test_a_vocabulary_masked_with_minus_inf_on_both_sides_is_the_unmasked_vocabu
         torch.testing.assert_close(out, ref.detach(), rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(grad, ref_grad, rtol=1e-9, atol=1e-12)
     assert (logits.grad[:, real:] == 0).all()
+
+
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_distill_model_gradients_equal_a_plain_full_logits_reference_under_every_mask(chunk):
+    """KD (JSD, T != 1) + CE + focal (gamma = 0) through DistillModel, on the full-logits and the chunked+CE
+    paths, with right padding, an ignored label, a completion mask that leaves one row without a target and a
+    teacher head padded past the student's: loss terms and student gradients equal a plain reference built
+    from the models' full logits."""
+    import warnings
+
+    import torch.nn.functional as F
+
+    from core.tiny import tiny_model
+    from distill.model import DistillModel, LossConfig
+
+    teacher = tiny_model(layers=2, seed=0, vocab_size=320).double()
+    student = tiny_model(layers=2, seed=1, vocab_size=300).double()
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(3, 290, (3, 9), generator=g)
+    am = torch.ones_like(x)
+    am[2, 6:] = 0
+    loss_mask = torch.rand(3, 9, generator=g) > 0.4
+    loss_mask[1] = False
+    labels = x.masked_fill(am == 0, -100)
+    labels[0, 2] = -100
+    cfg = LossConfig(kd_weight=1.0, kd_kind="jsd", temperature=1.7, beta=0.3, kd_chunk_size=chunk, ce_weight=0.7,
+                     focal_weight=0.3, focal_alpha=0.25, focal_gamma=0.0, hidden_weight=0.0, hidden_layers=[],
+                     hidden_kind="nmse", attn_weight=0.0, attn_layers=[], attn_num_queries=64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the padded teacher head's warning
+        m = DistillModel(student, teacher, cfg, tokenizer_size=290)
+    assert m.kd_path == ("full" if chunk is None else "chunked+ce")
+    out = m(x, attention_mask=am, labels=labels, loss_mask=loss_mask)
+    params = [p for p in student.parameters() if p.requires_grad]
+    got = torch.autograd.grad(out.loss, params, allow_unused=True)
+    m.remove_hooks()
+
+    s = student(x, attention_mask=am).logits[:, :-1]
+    with torch.no_grad():
+        t = teacher(x, attention_mask=am).logits[:, :-1, :300]
+    target = labels[:, 1:]
+    valid = (target != -100) & am[:, :-1].bool() & loss_mask[:, 1:]
+    counted = [(b, i) for b in range(3) for i in range(8) if valid[b, i]]
+    kd = sum(textbook(s[b, i] / 1.7, t[b, i] / 1.7, "jsd", 0.3) for b, i in counted) * 1.7**2 / len(counted)
+    ce = sum(-F.log_softmax(s[b, i], -1)[target[b, i]] for b, i in counted) / len(counted)
+    total = kd + 0.7 * ce + 0.3 * 0.25 * ce  # focal with gamma = 0 is alpha * CE
+    want = torch.autograd.grad(total, params, allow_unused=True)
+    assert out.tokens == len(counted)
+    for name, value in (("kd", kd), ("ce", ce), ("focal", 0.25 * ce), ("loss", total)):
+        torch.testing.assert_close(getattr(out, name).detach(), value.detach(), rtol=1e-10, atol=1e-12, msg=name)
+    for a, b in zip(got, want):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-12)
