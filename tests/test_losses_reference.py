@@ -120,3 +120,64 @@ def test_distill_model_gradients_equal_a_plain_full_logits_reference_under_every
         assert (a is None) == (b is None)
         if a is not None:
             torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["topk", "sampled"])
+def test_distill_model_cached_targets_equal_a_per_token_reference_under_masks(mode):
+    """DistillModel from cached teacher targets (T != 1), with padding and a completion mask: position t's student
+    logits meet position t's cached targets (the teacher's next-token view), and the term and its gradients equal
+    textbook per-token values: top-k + tail-bucket KL, or the sampled estimate sum w (log p - log q)."""
+    import math
+
+    from core.tiny import tiny_model
+    from distill.model import DistillModel, LossConfig
+    from distill.teacher_cache import CachedTargets, sample_teacher, topk_logprobs
+
+    student = tiny_model(layers=2, seed=1).double()
+    teacher = tiny_model(layers=2, seed=0).double()
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(3, 290, (3, 9), generator=g)
+    am = torch.ones_like(x)
+    am[2, 6:] = 0
+    loss_mask = torch.rand(3, 9, generator=g) > 0.4
+    loss_mask[1] = False
+    T = 1.6
+    with torch.no_grad():
+        t_logits = teacher(x).logits
+    if mode == "topk":
+        ids, lp = topk_logprobs(t_logits, 5)
+        targets = CachedTargets(ids.long(), lp.double())
+    else:
+        ids, counts, lp = sample_teacher(t_logits, 7, T, g)
+        targets = CachedTargets(ids.long(), lp.double(), counts.double() / 7)
+    cfg = LossConfig(kd_weight=1.0, kd_kind="forward_kl", temperature=T, beta=0.5, kd_chunk_size=4, ce_weight=0.0,
+                     focal_weight=0.0, focal_alpha=0.25, focal_gamma=2.0, hidden_weight=0.0, hidden_layers=[],
+                     hidden_kind="nmse", attn_weight=0.0, attn_layers=[], attn_num_queries=64)
+    m = DistillModel(student, None, cfg, cached_teacher=True)
+    out = m(x, attention_mask=am, loss_mask=loss_mask, teacher_topk=targets)
+    params = list(student.parameters())
+    got = torch.autograd.grad(out.loss, params, allow_unused=True)
+
+    s = student(x, attention_mask=am).logits
+    valid = am[:, :-1].bool() & am[:, 1:].bool() & loss_mask[:, 1:]
+    rows = []
+    for b, i in ((b, i) for b in range(3) for i in range(8) if valid[b, i]):
+        q = torch.softmax(s[b, i] / T, -1)
+        if mode == "topk":
+            p = [math.exp(v) for v in targets.logprobs[b, i].tolist()]
+            p_t = torch.softmax(torch.tensor(p + [1 - sum(p)], dtype=torch.float64).log() / T, -1)
+            q_top = q[targets.ids[b, i]]
+            q_b = torch.cat([q_top, (1 - q_top.sum()).reshape(1)])
+            rows.append((p_t * (p_t.log() - q_b.log())).sum() * T * T)
+        else:
+            w, used = targets.weights[b, i], targets.weights[b, i] > 0
+            rows.append((w[used] * (targets.logprobs[b, i][used] - q[targets.ids[b, i][used]].log())).sum() * T * T)
+    ref = torch.stack(rows).mean()
+    want = torch.autograd.grad(ref, params, allow_unused=True)
+    assert out.tokens == len(rows)
+    tol = 1e-5 if mode == "topk" else 1e-10  # topk_kd_loss runs in fp32
+    torch.testing.assert_close(out.kd.detach().double(), ref.detach(), rtol=tol, atol=tol)
+    for a, b in zip(got, want):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol * b.abs().max().item())
