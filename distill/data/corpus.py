@@ -15,7 +15,14 @@ import numpy as np
 import torch
 
 from distill.data.order import MixtureOrder
-from distill.data.prepare import PackSettings, Prepared, cache_key_fields, open_prepared, prepare_source
+from distill.data.prepare import (
+    PackSettings,
+    Prepared,
+    cache_key_fields,
+    is_prepared_folder,
+    open_prepared,
+    prepare_source,
+)
 from distill.data.text import BUILTIN, DataError, SourceSpec, parse_sources
 
 
@@ -312,7 +319,7 @@ def _has_target(mask: np.ndarray, rows: int = 4096) -> bool:
 
 def _open_or_prepare(spec: SourceSpec, tokenizer, settings: PackSettings, data_cache: str | None,
                      num_proc: int | None, progress: bool) -> Prepared:
-    if (Path(spec.source).expanduser() / "meta.json").exists():
+    if is_prepared_folder(Path(spec.source).expanduser()):
         # A folder written by `python -m distill.data prepare`: use it only if it matches this run.
         fields = cache_key_fields(SourceSpec(BUILTIN), tokenizer, settings)
         return open_prepared(Path(spec.source).expanduser(), fields)

@@ -134,6 +134,13 @@ def _open_split(path: Path, name: str, meta: dict, dtype: np.dtype) -> np.ndarra
     return arr
 
 
+def is_prepared_folder(path: str | Path) -> bool:
+    """Whether ``path`` is a folder :func:`prepare_source` wrote: ``meta.json`` beside ``train.bin`` (a user's
+    dataset folder may hold a ``meta.json`` of its own, e.g. a corpus card, and is data, not a cache)."""
+    path = Path(path)
+    return (path / "meta.json").is_file() and (path / "train.bin").is_file()
+
+
 def open_prepared(path: str | Path, expect: dict | None = None) -> Prepared:
     """Open a prepared folder; ``expect`` (key fields of this run) must match what it was built with."""
     path = Path(path)
