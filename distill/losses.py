@@ -315,7 +315,8 @@ def sampled_kd_loss(student_logits: Tensor, sample_ids: Tensor, sample_weights: 
     w = _fp32(_rows(sample_weights.detach(), m))
     if temperature != 1.0:
         zs = zs / temperature
-    log_ps = torch.log_softmax(zs, dim=-1).gather(-1, ids)
+    # Clamped like the teacher's below: a padding slot (w = 0) whose id the student rules out (-inf) adds 0, not NaN.
+    log_ps = torch.log_softmax(zs, dim=-1).gather(-1, ids).clamp(min=torch.finfo(zs.dtype).min)
     per_token = -(w * log_ps).sum(-1)
     if teacher_logprobs is not None:
         lp = _fp32(_rows(teacher_logprobs.detach(), m))

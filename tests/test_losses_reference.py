@@ -181,3 +181,30 @@ def test_distill_model_cached_targets_equal_a_per_token_reference_under_masks(mo
         assert (a is None) == (b is None)
         if a is not None:
             torch.testing.assert_close(a, b, rtol=tol, atol=tol * b.abs().max().item())
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_sampled_padding_slots_count_for_nothing_when_the_student_rules_their_id_out(temperature):
+    """A sampled cache pads each position's slots with id 0 and weight 0. With token 0 masked to -inf on both sides
+    (never drawn), those slots gave 0 * log 0 = NaN: the value is the textbook sum over the drawn ids alone."""
+    from distill.losses import sampled_kd_loss
+    from distill.teacher_cache import sample_teacher
+
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(2, 3, 9, generator=g, dtype=torch.float64)
+    s = torch.randn(2, 3, 9, generator=g, dtype=torch.float64)
+    t[..., 0] = s[..., 0] = float("-inf")
+    ids, counts, lp = sample_teacher(t, 6, temperature, g)
+    assert (counts == 0).any()  # some padding slots
+    w = counts.double() / 6
+    mask = torch.tensor([[True, False, True], [True, True, True]])
+    got_s = s.clone().requires_grad_()
+    got = sampled_kd_loss(got_s, ids, w, mask, temperature=temperature, teacher_logprobs=lp.double())
+    ref_s = s.clone().requires_grad_()
+    log_q = torch.log_softmax(ref_s / temperature, -1)
+    rows = [sum(w[b, i, j] * (lp[b, i, j].double() - log_q[b, i, ids[b, i, j]]) for j in range(6) if counts[b, i, j])
+            for b in range(2) for i in range(3) if mask[b, i]]
+    ref = torch.stack(rows).mean() * temperature**2
+    torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(torch.autograd.grad(got, got_s)[0], torch.autograd.grad(ref, ref_s)[0],
+                               rtol=1e-9, atol=1e-12)
