@@ -225,8 +225,9 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _quantize_per_token_u8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`quantize_per_token` shifted by 128 into uint8 (what :func:`_qlinear` runs fast)."""
-    scale = (x.abs().amax(-1, keepdim=True) / 127.5).clamp_min(torch.finfo(torch.float32).eps)
-    q = torch.round(x * (1.0 / scale)).clamp_(-128, 127).add_(128)  # torchao multiplies by 1 / scale too
+    # torchao: the scale in x's dtype, stored fp32; x * (1 / scale) then promotes to fp32 (bf16 x too)
+    scale = (x.abs().amax(-1, keepdim=True) / 127.5).clamp_min(torch.finfo(torch.float32).eps).float()
+    q = torch.round(x * (1.0 / scale)).clamp_(-128, 127).add_(128)
     return q.to(torch.uint8), scale
 
 
@@ -311,11 +312,11 @@ class _Fused:
             xq, xs = _quantize_per_token_u8(x.reshape(-1, self._in))
             y = _qlinear(xq, self.weight, self.scale, self._zp) * xs
             y = y if self.bias is None else y + self.bias
-            return y.view(*x.shape[:-1], self._out)
-        if self.w8:  # bf16 in, bf16 out (fp32 accumulation inside); the residual stream stays fp32
+            return y.to(x.dtype).view(*x.shape[:-1], self._out)  # fp32 result: back to the model's dtype
+        if self.w8:  # bf16 in, bf16 out (fp32 accumulation inside); the residual stream keeps its dtype
             y = torch._weight_int8pack_mm(x.reshape(-1, self._in).to(torch.bfloat16), self.weight, self.scale).float()
             y = y if self.bias is None else y + self.bias
-            return y.view(*x.shape[:-1], self._out)
+            return y.to(x.dtype).view(*x.shape[:-1], self._out)
         if self.packed:
             x2 = x.reshape(-1, self._in)
             rows = x2.shape[0]

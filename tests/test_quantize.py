@@ -228,6 +228,40 @@ def test_fused_weight_only_int8_linear_matches_a_naive_reference_and_torchao() -
         assert torch.equal(fused(x[r:r + 1]), got[r:r + 1])
 
 
+@pytest.mark.parametrize("scheme", ["w8a8", "int8"])
+def test_a_bf16_quantized_model_decodes_through_the_fused_path_in_bf16(scheme: str) -> None:
+    """A bf16 export (dtype=bf16 quantize=...): the fused int8 linears return bf16 (an fp32 result crashed the
+    next bf16 matmul), W8A8 activations quantize exactly as torchao's, and logits match the model's own."""
+    import torchao.quantization as tq
+    from torchao.quantization.quantize_.common import _choose_quant_func_and_quantize_tensor
+
+    from serve.model import DecoderModel, _int8pack_available
+
+    if not (_onednn_int8_available() if scheme == "w8a8" else _int8pack_available()):
+        pytest.skip("this torch build lacks the fused int8 kernel")
+    config = {"w8a8": tq.Int8DynamicActivationInt8WeightConfig, "int8": tq.Int8WeightOnlyConfig}[scheme]
+    model = tiny_model("llama", seed=1, hidden=128).to(torch.bfloat16)
+    for layer in model.model.layers:
+        tq.quantize_(layer, config())
+    q_proj = model.model.layers[0].self_attn.q_proj
+    x = (torch.randn(5, 128, generator=torch.Generator().manual_seed(0)) * 3).bfloat16()
+    if scheme == "w8a8":
+        act = _choose_quant_func_and_quantize_tensor(x, q_proj.weight.act_quant_kwargs)
+        q, s = quantize_per_token(x)
+        assert torch.equal(q, act.qdata) and torch.equal(s.reshape(-1), act.scale.reshape(-1).float())
+    dm = DecoderModel(model, fast_weights=True)
+    assert dm._fast and dm._fast[0].qkv.int8 == (scheme == "w8a8") and dm._fast[0].qkv.w8 == (scheme == "int8")
+    assert dm._fast[0].qkv(x[None]).dtype == torch.bfloat16
+    ids = torch.arange(3, 20)
+    cache = dm.new_cache(1, 32)
+    cache.reset_row(0, cache.window_for(18))
+    got = torch.stack([dm.prefill(cache, 0, ids, 0),
+                       dm.decode_one_token(cache, torch.tensor([5]), torch.tensor([17]), cache.used_slots(17))[0]])
+    with torch.no_grad():
+        ref = model(torch.cat([ids, torch.tensor([5])])[None]).logits[0, -2:].float()
+    torch.testing.assert_close(got, ref, rtol=0, atol=0.03 * float(ref.abs().max()))
+
+
 def test_int8_weight_only_export_serves_through_the_fused_path(tmp_path: Path) -> None:
     from serve.engine import Engine
     from serve.model import _int8pack_available
