@@ -522,7 +522,8 @@ def topk_kd_loss(student_logits: Tensor, teacher_index: Tensor, teacher_logprobs
     """
     t = temperature
     logq = F.log_softmax(student_logits.float() / t, dim=-1)
-    q_top = logq.gather(-1, teacher_index)
+    # Clamped like kd_loss's: a top-k id both models rule out (-inf; a top-k wider than the teacher's support) adds 0.
+    q_top = logq.gather(-1, teacher_index).clamp(min=torch.finfo(logq.dtype).min)
     # Student tail: log of the mass outside the teacher's top-k, computed without cancellation. The
     # fill is the most negative finite value, not -inf, so a top-k that covers the whole vocabulary
     # gives a finite (and unused) tail with finite gradients.

@@ -208,3 +208,24 @@ def test_sampled_padding_slots_count_for_nothing_when_the_student_rules_their_id
     torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(torch.autograd.grad(got, got_s)[0], torch.autograd.grad(ref, ref_s)[0],
                                rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("k", [7, 9])
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_topk_wider_than_the_teachers_support_is_full_kd_when_both_rule_tokens_out(k, temperature):
+    """Tokens masked to -inf on both sides: a top-k holding the teacher's whole support is exact forward KL, and one
+    wider than it (ids of probability 0 in the top-k, where the student's log-prob is -inf too) must stay so (NaN)."""
+    from distill.losses import topk_kd_loss
+    from distill.teacher_cache import topk_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(2, 3, 9, generator=g)
+    s = torch.randn(2, 3, 9, generator=g)
+    t[..., :2] = s[..., :2] = float("-inf")
+    idx, lp = topk_logprobs(t, k)
+    got_s, ref_s = s.clone().requires_grad_(), s.clone().requires_grad_()
+    got = topk_kd_loss(got_s, idx.long(), lp, temperature=temperature)
+    ref = kd_loss(ref_s, t, temperature=temperature)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.autograd.grad(got, got_s)[0], torch.autograd.grad(ref, ref_s)[0],
+                               rtol=1e-5, atol=1e-6)
