@@ -499,7 +499,7 @@ def normalized_mse(student_h: Tensor, teacher_h: Tensor, mask: Tensor) -> Tensor
     normalizer would not). Shapes: ``[batch, seq, d]`` and
     ``mask`` ``[batch, seq]``; no counted token gives 0 with a graph.
     """
-    t = teacher_h.float()
+    t = teacher_h.detach().float()
     per_token = (student_h.float() - t).pow(2).mean(-1) / t.pow(2).mean(-1).clamp(min=1e-12)
     m = mask.bool()
     return (per_token * m).sum() / m.sum().clamp(min=1)
@@ -528,7 +528,7 @@ def topk_kd_loss(student_logits: Tensor, teacher_index: Tensor, teacher_logprobs
     # fill is the most negative finite value, not -inf, so a top-k that covers the whole vocabulary
     # gives a finite (and unused) tail with finite gradients.
     q_tail = logq.scatter(-1, teacher_index, torch.finfo(logq.dtype).min).logsumexp(-1, keepdim=True)
-    p_top = teacher_logprobs.float()
+    p_top = teacher_logprobs.detach().float()
     # Teacher tail; a top-k holding all but fp32 rounding of the mass (< 1e-6) has an empty tail.
     top_mass = p_top.exp().sum(-1, keepdim=True)
     p_tail = torch.where(top_mass > 1 - 1e-6, torch.full_like(top_mass, float("-inf")),

@@ -229,3 +229,18 @@ def test_topk_wider_than_the_teachers_support_is_full_kd_when_both_rule_tokens_o
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(torch.autograd.grad(got, got_s)[0], torch.autograd.grad(ref, ref_s)[0],
                                rtol=1e-5, atol=1e-6)
+
+
+def test_normalized_mse_and_topk_kd_never_reach_the_teacher():
+    """The module's convention (the teacher side is detached), for the two terms that did not detach: a teacher
+    tensor that requires grad (e.g. a teacher-side projector) got a gradient from them."""
+    from distill.losses import normalized_mse, topk_kd_loss
+
+    g = torch.Generator().manual_seed(0)
+    s = torch.randn(2, 3, 8, generator=g, requires_grad=True)
+    t = torch.randn(2, 3, 8, generator=g, requires_grad=True)
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    lp, idx = torch.log_softmax(t, -1).topk(3, -1)
+    for loss in (normalized_mse(s, t, mask), topk_kd_loss(s, idx, lp, mask, temperature=2.0)):
+        grad_s, grad_t = torch.autograd.grad(loss, (s, t), allow_unused=True)
+        assert grad_t is None and grad_s.abs().sum() > 0
