@@ -678,7 +678,7 @@ class Engine:
             req.prefilled += t
             budget -= t
             if self.prefix_cache is not None:
-                self.prefix_cache.capture(cache, req.row, req.prompt_ids, req.prefilled)
+                self.prefix_cache.capture(cache, req.row, req.prompt_ids, req.prefilled, since=start)
         if req.prefilled < n:
             return budget
         req.pos = n - 1

@@ -219,8 +219,13 @@ class PrefixCache:
             return None
         return slot
 
-    def capture(self, cache: KVCache, row: int, ids: list[int], upto: int) -> None:
-        """Store the blocks of ``ids[:upto]`` (positions ``< upto`` already prefilled in ``row``)."""
+    def capture(self, cache: KVCache, row: int, ids: list[int], upto: int, since: int = 0) -> None:
+        """Store the blocks of ``ids[:upto]`` (positions ``< upto`` already prefilled in ``row``).
+
+        ``since``: the ``upto`` of this row's previous call for the same prompt (0: none); a block the ring
+        has lost counts in ``uncapturable_blocks`` only in the call where it is first whole, not again at
+        every later chunk.
+        """
         if self.max_bytes == 0:
             return
         pool = self._pool_for(cache)
@@ -235,7 +240,7 @@ class PrefixCache:
                 pos = torch.arange(s, s + b, device=cache.k.device)
                 slot = self._held_slots(cache, row, pos)
                 if slot is None:  # evicted from the bounded cache before we saw it: the chain ends here
-                    self.stats.uncapturable_blocks += 1
+                    self.stats.uncapturable_blocks += int(s + b > since)
                     return
                 if pool.block_bytes > self.max_bytes or not self._make_room(pool.block_bytes, keep=parent):
                     return

@@ -67,6 +67,20 @@ def test_hybrid_prefix_cache_is_exact_and_stops_where_the_ring_forgot(window, ch
         assert st.uncapturable_blocks > 0 and st.hit_tokens < 48 + 16 + 48
 
 
+def test_a_block_the_ring_lost_counts_once_not_at_every_later_chunk():
+    """uncapturable_blocks counts the block where a prompt's chain stops once (it counted again at every later
+    chunk: 9 for one 120-token prompt in 12-token chunks, with no more than 15 blocks in it)."""
+    spec = HybridAttentionConfig(sink_tokens=4, window=8, global_every=6, max_globals=3)
+    model = no_eos(tiny_model("llama", seed=12))
+    model.config.hybrid_attention = spec.to_dict()
+    cached = Engine(model=model, tokenizer=tiny_tokenizer(), prefix_block=8, prefill_chunk=12, chunk_by_cost=False)
+    st = cached.prefix_cache.stats
+    for i, prompt in enumerate([list(range(10, 130)), list(range(10, 130)), list(range(20, 140))]):
+        cached.generate([prompt], SamplingParams(max_new_tokens=1))
+        # block 0 (sinks + ring) is cached after the first chunk; block 1 has left the ring by the second
+        assert st.uncapturable_blocks == i + 1 and st.blocks == (1 if i < 2 else 2)
+
+
 def test_lru_byte_budget_evicts_leaves_and_stays_exact():
     model = no_eos(tiny_model("llama", seed=13))
     probe = Engine(model=model, tokenizer=tiny_tokenizer(), prefix_block=8)
