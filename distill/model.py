@@ -226,10 +226,13 @@ class DistillModel(nn.Module):
         tokenizer_size: the tokenizer's length, to allow vocabularies that differ only in padding.
         cached_teacher: the logits term comes from cached teacher targets (top-k or sampled) passed to
             ``forward(teacher_topk=...)`` (``recipes/cache_teacher.py``); no live teacher.
+        cached_vocab: the vocabulary the cached targets were drawn over (the cache's ``meta.json``): the student's
+            softmax covers the first ``min(student's, cached_vocab)`` logits, as with a live teacher whose
+            vocabulary differs from the student's only in padding rows (None: the student's whole vocabulary).
     """
 
     def __init__(self, student: PreTrainedModel, teacher: PreTrainedModel | None, loss_config: LossConfig,
-                 tokenizer_size: int | None = None, cached_teacher: bool = False):
+                 tokenizer_size: int | None = None, cached_teacher: bool = False, cached_vocab: int | None = None):
         super().__init__()
         self.student = student
         self.loss_config = loss_config
@@ -239,6 +242,8 @@ class DistillModel(nn.Module):
         self.attn_pairs: list[tuple[int, int]] = []
         self.vocab = student.config.vocab_size
         self.cached_teacher = cached_teacher
+        if cached_teacher and cached_vocab is not None:  # padding rows past the cache's vocabulary take no mass
+            self.vocab = min(self.vocab, cached_vocab)
         _base_model(student)
         if teacher is None:
             if cached_teacher and (loss_config.hidden_weight > 0 or loss_config.attn_weight > 0):

@@ -253,7 +253,7 @@ def training_function(cfg: DistillConfig, accelerator: Accelerator, known_init: 
     loss_cfg = losses_for(cfg, accelerator)
     cache = cached_teacher(cfg, accelerator, data, student, tokenizer)
     model = DistillModel(student, None if cache else teacher, loss_cfg, tokenizer_size=len(tokenizer),
-                         cached_teacher=cache is not None)
+                         cached_teacher=cache is not None, cached_vocab=cache and cache.meta.get("vocab_size"))
     configure_deepspeed(accelerator, cfg.micro_batch_size, cfg.max_grad_norm)  # micro batch, clipping; no-op without
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))

@@ -244,3 +244,31 @@ def test_normalized_mse_and_topk_kd_never_reach_the_teacher():
     for loss in (normalized_mse(s, t, mask), topk_kd_loss(s, idx, lp, mask, temperature=2.0)):
         grad_s, grad_t = torch.autograd.grad(loss, (s, t), allow_unused=True)
         assert grad_t is None and grad_s.abs().sum() > 0
+
+
+def test_a_cached_targets_student_with_padding_rows_compares_over_the_cache_s_vocabulary():
+    """A student whose vocabulary has padding rows past the cache's (which check_vocabulary accepts) took those rows
+    into its softmax on the cached path, not on the live one: the term equals the student cut to the cache's
+    vocabulary, in value and gradient."""
+    from core.tiny import VOCAB, tiny_model
+    from distill.model import DistillModel, LossConfig
+    from distill.teacher_cache import CachedTargets, topk_logprobs
+
+    padded = tiny_model(layers=1, seed=1, vocab=VOCAB + 64).double()
+    with torch.no_grad():
+        padded.lm_head.weight[VOCAB:] *= 40  # padding rows with real mass, as untrained rows may have
+    cut = tiny_model(layers=1, seed=1, vocab=VOCAB).double()
+    cut.load_state_dict({k: v[:VOCAB] if v.shape[:1] == (VOCAB + 64,) else v for k, v in padded.state_dict().items()})
+    x = torch.randint(3, VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ids, lp = topk_logprobs(tiny_model(layers=1, seed=0).double()(x).logits, 5)
+    targets = CachedTargets(ids.long(), lp.double())
+    cfg = LossConfig(kd_weight=1.0, kd_kind="forward_kl", temperature=1.0, beta=0.5, kd_chunk_size=None,
+                     ce_weight=0.0, focal_weight=0.0, focal_alpha=0.25, focal_gamma=2.0, hidden_weight=0.0,
+                     hidden_layers=[], hidden_kind="nmse", attn_weight=0.0, attn_layers=[], attn_num_queries=64)
+    got = DistillModel(padded, None, cfg, cached_teacher=True, cached_vocab=VOCAB)(x, teacher_topk=targets)
+    want = DistillModel(cut, None, cfg, cached_teacher=True, cached_vocab=VOCAB)(x, teacher_topk=targets)
+    torch.testing.assert_close(got.kd.double(), want.kd.double(), rtol=1e-6, atol=1e-6)
+    g_got = torch.autograd.grad(got.loss, padded.model.layers[0].mlp.down_proj.weight)[0]
+    g_want = torch.autograd.grad(want.loss, cut.model.layers[0].mlp.down_proj.weight)[0]
+    torch.testing.assert_close(g_got, g_want, rtol=1e-5, atol=1e-8)
