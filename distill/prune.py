@@ -787,12 +787,13 @@ def format_table(table: list[Candidate], winner: Candidate | None = None) -> str
 
 def search_round(model: PreTrainedModel, teacher: PreTrainedModel, calib: torch.Tensor, heldout: HeldOut,
                  train: torch.Tensor, target: int, s: SearchSettings, log: Callable[[str], None] = print,
-                 scores: Scores | None = None, train_mask: torch.Tensor | Callable | None = None
-                 ) -> tuple[PreTrainedModel, Candidate, list[Candidate]]:
+                 scores: Scores | None = None, train_mask: torch.Tensor | Callable | None = None,
+                 must_cut: bool = False) -> tuple[PreTrainedModel, Candidate, list[Candidate]]:
     """One prune: score ``model`` (unless ``scores`` are given), rank the candidates at ``target``,
-    short-distill the best (on the targets of ``train_mask``, :attr:`LossMasks.train`), pick one."""
+    short-distill the best (on the targets of ``train_mask``, :attr:`LossMasks.train`), pick one.
+    ``must_cut``: ``model``'s own shape is no candidate (an intermediate iterative round must shrink it)."""
     base, fam = arch_of(model), family_of(model)
-    archs = candidates(base, fam, target, s.axes, s.count_embeddings)
+    archs = [a for a in candidates(base, fam, target, s.axes, s.count_embeddings) if not (must_cut and a == base)]
     if not archs:
         lo, hi = feasible_range(base, fam, s.axes, s.count_embeddings)
         raise PruneError(f"no architecture on axes {','.join(s.axes)} lies within ±{TOLERANCE:.0%} of {target:,} "
@@ -863,14 +864,16 @@ def search(teacher: PreTrainedModel, calib: torch.Tensor, heldout_blocks: torch.
     while True:
         current = budget_of(fam, arch_of(model), s.count_embeddings)
         # an intermediate round aims above current·(1 - cut) by the tolerance, so no accepted candidate (within
-        # -TOLERANCE of its target) cuts more than max_round_cut
+        # -TOLERANCE of its target) cuts more than max_round_cut; it must cut something (a small max_round_cut puts the
+        # current shape in its window, and a round it won would start the next one where it did, without end)
         step_target = (max(target, int(current * (1 - s.max_round_cut) / (1 - TOLERANCE))) if s.iterative
                        else target)
         rounds += 1
         if s.iterative:
             log(f"round {rounds}: {current:,} → {step_target:,}")
         model, winner, round_table = search_round(model, teacher, calib, heldout, train, step_target, s, log,
-                                                  scores if rounds == 1 else None, train_mask=masks.train)
+                                                  scores if rounds == 1 else None, train_mask=masks.train,
+                                                  must_cut=step_target != target)
         table.extend(round_table)
         if step_target == target:
             break
