@@ -125,12 +125,14 @@ def chat_prompts(dataset: str | list[SourceSpec], tokenizer, prompt_tokens: int,
     """
     import numpy as np
 
-    from distill.data.text import load_records
+    from distill.data.text import BUILTIN, load_records
 
     specs = [SourceSpec(dataset)] if isinstance(dataset, str) else list(dataset)
     names = ", ".join(s.source for s in specs)
     pools = []
     for spec in specs:
+        if spec.source == BUILTIN:  # plain text, and no ``datasets`` source: loading it failed the whole pool
+            continue
         records = load_records(spec.source, spec.split, streaming=spec.streaming)
         if spec.streaming:
             records = list(itertools.islice(records, max_records))

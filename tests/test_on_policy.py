@@ -450,3 +450,25 @@ def test_a_rollout_temperature_the_engine_cannot_sample_at_is_refused_before_tra
             16, kd_weight=1.0, cached_teacher=False, micro_batch_size=2)
         if ok:
             SamplingParams(max_new_tokens=4, temperature=ok)
+
+
+def test_chat_prompts_pass_over_the_built_in_corpus_in_a_mixture(tmp_path):
+    """datasets=[built-in corpus, chat file] with gen_prompts=chat: the built-in corpus has no chat records and is
+    passed over like any text source (loading it through ``datasets`` failed the run: 'cannot load dataset')."""
+    from types import SimpleNamespace
+
+    from core.corpus import BUILTIN
+    from distill.config import DistillConfig
+    from distill.on_policy import build
+
+    tok = tiny_tokenizer()
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"item {i}"}]}) for i in range(4)))
+    cfg = DistillConfig(datasets=[{"source": BUILTIN, "weight": 2}, {"source": str(chat)}], on_policy_fraction=0.5,
+                        gen_prompts="chat")
+    _, _, model = _pair()
+    accelerator = SimpleNamespace(unwrap_model=lambda m: m, process_index=0, state=SimpleNamespace())
+    policy = build(cfg, accelerator, model, tok)
+    assert policy.pool == chat_prompts(str(chat), tok, cfg.gen_prompt_tokens) and len(policy.pool) == 4
+    with pytest.raises(OnPolicyError, match="has no chat records"):
+        chat_prompts(BUILTIN, tok, 64)
