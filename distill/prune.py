@@ -123,6 +123,7 @@ class Family:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
+    heads_divide_hidden: bool = False  # the config class refuses a hidden size no multiple of the heads (Llama)
 
     def counts(self, a: Arch) -> tuple[int, int]:
         """``(non_embedding, embedding)`` parameter counts of ``a``."""
@@ -146,13 +147,26 @@ def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def _heads_divide_hidden(config) -> bool:
+    """Whether ``config``'s class refuses a hidden size that is no multiple of the query heads even with
+    ``head_dim`` given (transformers' ``LlamaConfig``, on init and on save): such a student saves and loads nowhere."""
+    def accepts(hidden: int) -> bool:
+        try:
+            type(config)(hidden_size=hidden, num_attention_heads=2, num_key_value_heads=1, head_dim=2,
+                         intermediate_size=4)
+        except Exception:  # huggingface_hub's StrictDataclassClassValidationError is no ValueError
+            return False
+        return True
+    return accepts(4) and not accepts(3)
+
+
 def family_of(model: PreTrainedModel) -> Family:
     c = model.config
     attn = model.model.layers[0].self_attn
     mlp = model.model.layers[0].mlp
     return Family(head_dim=head_dim_of(c), vocab=c.vocab_size, tied=bool(getattr(c, "tie_word_embeddings", False)),
                   qkv_bias=attn.q_proj.bias is not None, o_bias=attn.o_proj.bias is not None,
-                  mlp_bias=mlp.down_proj.bias is not None)
+                  mlp_bias=mlp.down_proj.bias is not None, heads_divide_hidden=_heads_divide_hidden(c))
 
 
 def arch_of(model: PreTrainedModel) -> Arch:
@@ -568,7 +582,8 @@ def feasible_range(base: Arch, fam: Family, axes: Sequence[str], count_embedding
 
 def candidates(base: Arch, fam: Family, target: int, axes: Sequence[str], count_embeddings: bool = False,
                tolerance: float = TOLERANCE) -> list[Arch]:
-    """Every uniform-width architecture within ``±tolerance`` of ``target`` on the allowed axes.
+    """Every uniform-width architecture within ``±tolerance`` of ``target`` on the allowed axes (and that the
+    config class accepts: a Llama's hidden size a multiple of its query heads).
 
     For each depth / hidden / heads choice the MLP width is solved for the budget (the nearest
     multiples below and above), so the list stays in the hundreds, not the tens of thousands.
@@ -578,6 +593,8 @@ def candidates(base: Arch, fam: Family, target: int, axes: Sequence[str], count_
     lo_b, hi_b = target * (1 - tolerance), target * (1 + tolerance)
     out: list[Arch] = []
     for layers, hidden, (kv, g) in itertools.product(depths, hiddens, heads):
+        if fam.heads_divide_hidden and hidden % (kv * g):
+            continue
         zero = budget_of(fam, Arch(layers, hidden, kv, g, 0), count_embeddings)
         per_neuron = budget_of(fam, Arch(layers, hidden, kv, g, 1), count_embeddings) - zero
         ideal = (target - zero) / per_neuron
