@@ -200,3 +200,32 @@ def test_cells_are_accuracies_even_when_a_length_or_depth_repeats(tok, monkeypat
     assert res["accuracy"]["passkey"] == {"300": 1.0, "400": 1.0}
     for length in ("300", "400"):
         assert res["cells"]["passkey"][length] == {"0.500": 1.0, "0.750": 1.0}
+
+
+def test_accuracies_match_a_naive_count_and_trials_use_distinct_keys(tok, monkeypatch):
+    """Each cell's accuracy is the share of its own samples found (a naive recount over the saved rows), and the
+    trials of a cell are different prompts with different keys, the key being the answer each row names."""
+    from collections import defaultdict
+
+    built = []
+
+    def score(model, sample, *args):  # found for some keys only: the counts must follow the samples
+        built.append(sample)
+        return int(sample.key) % 3 == 0, "[]"
+
+    monkeypatch.setattr(longctx, "score_sample", score)
+    model = type("M", (), {"config": type("C", (), {"max_position_embeddings": 1024})()})()
+    res = longctx.run_longctx(model, tok, lengths=[300, 500], depths="0.1,0.5,0.9", trials=4,
+                              kinds=("passkey", "multikey"), progress=False)
+    cells = defaultdict(list)
+    for s, row in zip(built, res["samples"], strict=True):
+        assert row["key"] == s.key == tok.decode(s.ids[-s.answer_len:]).strip() and row["tokens"] <= row["length"]
+        cells[row["kind"], row["length"], row["depth"]].append(row)
+    assert len(cells) == 2 * 2 * 3
+    for (kind, length, depth), rows in cells.items():
+        assert sorted(r["trial"] for r in rows) == [0, 1, 2, 3] and len({r["key"] for r in rows}) == 4
+        assert res["cells"][kind][str(length)][f"{depth:.3f}"] == sum(int(r["key"]) % 3 == 0 for r in rows) / 4
+    for kind in ("passkey", "multikey"):
+        for length in (300, 500):
+            rows = [r for (k, n, _), rs in cells.items() if (k, n) == (kind, length) for r in rs]
+            assert res["accuracy"][kind][str(length)] == sum(int(r["key"]) % 3 == 0 for r in rows) / len(rows)
