@@ -80,7 +80,7 @@ from distill.config import DistillConfig
 from distill.data import BlockOrder, build_data, parse_sources
 from distill.model import DistillModel, LossConfig
 from distill.plots import plot_search
-from distill.student import KEPT_KEY, PRUNE_KEY
+from distill.student import KEPT_KEY, PRUNE_KEY, cast_params
 from distill.training import target_count, warmup_cosine
 from eval.metrics import LMStats, batch_stats
 
@@ -485,7 +485,7 @@ def prune_model(model: PreTrainedModel, sel: Selection, arch: Arch, record: dict
         from transformers.modeling_utils import no_init_weights
     with no_init_weights():  # every weight is overwritten below: skip the random init
         pruned = type(model)(config)
-    pruned.to(dtype)
+    cast_params(pruned, dtype)  # the rotary inv_freq stays fp32, as from_pretrained keeps it
     with torch.no_grad():
         pruned.load_state_dict({k: v.detach().clone().contiguous() for k, v in dst.items()}, strict=True)
     if getattr(config, "tie_word_embeddings", False):

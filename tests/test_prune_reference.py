@@ -71,3 +71,22 @@ def test_every_candidate_is_a_config_transformers_loads(arch, tmp_path):
     ids = _blocks(2, seed=3)
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=ids).logits, pruned(input_ids=ids).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_bf16_teacher_cut_at_full_size_is_the_teacher(arch, tmp_path):
+    """A bf16 teacher as from_pretrained loads it keeps its rotary inv_freq in fp32; the pruned and derived students
+    cast it to bf16 too (model.to(dtype)), so at full size they differed from the teacher (and from themselves
+    reloaded) by angles that grow with position."""
+    from distill.student import derive_student
+
+    tiny_model(arch, layers=2).save_pretrained(tmp_path / "teacher")
+    teacher = AutoModelForCausalLM.from_pretrained(tmp_path / "teacher", dtype=torch.bfloat16).eval()
+    ids = _blocks(2, 160)
+    pruned = prune_to(teacher, importance(teacher, _blocks(), progress=False), arch_of(teacher))
+    derived = derive_student(teacher, 2)
+    with torch.no_grad():
+        want = teacher(input_ids=ids).logits
+        for student in (pruned, derived):
+            assert next(student.parameters()).dtype == torch.bfloat16
+            torch.testing.assert_close(student(input_ids=ids).logits, want, rtol=0, atol=0)
