@@ -42,7 +42,7 @@ from core.config import ConfigError
 from distill.data.text import SourceSpec, parse_sources
 from distill.distributed import gathered_replica, is_zero3
 from serve.engine import Engine
-from serve.sampling import MIN_TEMPERATURE, SamplingParams
+from serve.sampling import MAX_BIASED_TOKENS, MAX_LOGIT_BIAS, MIN_TEMPERATURE, SamplingParams
 
 PROMPT_SOURCES = ("prefix", "chat")
 
@@ -319,6 +319,14 @@ class OnPolicy:
         self.rows = settings.rows or micro_batch_size
         self.rollout_rows = settings.rollout_rows or self.rows
         self.queue: list[tuple[list[int], list[int]]] = []  # (prompt, continuation) rolled out ahead of use
+        # Rollouts sample the vocabulary the loss compares (``DistillModel.vocab``): the student's rows past it are
+        # padding that the teacher may lack (its embedding failed on such an id) and the loss's softmax leaves out.
+        extra = range(unwrapped.vocab, unwrapped.student.config.vocab_size)
+        if len(extra) > MAX_BIASED_TOKENS:
+            raise OnPolicyError(f"the student has {len(extra)} vocabulary rows past the {unwrapped.vocab} it shares "
+                                f"with the teacher; on-policy rollouts can ban at most {MAX_BIASED_TOKENS}: set "
+                                "on_policy_fraction=0 or resize the student's vocabulary")
+        self.banned = {t: -MAX_LOGIT_BIAS for t in extra} or None
         self.rollouts = Rollouts(unwrapped.student, tokenizer, self.rollout_rows,
                                  settings.prompt_tokens + settings.max_new_tokens, sharded=sharded)
         cfg = unwrapped.loss_config
@@ -343,7 +351,8 @@ class OnPolicy:
 
     def params_for(self, n: int, step: int, micro: int) -> list[SamplingParams]:
         return [SamplingParams(max_new_tokens=self.s.max_new_tokens, temperature=self.s.temperature,
-                               seed=rollout_seed(self.s.seed, step, micro, self.rank, r)) for r in range(n)]
+                               seed=rollout_seed(self.s.seed, step, micro, self.rank, r), logit_bias=self.banned)
+                for r in range(n)]
 
     def generate(self, blocks: torch.Tensor, step: int, micro: int) -> dict[str, torch.Tensor]:
         """One on-policy micro-batch's rows (rolled out now, or queued by an earlier rollout).

@@ -11,7 +11,7 @@ import torch
 import attention
 from core.tiny import tiny_model, tiny_tokenizer
 from distill.model import DistillModel, LossConfig
-from distill.on_policy import OnPolicy, OnPolicySettings
+from distill.on_policy import OnPolicy, OnPolicyError, OnPolicySettings
 from serve.engine import Engine
 
 VOCAB = 40  # small: EOS (id 2) is sampled now and then, so rows end at different lengths (padding after the stop)
@@ -78,3 +78,44 @@ def test_hybrid_student_rollouts_masks_and_loss_match_references_across_steps():
         opt.zero_grad()
     assert min(lengths) < NEW == max(lengths)  # some row stopped early: its padding was checked
     assert policy.stats(1.0)["rollout_tokens"] == generated  # generated tokens only, not the prompts
+
+
+def test_a_student_with_padding_rows_past_the_teachers_vocabulary_samples_the_shared_one():
+    """Student vocab 384, teacher and tokenizer 320 (DistillModel compares the first 320 logits): rollouts are drawn
+    from the student's softmax over those 320, the distribution the loss uses. Sampling all 384 rows gave ids the
+    teacher has no embedding for: 'IndexError: index out of range in self' in the on-policy forward."""
+    import warnings
+
+    teacher = tiny_model(seed=1, layers=2, vocab=320)
+    student = tiny_model(seed=2, layers=1, vocab=384).train()
+    cfg = LossConfig(kd_weight=1.0, kd_kind="reverse_kl", temperature=1.0, beta=0.5, kd_chunk_size=1024,
+                     ce_weight=1.0, focal_weight=0.0, focal_alpha=0.25, focal_gamma=2.0, hidden_weight=0.0,
+                     hidden_layers=["relative"], hidden_kind="nmse", attn_weight=0.0, attn_layers=[],
+                     attn_num_queries=64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "differ only in padding rows"
+        model = DistillModel(student, teacher, cfg, tokenizer_size=320)
+    settings = OnPolicySettings(fraction=1.0, max_new_tokens=NEW, temperature=1.0, prompt_tokens=4, seed=0)
+    policy = OnPolicy(settings, model, model, tiny_tokenizer(), ROWS)
+    blocks = torch.randint(3, 320, (ROWS, 24), generator=torch.Generator().manual_seed(0))
+    reference = copy.deepcopy(student).eval()
+    out = policy.forward(blocks, 0, 0, torch.device("cpu"))
+    prompts = [row[:4].tolist() for row in blocks]
+    alone = Engine(model=reference, tokenizer=tiny_tokenizer(), max_batch=ROWS, max_seq_len=4 + NEW)
+    completions = [c.token_ids + ([c.stop_token] if c.stop_token is not None else [])
+                   for c in alone.generate(prompts, policy.params_for(ROWS, 0, 0))]
+    assert max(max(c) for c in completions) < 320 and out.tokens == sum(map(len, completions)) > 0
+    terms = []  # reverse KL over the shared 320 logits at each generated token, row by row
+    for p, c in zip(prompts, completions):
+        ids = torch.tensor([p + c])
+        with torch.no_grad():
+            log_q = reference(input_ids=ids).logits[0, :, :320].double().log_softmax(-1)
+            log_p = teacher(input_ids=ids).logits[0].double().log_softmax(-1)
+        terms += [(log_q[i].exp() * (log_q[i] - log_p[i])).sum() for i in range(len(p) - 1, len(p) + len(c) - 1)]
+    assert out.loss.item() == pytest.approx(torch.stack(terms).mean().item(), rel=1e-5, abs=1e-7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        wide = DistillModel(tiny_model(seed=2, layers=1, vocab=640), teacher, cfg, tokenizer_size=320)
+    with pytest.raises(OnPolicyError, match="320 vocabulary rows past the 320 it shares with the teacher") as err:
+        OnPolicy(settings, wide, wide, tiny_tokenizer(), ROWS)  # more than a request's logit_bias can ban
+    assert "\n" not in str(err.value)
