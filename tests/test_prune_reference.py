@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import math
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -9,11 +12,13 @@ from transformers import AutoModelForCausalLM
 from core.tiny import VOCAB, tiny_model
 from distill.prune import (
     AXES,
+    Arch,
     SearchSettings,
     arch_of,
     candidates,
     count_params,
     family_of,
+    head_dim_of,
     importance,
     prune_to,
     save_pruned,
@@ -90,3 +95,83 @@ def test_a_bf16_teacher_cut_at_full_size_is_the_teacher(arch, tmp_path):
         for student in (pruned, derived):
             assert next(student.parameters()).dtype == torch.bfloat16
             torch.testing.assert_close(student(input_ids=ids).logits, want, rtol=0, atol=0)
+
+
+def _cut_by_hand(model, rec: dict):
+    """``model`` with the units ``rec`` drops removed by hand: layers deleted; dropped query heads' ``o_proj`` columns,
+    neurons' ``down_proj`` columns and hidden channels zeroed. An RMSNorm over the kept ``h'`` of ``h`` channels is
+    the full one with its weight scaled by ``sqrt(h'/h)`` and its eps by ``h'/h`` (the zeros add nothing to the sum)."""
+    ref = copy.deepcopy(model)
+    c = model.config
+    hd, h, kept = head_dim_of(c), c.hidden_size, len(rec["kept_channels"])
+    drop = [i for i in range(h) if i not in set(rec["kept_channels"])]
+    ref.model.layers = torch.nn.ModuleList([ref.model.layers[i] for i in rec["kept_layers"]])
+    ref.config.num_hidden_layers = len(rec["kept_layers"])
+    if getattr(ref.config, "layer_types", None):
+        ref.config.layer_types = [c.layer_types[i] for i in rec["kept_layers"]]
+    norms = [ref.model.norm]
+    with torch.no_grad():
+        for j, layer in enumerate(ref.model.layers):
+            layer.self_attn.layer_idx = j
+            attn, mlp = layer.self_attn, layer.mlp
+            for q in set(range(c.num_attention_heads)) - set(rec["kept_q_heads"][j]):
+                attn.o_proj.weight[:, q * hd:(q + 1) * hd] = 0
+            for n in set(range(c.intermediate_size)) - set(rec["kept_neurons"][j]):
+                mlp.down_proj.weight[:, n] = 0
+            for proj in (attn.o_proj, mlp.down_proj):  # what a layer writes to a dropped channel
+                proj.weight[drop] = 0
+                if proj.bias is not None:
+                    proj.bias[drop] = 0
+            norms += [layer.input_layernorm, layer.post_attention_layernorm]
+        ref.model.embed_tokens.weight[:, drop] = 0
+        for norm in norms:
+            norm.weight[drop] = 0
+            norm.weight.mul_(math.sqrt(kept / h))
+            norm.variance_epsilon *= kept / h
+    return ref
+
+
+@pytest.mark.parametrize("arch,kw,shape", [
+    ("llama", {}, Arch(2, 48, 1, 2, 100)),
+    ("qwen2", {"tie_word_embeddings": True}, Arch(2, 40, 1, 1, 33)),  # q/k/v biases, tied head
+    ("mistral", {"hidden": 60, "heads": 6, "kv_heads": 3}, Arch(2, 45, 2, 1, 51)),  # odd widths, head_dim 10
+    ("llama", {"head_dim": 24, "attention_bias": True, "mlp_bias": True}, Arch(2, 40, 1, 2, 51)),  # head_dim ≠ h/heads
+])
+def test_a_student_cut_on_every_axis_is_the_teacher_cut_by_hand(arch, kw, shape):
+    """Layers, KV groups, query heads, neurons and hidden channels cut at once: every slice (rows, columns, biases,
+    norms, embeddings and head) against the teacher with those units removed by hand."""
+    model = tiny_model(arch, layers=3, **kw)
+    with torch.no_grad():  # biases start at zero: random ones, so a wrong slice of them shows
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(name)))
+    pruned = prune_to(model, importance(model, _blocks(), progress=False), shape)
+    assert pruned.config.hidden_size == shape.hidden < model.config.hidden_size
+    ref = _cut_by_hand(model, pruned.config.distill_pruning)
+    ids = _blocks(2, seed=5)
+    with torch.no_grad():
+        torch.testing.assert_close(pruned(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch,kw", [("qwen2", {"hidden": 48, "heads": 6, "kv_heads": 2}), ("llama", {"head_dim": 24})])
+def test_head_scores_are_the_mean_norm_of_each_heads_o_proj_output(arch, kw):
+    """The documented head score, head by head: ``mean_t ‖o_proj.weight[:, head] · attn_out[t, head]‖`` over every
+    token, laid out ``[layers, kv_heads, group]`` with query head ``q`` in KV group ``q // group``."""
+    model = tiny_model(arch, layers=2, **kw)
+    ids = _blocks(5)
+    scores = importance(model, ids, batch_size=2, progress=False)  # uneven micro-batches on purpose
+    c = model.config
+    hd, heads, kv = head_dim_of(c), c.num_attention_heads, c.num_key_value_heads
+    seen: list[torch.Tensor] = []  # [batch, seq, heads * head_dim] per layer: o_proj's input
+    hooks = [layer.self_attn.o_proj.register_forward_pre_hook(lambda _m, a: seen.append(a[0]))
+             for layer in model.model.layers]
+    with torch.no_grad():
+        model(input_ids=ids)
+    for hook in hooks:
+        hook.remove()
+    for i, layer in enumerate(model.model.layers):
+        w = layer.self_attn.o_proj.weight.detach()
+        want = torch.tensor([[float((seen[i][..., q * hd:(q + 1) * hd] @ w[:, q * hd:(q + 1) * hd].t())
+                                    .norm(dim=-1).mean()) for q in range(g * heads // kv, (g + 1) * heads // kv)]
+                             for g in range(kv)])
+        torch.testing.assert_close(scores.heads[i], want, rtol=1e-4, atol=1e-7)
