@@ -439,12 +439,13 @@ class DecoderModel(nn.Module):
         the live student, :mod:`distill.on_policy`) calls this after each change, before decoding.
         The old copies are dropped first, so memory never holds two sets.
         """
-        if self._fast_head is None:
+        if not self._fast:  # the layers' copies decide (a head that cannot be fused has none of its own)
             return
+        fused_head = self._fast_head is not None
         self._fast, self._fast_head = [], None
         with torch.no_grad():
             self._fast = [_LayerWeights(layer) for layer in self.layers]
-            self._fast_head = _Fused([self.lm_head])
+            self._fast_head = _Fused([self.lm_head]) if fused_head else None
 
     @torch.no_grad()
     def warm_kernels(self, max_prefill_rows: int, max_batch: int) -> int:

@@ -248,3 +248,28 @@ def test_mixed_cache_memory_full_heads_grow_streaming_heads_do_not():
     dense = dm.new_cache(1, 32768, dense=True)
     assert small.nbytes() < 0.3 * dense.nbytes()
     assert dense.nbytes_by_kind() == {"full": dense.nbytes(), "streaming": 0}
+
+
+@pytest.mark.parametrize("head", ["fused", "unfusable"])
+def test_refreshed_fast_weights_follow_weights_changed_in_place(monkeypatch, head):
+    """A trainer changes the weights in place and refreshes the decode copies (distill.on_policy): the prefill
+    logits are the changed model's. With a head that cannot be fused (its layers can), the refresh did nothing
+    and the layers' copies stayed those of the old weights."""
+    import serve.model
+
+    if head == "unfusable":
+        fusable = serve.model._Fused.fusable
+        monkeypatch.setattr(serve.model._Fused, "fusable", staticmethod(
+            lambda linears: fusable(linears) and linears[0].out_features != 320))  # the head: vocab 320 rows
+    model = tiny_model("llama", seed=4)
+    dm = DecoderModel(model, fast_weights=True)
+    assert dm._fast and (dm._fast_head is None) == (head == "unfusable")
+    ids = torch.arange(3, 13)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)
+    dm.refresh_fast_weights()
+    assert dm._fast and (dm._fast_head is None) == (head == "unfusable")
+    logits = dm.prefill(dm.new_cache(1, 64, dense=True), 0, ids, 0)
+    with torch.no_grad():
+        torch.testing.assert_close(logits, model(ids[None]).logits[0, -1].float(), rtol=0, atol=1e-4)
