@@ -13,10 +13,11 @@ a recent window (DuoAttention's split). Here, on the frozen dense model:
    head's attention row over all keys.
 3. Scores per query head, averaged over answer tokens and samples:
 
-   * ``retrieval``: Wu et al.'s score, 1 when the head's top-1 key is a needle token equal to the
-     token being predicted (copy-paste), else 0;
-   * ``mass``: the attention probability the head puts on those needle tokens (a smooth version that
-     needs fewer samples).
+   * ``retrieval``: after Wu et al.'s score, 1 when the head's top-1 key is the needle token that the
+     answer token being predicted copies (the one aligned with it), else 0. Stricter than Wu et al.'s,
+     which also counts another needle token equal to it (a key with repeated digits);
+   * ``mass``: the attention probability the head puts on that aligned needle token (a smooth version
+     that needs fewer samples).
 
    A KV head scores the maximum over the query heads of its GQA group (it must stay full if any of
    them retrieves).
