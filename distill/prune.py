@@ -125,6 +125,10 @@ class Family:
     mlp_bias: bool
     heads_divide_hidden: bool = False  # the config class refuses a hidden size no multiple of the heads (Llama)
 
+    def accepts(self, hidden: int, heads: int) -> bool:
+        """Whether the config class takes this hidden size and query-head count."""
+        return not (self.heads_divide_hidden and hidden % heads)
+
     def counts(self, a: Arch) -> tuple[int, int]:
         """``(non_embedding, embedding)`` parameter counts of ``a``."""
         q, kv = a.heads * self.head_dim, a.kv_heads * self.head_dim
@@ -576,8 +580,9 @@ def budget_of(fam: Family, a: Arch, count_embeddings: bool) -> int:
 def feasible_range(base: Arch, fam: Family, axes: Sequence[str], count_embeddings: bool) -> tuple[int, int]:
     depths, hiddens, heads = option_grid(base, fam, axes)
     widths = mlp_widths(base, axes)
-    smallest = Arch(min(depths), min(hiddens), min(kv for kv, _ in heads), min(g for _, g in heads), min(widths))
-    return budget_of(fam, smallest, count_embeddings), budget_of(fam, base, count_embeddings)
+    lo = min(budget_of(fam, Arch(min(depths), h, kv, g, min(widths)), count_embeddings)
+             for h in hiddens for kv, g in heads if fam.accepts(h, kv * g))
+    return lo, budget_of(fam, base, count_embeddings)
 
 
 def candidates(base: Arch, fam: Family, target: int, axes: Sequence[str], count_embeddings: bool = False,
@@ -593,7 +598,7 @@ def candidates(base: Arch, fam: Family, target: int, axes: Sequence[str], count_
     lo_b, hi_b = target * (1 - tolerance), target * (1 + tolerance)
     out: list[Arch] = []
     for layers, hidden, (kv, g) in itertools.product(depths, hiddens, heads):
-        if fam.heads_divide_hidden and hidden % (kv * g):
+        if not fam.accepts(hidden, kv * g):
             continue
         zero = budget_of(fam, Arch(layers, hidden, kv, g, 0), count_embeddings)
         per_neuron = budget_of(fam, Arch(layers, hidden, kv, g, 1), count_embeddings) - zero

@@ -18,6 +18,7 @@ from distill.prune import (
     candidates,
     count_params,
     family_of,
+    feasible_range,
     head_dim_of,
     importance,
     prune_to,
@@ -175,3 +176,13 @@ def test_head_scores_are_the_mean_norm_of_each_heads_o_proj_output(arch, kw):
                                     .norm(dim=-1).mean()) for q in range(g * heads // kv, (g + 1) * heads // kv)]
                              for g in range(kv)])
         torch.testing.assert_close(scores.heads[i], want, rtol=1e-4, atol=1e-7)
+
+
+def test_the_smallest_reachable_budget_has_a_candidate():
+    """feasible_range's lower end is a shape the search may use: for a Llama with 4 heads and hidden widths in steps
+    of 5, the narrowest width (10) takes no 4 heads, and the range named a budget no candidate reached."""
+    model = tiny_model("llama", layers=2, hidden=40, heads=4, kv_heads=2)
+    base, fam = arch_of(model), family_of(model)
+    for axes in [("hidden",), ("hidden", "heads"), AXES]:
+        lo, _ = feasible_range(base, fam, axes, False)
+        assert candidates(base, fam, lo, axes), axes
