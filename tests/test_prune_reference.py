@@ -186,3 +186,20 @@ def test_the_smallest_reachable_budget_has_a_candidate():
     for axes in [("hidden",), ("hidden", "heads"), AXES]:
         lo, _ = feasible_range(base, fam, axes, False)
         assert candidates(base, fam, lo, axes), axes
+
+
+def test_channel_scores_sum_the_mean_magnitude_of_every_norm_output():
+    """The documented channel score: ``Σ_norms mean_t |norm(x)[t, c]|`` over both norms of every layer and the final
+    norm, with uneven micro-batches."""
+    model = tiny_model("qwen2", layers=3, tie_word_embeddings=True)
+    ids = _blocks(5)
+    scores = importance(model, ids, batch_size=2, progress=False)
+    norms = [n for layer in model.model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+    outs: list[torch.Tensor] = []  # [batch, seq, hidden] per norm
+    hooks = [n.register_forward_hook(lambda _m, _a, o: outs.append(o)) for n in [*norms, model.model.norm]]
+    with torch.no_grad():
+        model(input_ids=ids)
+    for hook in hooks:
+        hook.remove()
+    assert len(outs) == 2 * 3 + 1
+    torch.testing.assert_close(scores.channels, sum(o.abs().mean(dim=(0, 1)) for o in outs), rtol=1e-5, atol=1e-6)
