@@ -115,7 +115,6 @@ WORST_K = 10
 # What a gate writes in ``out``: removed when a run starts (and nothing else there), so a run that dies leaves no
 # earlier run's verdict behind; ``report.json`` is written last, so its presence means a whole report.
 REPORT_FILES = ("report.json", "report.md", "samples.jsonl", "scores_hist.png")
-OUT_MARKER = ".hybrid-distill-gate"  # in --out: the report files there are a gate run's, a rerun replaces them
 
 
 @dataclass
@@ -212,22 +211,22 @@ def input_exit_code(err: BaseException) -> int:
 
 def fresh_report_dir(out: str | Path) -> Path:
     """``out``, made if missing, without the :data:`REPORT_FILES` an earlier gate run left (nothing else is
-    removed): a previous run's verdict must not outlive a rerun that fails. Files of those names that no gate run
-    wrote (no :data:`OUT_MARKER`, no report.json of ours) are refused in one line, never removed."""
+    removed): a previous run's verdict must not outlive a rerun that fails. They are a gate run's when report.json
+    is a gate report (written last, after the others); files of those names without one are refused in one line,
+    never removed."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     present = [name for name in REPORT_FILES if (out / name).exists()]
-    if present and not ((out / OUT_MARKER).exists() or _our_report(out / "report.json")):
-        raise GateInputError(f"--out {out} holds {', '.join(present)}, which no gate run wrote; choose another "
-                             "--out, or move them away")
-    (out / OUT_MARKER).touch()  # from now on the report files here are the gate's, even if this run dies early
+    if present and not _our_report(out / "report.json"):
+        raise GateInputError(f"--out {out} holds {', '.join(present)} without a gate's report.json (a gate run "
+                             "writes it last), so not a gate's report; choose another --out, or move them away")
     for name in present:
         (out / name).unlink(missing_ok=True)
     return out
 
 
 def _our_report(path: Path) -> bool:
-    """Whether ``path`` is a gate report (written before :data:`OUT_MARKER` existed, or the marker was lost)."""
+    """Whether ``path`` is a gate's report.json (its schema)."""
     try:
         report = json.loads(path.read_text())
     except (OSError, ValueError):

@@ -399,7 +399,7 @@ def test_report_files_no_gate_run_wrote_are_refused_not_removed(env, capsys, the
     out.mkdir()
     for name, text in theirs.items():
         (out / name).write_text(text)
-    with pytest.raises(GateInputError, match=r"holds report\.\w+, which no gate run wrote; choose another --out"):
+    with pytest.raises(GateInputError, match=r"holds report\.\w+ without a gate's report.json .*; choose another"):
         run_gate(_cfg(env, out.name, candidate=str(env["orig"]), skip_lm_metrics=True), scorer=env["scorer"])
     assert {p.name: p.read_text() for p in out.iterdir()} == theirs
 
