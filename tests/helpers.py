@@ -31,3 +31,27 @@ def forbid(monkeypatch, message: str, *targets: tuple[object, str]) -> None:
         raise AssertionError(message)
     for module, name in targets:
         monkeypatch.setattr(module, name, called)
+
+
+def naive_divergence(s, t, kind: str, beta: float):
+    """One token's divergence, of any KD kind, from ``[vocab]`` student and teacher logits (float64 expected):
+    textbook formulas on probabilities."""
+    import torch
+
+    ps, pt = torch.softmax(s, -1), torch.softmax(t, -1)
+
+    def kl(p, q):
+        return (p * (p.log() - q.log())).sum()
+
+    if kind == "forward_kl" or (kind == "jsd" and beta == 0):
+        return kl(pt, ps)
+    if kind == "reverse_kl" or (kind == "jsd" and beta == 1):
+        return kl(ps, pt)
+    if kind == "jsd":
+        m = beta * pt + (1 - beta) * ps
+        return beta * kl(pt, m) + (1 - beta) * kl(ps, m)
+    if kind == "skew_kl":  # DistiLLM: KL(p || beta p + (1 - beta) q), textbook form on probabilities
+        return kl(pt, beta * pt + (1 - beta) * ps)
+    if kind == "skew_reverse_kl":  # DistiLLM: KL(q || beta q + (1 - beta) p)
+        return kl(ps, beta * ps + (1 - beta) * pt)
+    return 0.5 * (pt - ps).abs().sum()

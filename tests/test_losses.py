@@ -23,29 +23,9 @@ from distill.losses import (
     sample_query_positions,
     topk_kd_loss,
 )
+from tests.helpers import naive_divergence
 
 # --------------------------------------------------------------------------- naive references
-
-
-def naive_divergence(s: torch.Tensor, t: torch.Tensor, kind: str, beta: float) -> torch.Tensor:
-    """One token, textbook formulas on probabilities (float64 expected)."""
-    ps, pt = torch.softmax(s, -1), torch.softmax(t, -1)
-
-    def kl(p, q):
-        return (p * (p.log() - q.log())).sum()
-
-    if kind == "forward_kl" or (kind == "jsd" and beta == 0):
-        return kl(pt, ps)
-    if kind == "reverse_kl" or (kind == "jsd" and beta == 1):
-        return kl(ps, pt)
-    if kind == "jsd":
-        m = beta * pt + (1 - beta) * ps
-        return beta * kl(pt, m) + (1 - beta) * kl(ps, m)
-    if kind == "skew_kl":  # DistiLLM: KL(p || beta p + (1 - beta) q), textbook form on probabilities
-        return kl(pt, beta * pt + (1 - beta) * ps)
-    if kind == "skew_reverse_kl":  # DistiLLM: KL(q || beta q + (1 - beta) p)
-        return kl(ps, beta * ps + (1 - beta) * pt)
-    return 0.5 * (pt - ps).abs().sum()
 
 
 def naive_kd(student, teacher, mask, kind, temperature, beta):

@@ -6,30 +6,22 @@ import pytest
 import torch
 
 from distill.losses import chunked_kd_loss, kd_loss
+from tests.helpers import naive_divergence
 
 KIND_BETAS = ([(k, 0.5) for k in ("forward_kl", "reverse_kl", "tvd")] + [("jsd", b) for b in (0.0, 0.3, 1.0)]
               + [(k, b) for k in ("skew_kl", "skew_reverse_kl") for b in (0.0, 0.1, 1.0)])
 
 
-def textbook(s: torch.Tensor, t: torch.Tensor, kind: str, beta: float) -> torch.Tensor:
-    """One token's divergence from ``[vocab]`` float64 logits, on probabilities."""
-    ps, pt = torch.softmax(s, -1), torch.softmax(t, -1)
-
-    def kl(p, q):
-        return (p * (p.log() - q.log())).sum()
-
-    if kind == "forward_kl" or (kind == "jsd" and beta == 0):
-        return kl(pt, ps)
-    if kind == "reverse_kl" or (kind == "jsd" and beta == 1):
-        return kl(ps, pt)
-    if kind == "jsd":
-        m = beta * pt + (1 - beta) * ps
-        return beta * kl(pt, m) + (1 - beta) * kl(ps, m)
-    if kind == "skew_kl":
-        return kl(pt, beta * pt + (1 - beta) * ps)
-    if kind == "skew_reverse_kl":
-        return kl(ps, beta * ps + (1 - beta) * pt)
-    return 0.5 * (pt - ps).abs().sum()
+def masked_batch():
+    """``[3, 9]`` ids, attention mask (row 2 right-padded) and completion mask (row 1 without targets), and the
+    generator that drew them (for what the test draws next)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(3, 290, (3, 9), generator=g)
+    am = torch.ones_like(x)
+    am[2, 6:] = 0
+    loss_mask = torch.rand(3, 9, generator=g) > 0.4
+    loss_mask[1] = False
+    return x, am, loss_mask, g
 
 
 @pytest.mark.parametrize("kind,beta", KIND_BETAS)
@@ -49,7 +41,7 @@ def test_a_vocabulary_masked_with_minus_inf_on_both_sides_is_the_unmasked_vocabu
 
     ref_h = hs.clone().requires_grad_()
     zs = ref_h @ ws[:real].T
-    ref = sum(textbook(zs[i] / temperature, zt[i, :real] / temperature, kind, beta) for i in range(tokens))
+    ref = sum(naive_divergence(zs[i] / temperature, zt[i, :real] / temperature, kind, beta) for i in range(tokens))
     ref = ref * temperature**2 / tokens
     (ref_grad,) = torch.autograd.grad(ref, ref_h)
 
@@ -83,12 +75,7 @@ def test_distill_model_gradients_equal_a_plain_full_logits_reference_under_every
 
     teacher = tiny_model(layers=2, seed=0, vocab_size=320).double()
     student = tiny_model(layers=2, seed=1, vocab_size=300).double()
-    g = torch.Generator().manual_seed(3)
-    x = torch.randint(3, 290, (3, 9), generator=g)
-    am = torch.ones_like(x)
-    am[2, 6:] = 0
-    loss_mask = torch.rand(3, 9, generator=g) > 0.4
-    loss_mask[1] = False
+    x, am, loss_mask, g = masked_batch()
     labels = x.masked_fill(am == 0, -100)
     labels[0, 2] = -100
     cfg = LossConfig(kd_weight=1.0, kd_kind="jsd", temperature=1.7, beta=0.3, kd_chunk_size=chunk, ce_weight=0.7,
@@ -109,7 +96,7 @@ def test_distill_model_gradients_equal_a_plain_full_logits_reference_under_every
     target = labels[:, 1:]
     valid = (target != -100) & am[:, :-1].bool() & loss_mask[:, 1:]
     counted = [(b, i) for b in range(3) for i in range(8) if valid[b, i]]
-    kd = sum(textbook(s[b, i] / 1.7, t[b, i] / 1.7, "jsd", 0.3) for b, i in counted) * 1.7**2 / len(counted)
+    kd = sum(naive_divergence(s[b, i] / 1.7, t[b, i] / 1.7, "jsd", 0.3) for b, i in counted) * 1.7**2 / len(counted)
     ce = sum(-F.log_softmax(s[b, i], -1)[target[b, i]] for b, i in counted) / len(counted)
     total = kd + 0.7 * ce + 0.3 * 0.25 * ce  # focal with gamma = 0 is alpha * CE
     want = torch.autograd.grad(total, params, allow_unused=True)
@@ -135,12 +122,7 @@ def test_distill_model_cached_targets_equal_a_per_token_reference_under_masks(mo
 
     student = tiny_model(layers=2, seed=1).double()
     teacher = tiny_model(layers=2, seed=0).double()
-    g = torch.Generator().manual_seed(3)
-    x = torch.randint(3, 290, (3, 9), generator=g)
-    am = torch.ones_like(x)
-    am[2, 6:] = 0
-    loss_mask = torch.rand(3, 9, generator=g) > 0.4
-    loss_mask[1] = False
+    x, am, loss_mask, g = masked_batch()
     T = 1.6
     with torch.no_grad():
         t_logits = teacher(x).logits
