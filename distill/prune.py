@@ -586,9 +586,9 @@ def feasible_range(base: Arch, fam: Family, axes: Sequence[str], count_embedding
 
 
 def candidates(base: Arch, fam: Family, target: int, axes: Sequence[str], count_embeddings: bool = False,
-               tolerance: float = TOLERANCE) -> list[Arch]:
-    """Every uniform-width architecture within ``±tolerance`` of ``target`` on the allowed axes (and that the
-    config class accepts: a Llama's hidden size a multiple of its query heads).
+               tolerance: float = TOLERANCE, accepted_only: bool = True) -> list[Arch]:
+    """Every uniform-width architecture within ``±tolerance`` of ``target`` on the allowed axes (that the config
+    class accepts, a Llama's hidden size a multiple of its query heads; ``accepted_only=False``: those too).
 
     For each depth / hidden / heads choice the MLP width is solved for the budget (the nearest
     multiples below and above), so the list stays in the hundreds, not the tens of thousands.
@@ -598,7 +598,7 @@ def candidates(base: Arch, fam: Family, target: int, axes: Sequence[str], count_
     lo_b, hi_b = target * (1 - tolerance), target * (1 + tolerance)
     out: list[Arch] = []
     for layers, hidden, (kv, g) in itertools.product(depths, hiddens, heads):
-        if not fam.accepts(hidden, kv * g):
+        if accepted_only and not fam.accepts(hidden, kv * g):
             continue
         zero = budget_of(fam, Arch(layers, hidden, kv, g, 0), count_embeddings)
         per_neuron = budget_of(fam, Arch(layers, hidden, kv, g, 1), count_embeddings) - zero
@@ -609,6 +609,22 @@ def candidates(base: Arch, fam: Family, target: int, axes: Sequence[str], count_
             if lo_b <= budget_of(fam, a, count_embeddings) <= hi_b:
                 out.append(a)
     return sorted(set(out), key=lambda a: (-a.layers, -a.hidden, -a.heads, -a.kv_heads, -a.intermediate))
+
+
+def shortlist(archs: list[Arch], fam: Family, n: int) -> list[Arch]:
+    """At most ``n`` of ``archs`` (sorted by depth, then widths), evenly over the list, each one the config class
+    accepts: a pick it refuses moves to the nearest accepted one not picked. The spacing runs over the whole list,
+    refused shapes included, so that the accepted picks are those a list without the refusal would give."""
+    ok = [fam.accepts(a.hidden, a.heads) for a in archs]
+    if sum(ok) <= n:
+        return [a for a, good in zip(archs, ok) if good]
+    step = (len(archs) - 1) / (n - 1)
+    chosen: set[int] = set()
+    for i in (round(k * step) for k in range(n)):
+        near = sorted((j for j in range(len(archs)) if ok[j] and j not in chosen), key=lambda j: (abs(j - i), j))
+        if near:
+            chosen.add(near[0])
+    return [archs[j] for j in sorted(chosen)]
 
 
 def resolve_target(model: PreTrainedModel, target_params: float | None, target_ratio: float | None,
@@ -815,14 +831,13 @@ def search_round(model: PreTrainedModel, teacher: PreTrainedModel, calib: torch.
     short-distill the best (on the targets of ``train_mask``, :attr:`LossMasks.train`), pick one.
     ``must_cut``: ``model``'s own shape is no candidate (an intermediate iterative round must shrink it)."""
     base, fam = arch_of(model), family_of(model)
-    archs = [a for a in candidates(base, fam, target, s.axes, s.count_embeddings) if not (must_cut and a == base)]
-    if not archs:
+    archs = [a for a in candidates(base, fam, target, s.axes, s.count_embeddings, accepted_only=False)
+             if not (must_cut and a == base)]
+    if not any(fam.accepts(a.hidden, a.heads) for a in archs):
         lo, hi = feasible_range(base, fam, s.axes, s.count_embeddings)
         raise PruneError(f"no architecture on axes {','.join(s.axes)} lies within ±{TOLERANCE:.0%} of {target:,} "
                          f"(reachable {lo:,}..{hi:,}); allow more axes (e.g. --axes depth,mlp) or move the target")
-    if len(archs) > s.max_candidates:  # evenly over the list sorted by depth, then widths
-        step = (len(archs) - 1) / (s.max_candidates - 1)
-        archs = [archs[round(i * step)] for i in range(s.max_candidates)]
+    archs = shortlist(archs, fam, s.max_candidates)
     t0 = time.time()
     if scores is None:
         scores = importance(model, calib, s.batch_size, block_score=s.block_score)

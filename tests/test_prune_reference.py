@@ -79,6 +79,35 @@ def test_every_candidate_is_a_config_transformers_loads(arch, tmp_path):
         torch.testing.assert_close(loaded(input_ids=ids).logits, pruned(input_ids=ids).logits, rtol=0, atol=0)
 
 
+def test_the_shortlist_keeps_the_accepted_picks_of_an_even_spacing_and_moves_the_others():
+    """The search ranks an even spread of the candidate list. Spread over the accepted shapes alone, every pick moved
+    (the demo's search lost its winner); spread over the whole list, a refused pick moves to the nearest accepted
+    shape and the accepted picks stay those of the list without the refusal."""
+    from distill.prune import shortlist
+
+    model = tiny_model("llama", layers=2, hidden=48, heads=6, kv_heads=3)
+    base, fam = arch_of(model), family_of(model)
+    assert fam.heads_divide_hidden
+    every = candidates(base, fam, fam.counts(base)[0] // 2, AXES, accepted_only=False)
+    ok = [fam.accepts(a.hidden, a.heads) for a in every]
+
+    def spaced(n: int) -> list[int]:
+        return [round(i * (len(every) - 1) / (n - 1)) for i in range(n)]
+
+    # The case: an even spacing that lands on refused shapes, with more accepted shapes than it picks.
+    n = next(n for n in range(3, sum(ok)) if not all(ok[i] for i in spaced(n)))
+    refused = [i for i in spaced(n) if not ok[i]]
+    got = [every.index(a) for a in shortlist(every, fam, n)]
+    assert len(got) == n and got == sorted(set(got)) and all(ok[i] for i in got)
+    assert [i for i in spaced(n) if ok[i]] == [i for i in got if i in spaced(n)]  # the accepted picks stay
+    moved = [i for i in got if i not in spaced(n)]
+    assert len(moved) == len(refused)
+    for i in refused:  # each to a neighbour
+        assert min(abs(j - i) for j in moved) <= len(every) // n
+    few = [a for a, good in zip(every, ok) if good][: n - 1] + [a for a, good in zip(every, ok) if not good]
+    assert shortlist(few, fam, n) == [a for a in few if fam.accepts(a.hidden, a.heads)]
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_a_bf16_teacher_cut_at_full_size_is_the_teacher(arch, tmp_path):
     """A bf16 teacher as from_pretrained loads it keeps its rotary inv_freq in fp32; the pruned and derived students
