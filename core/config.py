@@ -121,11 +121,12 @@ class ConfigError(ValueError):
     exit_code = 2
 
 
-def check_output_dir(path: str | os.PathLike, name: str) -> None:
+def check_output_dir(path: str | os.PathLike, name: str, *, writable: bool = True) -> None:
     """A one-line :class:`ConfigError` unless ``path`` is a folder this process can write in, or can be created as one.
 
     For a command's output option (``name``, as the user typed it: ``--out``, ``output_dir``), checked with the
-    arguments, so that a typo is not found when the results are written, after the work.
+    arguments, so that a typo is not found when the results are written, after the work. ``writable=False``: a
+    folder, or one to be made, that may be read-only (a data cache prepared ahead).
     """
     p = Path(path).expanduser()
     if p.exists() and not p.is_dir():
@@ -135,7 +136,7 @@ def check_output_dir(path: str | os.PathLike, name: str) -> None:
         parent = parent.parent
     if not parent.is_dir():
         raise ConfigError(f"{name} {path} lies under {parent}, which is a file; choose another {name}")
-    if not os.access(parent, os.W_OK | os.X_OK):
+    if writable and not os.access(parent, os.W_OK | os.X_OK):
         raise ConfigError(f"{name} {path}: cannot write in {parent}; choose another {name}")
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from core.config import ConfigError, check_fields, field
+from core.config import ConfigError, check_fields, check_output_dir, field
 from core.models import SMOLLM2, ModelSourceError, resolve_model_path
 from core.tiny import TINY
 from distill import on_policy
@@ -253,25 +253,12 @@ def check_sources(cfg: Any) -> None:
     if cfg.eval_dataset:
         check_data_source(cfg.eval_dataset, "eval_dataset")
     if getattr(cfg, "data_cache", None):
-        check_cache_folder(cfg.data_cache, "data_cache")
+        check_output_dir(cfg.data_cache, "data_cache", writable=False)  # a file: now, not after the models load
     if getattr(cfg, "overwrite", False):
         inputs = [("teacher", cfg.teacher), *models[-2:], ("teacher_cache", getattr(cfg, "teacher_cache", None)),
                   *(("datasets source" if cfg.datasets else "dataset", s.source) for s in specs),
                   ("eval_dataset", cfg.eval_dataset)]
         check_inputs_outside(cfg.output_dir, inputs)
-
-
-def check_cache_folder(path: str, key: str) -> None:
-    """A one-line :class:`ConfigError` when ``path`` is a file or lies under one (the data would be prepared after the
-    models load, and fail there on mkdir). Not whether it is writable: a cache prepared ahead may be read-only."""
-    p = Path(path).expanduser()
-    if p.exists() and not p.is_dir():
-        raise ConfigError(f"{key} {path} is a file, not a folder; choose another {key}")
-    parent = p
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise ConfigError(f"{key} {path} lies under {parent}, which is a file; choose another {key}")
 
 
 def check_inputs_outside(output_dir: str, inputs: list[tuple[str, str | None]]) -> None:

@@ -13,8 +13,8 @@ from __future__ import annotations
 import sys
 import time
 
-from core.config import ConfigError, parse_config, run_cli
-from distill.config import DistillConfig, check_cache_folder
+from core.config import ConfigError, check_output_dir, parse_config, run_cli
+from distill.config import DistillConfig
 from distill.data.corpus import build_data
 from distill.data.prepare import open_prepared
 from distill.sources import load_recipe_tokenizer
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
         raise ConfigError("usage: python -m distill.data prepare --config FILE [key=value ...]")
     cfg, num_proc = _parse(argv[1:])
     if cfg.data_cache:
-        check_cache_folder(cfg.data_cache, "data_cache")
+        check_output_dir(cfg.data_cache, "data_cache", writable=False)
     tokenizer = load_recipe_tokenizer(cfg.teacher, cfg.tokenizer)
     t0 = time.time()
     data = build_data(tokenizer, dataset=cfg.dataset, datasets=cfg.datasets, eval_dataset=cfg.eval_dataset,
